@@ -1,0 +1,113 @@
+"""Launch-parameter sweep of the Pallas kernels on a GPU (prints a table; nothing here
+changes the library's defaults by itself).
+
+    python -m benchmarks.tune --what=fwd,bwd,decode
+
+``--block_n`` / ``--split`` also time other values of the schedule constants, to inform
+the choice of ``jaxattn.schedule`` (a change there changes every backend's bits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from jaxattn import schedule
+from jaxattn.kernels import pallas_triton as pt
+from jaxattn.kernels import pallas_triton_vjp as pv
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep.")
+flags.DEFINE_list("block_n", ["64"], "BLOCK_N values to try.")
+flags.DEFINE_list("split", ["1024"], "SPLIT values to try (decode).")
+flags.DEFINE_integer("seq_len", 4096, "Prefill length.")
+flags.DEFINE_integer("head_dim", 128, "Head dim.")
+flags.DEFINE_integer("reps", 20, "Back-to-back calls per sample.")
+
+
+def timeit(fn, args, reps):
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        samples.append((time.perf_counter() - t0) / reps)
+    return sorted(samples)[2]
+
+
+def set_schedule(block_n, split):
+    schedule.BLOCK_N = block_n
+    schedule.SPLIT = split
+    schedule.BLOCKS_PER_SPLIT = split // block_n
+    jax.clear_caches()
+
+
+def main(argv):
+    del argv
+    b, hq, hkv, d, s = 2, 32, 8, FLAGS.head_dim, FLAGS.seq_len
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(ks[0], (b, hq, s, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, hkv, s, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, hkv, s, d), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (b, hq, s, d), jnp.bfloat16)
+    scale = 1 / math.sqrt(d)
+    flops = 4 * b * hq * s * s * d / 2
+    for bn in [int(x) for x in FLAGS.block_n]:
+        set_schedule(bn, 1024)
+        if "fwd" in FLAGS.what:
+            for bm, w, st in itertools.product([64, 128], [4, 8], [2, 3, 4]):
+                cfg = pt.ForwardConfig(block_m=bm, num_warps=w, num_stages=st)
+                fn = jax.jit(lambda q, k, v, cfg=cfg: pt.forward(
+                    q, k, v, causal=True, scale=scale, interpret=False, path="prefill",
+                    config=cfg))
+                try:
+                    t = timeit(fn, (q, k, v), FLAGS.reps)
+                    print(f"fwd BLOCK_N={bn} block_m={bm} warps={w} stages={st}: "
+                          f"{t * 1e3:.3f} ms {flops / t / 1e12:.1f} TFLOP/s", flush=True)
+                except Exception as e:
+                    print(f"fwd BLOCK_N={bn} block_m={bm} warps={w} stages={st}: "
+                          f"{type(e).__name__} {str(e)[:120]}", flush=True)
+        if "bwd" in FLAGS.what:
+            out, lse = pt.forward(q, k, v, causal=True, scale=scale, interpret=False)
+            for bq, bkv, w, st in itertools.product([32, 64, 128], [32, 64, 128], [4, 8],
+                                                    [2, 3]):
+                if bq * bkv > 8192:
+                    continue
+                cfg = pv.BackwardConfig(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
+                fn = jax.jit(lambda *a, cfg=cfg: pv.backward(
+                    *a, None, causal=True, scale=scale, interpret=False, config=cfg))
+                try:
+                    t = timeit(fn, (q, k, v, None, out, lse, do), max(3, FLAGS.reps // 4))
+                    print(f"bwd block_q={bq} block_kv={bkv} warps={w} stages={st}: "
+                          f"{t * 1e3:.3f} ms {2.5 * flops / t / 1e12:.1f} TFLOP/s", flush=True)
+                except Exception as e:
+                    print(f"bwd block_q={bq} block_kv={bkv} warps={w} stages={st}: "
+                          f"{type(e).__name__} {str(e)[:120]}", flush=True)
+    if "decode" in FLAGS.what:
+        for bn, sp in itertools.product([int(x) for x in FLAGS.block_n],
+                                        [int(x) for x in FLAGS.split]):
+            set_schedule(bn, sp)
+            for skv in (4096, 32768):
+                qd = jax.random.normal(ks[0], (8, hq, 1, d), jnp.bfloat16)
+                kd = jax.random.normal(ks[1], (8, hkv, skv, d), jnp.bfloat16)
+                vd = jax.random.normal(ks[2], (8, hkv, skv, d), jnp.bfloat16)
+                for w, st in itertools.product([4, 8], [2, 3, 4]):
+                    cfg = pt.ForwardConfig(decode_num_warps=w, decode_num_stages=st)
+                    fn = jax.jit(lambda q, k, v, cfg=cfg: pt.forward(
+                        q, k, v, causal=True, scale=scale, interpret=False, config=cfg))
+                    t = timeit(fn, (qd, kd, vd), FLAGS.reps)
+                    gbs = 2 * kd.size * 2 / t / 1e9
+                    print(f"decode BLOCK_N={bn} SPLIT={sp} Skv={skv} warps={w} stages={st}: "
+                          f"{t * 1e6:.1f} us {gbs:.0f} GB/s", flush=True)
+    set_schedule(64, 1024)
+
+
+if __name__ == "__main__":
+    app.run(main)

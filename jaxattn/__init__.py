@@ -1,0 +1,52 @@
+"""jaxattn: deterministic, batch-invariant softmax attention for JAX.
+
+Public surface (DESIGN.md section 2):
+
+* :func:`attention` -- the main entry, jittable and differentiable.
+* :func:`get_op` -- the registry (``get_op("attention")``).
+* :mod:`jaxattn.reference` -- the fp32 ground truth.
+* :mod:`jaxattn.schedule` -- ``BLOCK_N`` and ``SPLIT``, the canonical reduction order.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxattn import backends as _backends  # noqa: F401  (registers the backends)
+from jaxattn import reference, schedule
+from jaxattn.merge import merge
+from jaxattn.registry import AttentionOp, backend_names, get_op
+from jaxattn.schedule import BLOCK_N, SPLIT
+from jaxattn.validation import validate_inputs
+
+__all__ = [
+    "BLOCK_N", "SPLIT", "AttentionOp", "attention", "backend_names", "get_op", "merge",
+    "reference", "schedule", "validate_inputs",
+]
+__version__ = "0.1.0"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+              scale: float | None = None, key_padding_mask: jax.Array | None = None,
+              return_lse: bool = False, backend: str | None = None):
+    """Softmax attention on the canonical schedule.
+
+    Args:
+      q: ``[B, Hq, Sq, D]`` bf16, fp16 or fp32.
+      k, v: ``[B, Hkv, Skv, D]``, same dtype; ``Hq % Hkv == 0`` (query head h reads KV
+        head ``h // (Hq // Hkv)``).
+      causal: key j is visible to query i iff ``j <= i + (Skv - Sq)``.
+      scale: ``None`` -> ``1/sqrt(D)``; any explicit value (0.0 included) verbatim.
+      key_padding_mask: ``[B, Skv]`` bool, True = keep.
+      return_lse: also return the fp32 natural-log lse ``[B, Hq, Sq]``.
+      backend: ``None`` (platform priority), ``"pallas"`` or ``"reference"``. An explicit
+        backend that cannot serve the call raises; it never falls back.
+
+    Returns:
+      ``out [B, Hq, Sq, D]`` in q's dtype, or ``(out, lse)`` with ``return_lse``. Rows
+      with no visible key give 0 and -inf.
+    """
+    op = get_op("attention", backend=backend)
+    out, lse = op.forward_with_lse(q, k, v, causal=causal, scale=scale,
+                                   key_padding_mask=key_padding_mask)
+    return (out, lse) if return_lse else out

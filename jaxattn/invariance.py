@@ -1,0 +1,214 @@
+"""The invariance matrix of DESIGN.md section 7, as checks on raw bits.
+
+Each check runs one backend on fresh random inputs and compares the bits of two ways of
+computing the same rows (``jnp.array_equal`` on the arrays themselves, never an upcast
+allclose). The checks are used by the tests, by ``python -m jaxattn.check`` and by the
+GPU script, so all three measure the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.registry import get_op
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Shapes of one invariance run (q and k share the sequence length)."""
+
+    batch: int = 2
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    seq_len: int = 160
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    causal: bool = True
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """One row of the matrix: ``equal`` is the raw-bits verdict."""
+
+    case: str
+    kind: str  # "forward" or "backward"
+    equal: bool
+    detail: str = ""
+
+
+def random_qkv(p: Problem, *, seq_len: int | None = None, batch: int | None = None,
+               seed: int | None = None):
+    """Fresh normal q, k, v (never zeros) for a problem."""
+    s = p.seq_len if seq_len is None else seq_len
+    b = p.batch if batch is None else batch
+    key = jax.random.PRNGKey(p.seed if seed is None else seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    dt = jnp.dtype(p.dtype)
+    q = jax.random.normal(kq, (b, p.num_q_heads, s, p.head_dim), jnp.float32).astype(dt)
+    k = jax.random.normal(kk, (b, p.num_kv_heads, s, p.head_dim), jnp.float32).astype(dt)
+    v = jax.random.normal(kv, (b, p.num_kv_heads, s, p.head_dim), jnp.float32).astype(dt)
+    return q, k, v
+
+
+def bits_equal(a: jax.Array, b: jax.Array) -> bool:
+    """Raw-bit equality (NaN payloads and signed zeros included)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.tobytes() == b.tobytes()
+
+
+def _mismatch(a, b) -> str:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shapes/dtypes {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    if a.size == 0:
+        return "empty arrays differ"
+    uint = np.dtype(f"uint{a.dtype.itemsize * 8}")
+    n = int(np.count_nonzero(a.view(uint) != b.view(uint)))
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return f"{n}/{a.size} elements differ in bits, max |diff| {np.nanmax(diff):.3g}"
+
+
+def _compare(case: str, kind: str, pairs: Sequence[tuple[jax.Array, jax.Array]]) -> CheckResult:
+    for a, b in pairs:
+        if not bits_equal(a, b):
+            return CheckResult(case, kind, False, _mismatch(a, b))
+    return CheckResult(case, kind, True, f"{len(pairs)} comparisons")
+
+
+def _fwd(op, causal: bool):
+    return jax.jit(lambda q, k, v, m=None: op.forward_with_lse(
+        q, k, v, causal=causal, key_padding_mask=m))
+
+
+def _grads(op, causal: bool):
+    def loss(q, k, v, do, m):
+        out = op.forward(q, k, v, causal=causal, key_padding_mask=m)
+        return jnp.sum(out.astype(jnp.float32) * do)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def check_batch(op, p: Problem) -> list[CheckResult]:
+    """A sequence computed alone vs inside a batch (forward and backward)."""
+    q, k, v = random_qkv(p)
+    fwd = _fwd(op, p.causal)
+    out, lse = fwd(q, k, v)
+    pairs = []
+    for i in range(p.batch):
+        o1, l1 = fwd(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+        pairs += [(o1[0], out[i]), (l1[0], lse[i])]
+    res = [_compare("row alone vs in batch", "forward", pairs)]
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    grads = _grads(op, p.causal)
+    g = grads(q, k, v, do, None)
+    pairs = []
+    for i in range(p.batch):
+        g1 = grads(q[i:i + 1], k[i:i + 1], v[i:i + 1], do[i:i + 1], None)
+        pairs += [(a[0], b[i]) for a, b in zip(g1, g, strict=True)]
+    res.append(_compare("row alone vs in batch", "backward", pairs))
+    return res
+
+
+def check_rerun(op, p: Problem, repeats: int = 3) -> list[CheckResult]:
+    """The same inputs, run several times (forward and backward)."""
+    q, k, v = random_qkv(p)
+    fwd = _fwd(op, p.causal)
+    first = fwd(q, k, v)
+    pairs = [(a, b) for _ in range(repeats - 1) for a, b in zip(first, fwd(q, k, v),
+                                                                  strict=True)]
+    res = [_compare("run to run", "forward", pairs)]
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    grads = _grads(op, p.causal)
+    g0 = grads(q, k, v, do, None)
+    pairs = [(a, b) for _ in range(repeats - 1)
+             for a, b in zip(g0, grads(q, k, v, do, None), strict=True)]
+    res.append(_compare("run to run", "backward", pairs))
+    return res
+
+
+def check_chunked_prefill(op, p: Problem, chunk_sizes: Sequence[int]) -> list[CheckResult]:
+    """Query chunks against all earlier keys vs the full causal prefill."""
+    q, k, v = random_qkv(p)
+    fwd = _fwd(op, True)
+    out, lse = fwd(q, k, v)
+    pairs = []
+    for c in chunk_sizes:
+        for start in range(0, p.seq_len, c):
+            end = min(start + c, p.seq_len)
+            o, l = fwd(q[:, :, start:end], k[:, :, :end], v[:, :, :end])
+            pairs += [(o, out[:, :, start:end]), (l, lse[:, :, start:end])]
+    return [_compare(f"chunked prefill {list(chunk_sizes)} vs full", "forward", pairs)]
+
+
+def check_decode(op, p: Problem, steps: Sequence[int] | None = None) -> list[CheckResult]:
+    """Decode steps (Sq = 1 against a growing cache) vs the prefill row of that token."""
+    q, k, v = random_qkv(p)
+    fwd = _fwd(op, True)
+    out, lse = fwd(q, k, v)
+    steps = range(p.seq_len) if steps is None else steps
+    pairs = []
+    for t in steps:
+        o, l = fwd(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        pairs += [(o, out[:, :, t:t + 1]), (l, lse[:, :, t:t + 1])]
+    return [_compare(f"decode ({len(pairs) // 2} steps) vs prefill", "forward", pairs)]
+
+
+def check_padding(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:
+    """A tail-padded batch (key_padding_mask) vs each sequence unpadded.
+
+    Padded keys hold NaN, so a leak of a padded key into a valid row also shows. The
+    backward compares gradients with a zero cotangent on padded rows.
+    """
+    b = len(lengths)
+    s = p.seq_len
+    q, k, v = random_qkv(p, batch=b)
+    valid = jnp.arange(s)[None, :] < jnp.asarray(lengths)[:, None]
+    nan = jnp.asarray(jnp.nan, k.dtype)
+    k_pad = jnp.where(valid[:, None, :, None], k, nan)
+    v_pad = jnp.where(valid[:, None, :, None], v, nan)
+    fwd = _fwd(op, p.causal)
+    out, lse = fwd(q, k_pad, v_pad, valid)
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do_pad = jnp.where(valid[:, None, :, None], do, 0.0)
+    grads = _grads(op, p.causal)
+    g = grads(q, k_pad, v_pad, do_pad, valid)
+    fpairs, bpairs = [], []
+    for i, n in enumerate(lengths):
+        sl = (slice(i, i + 1), slice(None), slice(0, n))
+        o1, l1 = fwd(q[sl], k[sl], v[sl])
+        fpairs += [(o1, out[sl]), (l1, lse[sl[:3]])]
+        g1 = grads(q[sl], k[sl], v[sl], do[sl], None)
+        bpairs += [(a, b_[sl]) for a, b_ in zip(g1, g, strict=True)]
+        # Padded keys get exactly zero dK and dV.
+        zero_k = jnp.zeros_like(g[1][i:i + 1, :, n:])
+        bpairs += [(g[1][i:i + 1, :, n:], zero_k), (g[2][i:i + 1, :, n:], zero_k)]
+    return [_compare(f"tail padding {list(lengths)} vs unpadded", "forward", fpairs),
+            _compare(f"tail padding {list(lengths)} vs unpadded", "backward", bpairs)]
+
+
+def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
+               decode_steps: Sequence[int] | None, pad_lengths: Sequence[int],
+               progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """Every row of the matrix that a single device can check, for one backend."""
+    op = get_op("attention", backend=backend)
+    results: list[CheckResult] = []
+    checks = [
+        ("batch", lambda: check_batch(op, p)),
+        ("rerun", lambda: check_rerun(op, p)),
+        ("chunked", lambda: check_chunked_prefill(op, p, chunk_sizes)),
+        ("decode", lambda: check_decode(op, p, decode_steps)),
+        ("padding", lambda: check_padding(op, p, pad_lengths)),
+    ]
+    for name, fn in checks:
+        if progress:
+            progress(f"[{backend}] {name}")
+        results += fn()
+    return results

@@ -1,0 +1,75 @@
+"""Pieces shared by the Pallas kernels: tile dot products and the online-softmax step.
+
+Every forward kernel calls :func:`online_softmax_step` for each ``BLOCK_N`` block and
+:func:`jaxattn.merge.finalize` / :func:`jaxattn.merge.merge` at split boundaries, so a
+query row sees the same floating-point operations whichever kernel (and tile height)
+computes it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = float("-inf")
+
+#: Columns of the all-ones operand that turns a row sum into a matrix product. The
+#: row sum of the probabilities is taken on the matrix unit (max over identical
+#: columns) because a vector reduction's order follows the register layout, which
+#: changes with the tile shape; a matrix-unit row is the same for every tile height.
+ROWSUM_COLS = 16
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False,
+        precision: lax.Precision | None = None) -> jax.Array:
+    """``a @ b`` (or ``a @ b.T``) of 2-D tiles, fp32 accumulation."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def precision_for(dtype) -> lax.Precision | None:
+    """fp32 inputs multiply in true fp32 (no tf32); 16-bit inputs use the default."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def rowsum(p: jax.Array, precision: lax.Precision | None) -> jax.Array:
+    """Row sums of a ``[M, N]`` tile computed on the matrix unit (see ROWSUM_COLS)."""
+    ones = jnp.ones((p.shape[1], ROWSUM_COLS), dtype=p.dtype)
+    return jnp.max(dot(p, ones, precision=precision), axis=1)
+
+
+def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array,
+                        k: jax.Array, v: jax.Array, visible: jax.Array, *, scale: float,
+                        precision: lax.Precision | None):
+    """Fold one block of keys into the running state (FlashAttention-2, eqs. for m, l, O).
+
+    Args:
+      acc: ``[M, D]`` fp32 unnormalised output.
+      m: ``[M]`` fp32 running max (``-inf`` before any visible key).
+      l: ``[M]`` fp32 running sum of exp(s - m).
+      q: ``[M, D]`` input dtype.
+      k, v: ``[N, D]`` input dtype, zero where not visible to any row.
+      visible: ``[M, N]`` bool, or None when every key of the block is visible to every
+        row (the unmasked fast path; ``where`` with an all-true mask is the identity, so
+        both paths give the same bits).
+
+    A block with no visible key leaves (acc, m, l) unchanged bit for bit while m is
+    finite (alpha = exp(0) = 1, p = 0), so skipping such blocks changes nothing.
+    """
+    s = dot(q, k, trans_b=True, precision=precision) * scale
+    if visible is not None:
+        s = jnp.where(visible, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None]).astype(v.dtype)
+    l_new = l * alpha + rowsum(p, precision)
+    acc_new = acc * alpha[:, None] + dot(p, v, precision=precision)
+    return acc_new, m_new, l_new
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= max(x, 1)."""
+    return 1 << max(int(x) - 1, 0).bit_length()

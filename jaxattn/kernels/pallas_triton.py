@@ -1,0 +1,328 @@
+"""Pallas (Triton lowering) attention forward: prefill, split-KV decode, combine.
+
+The canonical schedule of DESIGN.md section 4, as three kernels:
+
+* ``_prefill_kernel``: one program per (row tile, batch, KV head). It walks the splits
+  of ``SPLIT`` keys in ascending order; inside a split it folds ``BLOCK_N`` blocks by
+  online softmax, then finalises the split and merges it into the running state with
+  :func:`jaxattn.merge.merge`.
+* ``_split_kernel`` + ``_combine_kernel``: split-KV parallelism for decode and short
+  query chunks. One program per (row tile, split, batch, KV head) writes the split's
+  partial state; the combine kernel folds the splits in ascending order with the same
+  merge. The number of splits follows from Skv and the fixed ``SPLIT``; it is never a
+  tuning knob.
+
+Both paths run the same operations per row, so which one serves a call (a speed
+heuristic on the amount of row parallelism) does not change the bits.
+
+Layout: the ``g = Hq // Hkv`` query heads of one KV head are stacked as the rows of one
+tile (``q`` viewed as ``[B, Hkv, g * Sq, D]``, a free reshape; row ``r`` is query
+``r % Sq`` of head ``r // Sq``), so a KV head's query heads share one pass over K and V
+when ``g * Sq`` fits a tile (decode, short chunks) and read the same K/V blocks, from
+L2, when it does not.
+
+Blocks that every row of a tile sees whole (no padding mask, inside Skv, below the
+causal diagonal of the tile's earliest row) skip the masking work; ``where`` with an
+all-true mask is the identity, so the bits are those of the masked path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxattn import schedule
+from jaxattn.kernels.common import NEG_INF, next_pow2, online_softmax_step, precision_for
+from jaxattn.merge import finalize, merge
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Launch parameters of the forward kernels. None of them changes the bits."""
+
+    block_m: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    #: Below this many (row tile, batch, KV head) programs, and with more than one
+    #: split, the split-parallel path is used.
+    split_parallel_below: int = 264
+
+    #: Send blocks that every row sees whole through the unmasked step. None: on the
+    #: GPU, not in interpret mode (XLA:CPU would change a dot's summation order between
+    #: the two steps; Triton does not). True in interpret mode checks its values only.
+    whole_blocks: bool | None = None
+
+    def __post_init__(self):
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+
+
+def forward_config(head_dim: int) -> ForwardConfig:
+    """Default launch parameters for a head dim."""
+    return ForwardConfig(block_m=64 if head_dim > 128 else 128)
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, kv_len: int):
+    """Rows of tile ``tile``: validity, causal position limit, and the q tile."""
+    row_ids = tile * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = row_ids < rows
+    # Key j is visible to row r iff j <= (r mod Sq) + (Skv - Sq).
+    limit = row_ids % q_len + (kv_len - q_len)
+    q = plgpu.load(q_ref.at[pl.ds(tile * block_m, block_m), :], mask=row_ok[:, None],
+                   other=0.0)
+    return row_ok, limit, q
+
+
+def _block_bounds(row_ok, limit, *, causal: bool, kv_len: int, has_mask: bool):
+    """(blocks seen whole by every row, blocks seen by any row) of the tile."""
+    bn = schedule.BLOCK_N
+    total = schedule.num_blocks(kv_len)
+    full = 0 if has_mask else kv_len // bn
+    if not causal:
+        return jnp.int32(full), jnp.int32(total)
+    last = jnp.max(jnp.where(row_ok, limit, -1))
+    first = jnp.min(jnp.where(row_ok, limit, kv_len))
+    hi = jnp.clip(jnp.where(last < 0, 0, last // bn + 1), 0, total)
+    full = jnp.clip(jnp.where(first < 0, 0, (first + 1) // bn), 0, full)
+    return full.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_len, scale,
+                 precision, whole_blocks):
+    """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
+    seen whole by every row); returns the split's partial state.
+
+    ``whole_blocks=False`` sends every block through the masked step. Interpret mode
+    uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
+    dot's summation order between the two steps, which Triton on the GPU does not.
+    """
+    bn = schedule.BLOCK_N
+    m_rows, head_dim = q.shape
+
+    def whole(j, carry):
+        sl = pl.ds(j * bn, bn)
+        return online_softmax_step(*carry, q, k_ref[sl, :], v_ref[sl, :], None,
+                                   scale=scale, precision=precision)
+
+    def masked(j, carry):
+        start = j * bn
+        cols = start + jnp.arange(bn, dtype=jnp.int32)
+        ok = cols < kv_len
+        if mask_ref is not None:
+            ok = ok & (plgpu.load(mask_ref.at[pl.ds(start, bn)], mask=ok, other=0) != 0)
+        # Keys not kept load as zeros: NaN or inf in padding cannot leak through 0 * x.
+        k = plgpu.load(k_ref.at[pl.ds(start, bn), :], mask=ok[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[pl.ds(start, bn), :], mask=ok[:, None], other=0.0)
+        visible = jnp.broadcast_to(ok[None, :], (m_rows, bn))
+        if causal:
+            visible = visible & (cols[None, :] <= limit[:, None])
+        return online_softmax_step(*carry, q, k, v, visible, scale=scale,
+                                   precision=precision)
+
+    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.full((m_rows,), NEG_INF, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+    if whole_blocks and kv_len >= bn and mask_ref is None:  # else no block is whole
+        mid = jnp.clip(mid, lo, hi)
+        carry = jax.lax.fori_loop(lo, mid, whole, init)
+    else:
+        mid, carry = lo, init
+    acc, m, l = jax.lax.fori_loop(mid, hi, masked, carry)
+    return finalize(acc, m, l)
+
+
+def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, causal, scale, q_len, kv_len,
+                    rows, block_m, precision, whole_blocks):
+    mask_ref = refs[0] if has_mask else None
+    o_ref, lse_ref = refs[-2:]
+    tile = pl.program_id(0)
+    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len, kv_len)
+    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
+    per_split = schedule.BLOCKS_PER_SPLIT
+    n_splits = (hi + per_split - 1) // per_split
+
+    def split_body(si, state):
+        lo = si * per_split
+        part = _fold_blocks(lo, full, jnp.minimum(lo + per_split, hi), q, k_ref, v_ref,
+                            mask_ref, limit, causal=causal, kv_len=kv_len, scale=scale,
+                            precision=precision, whole_blocks=whole_blocks)
+        return merge(*state, *part)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, n_splits, split_body, init)
+    sl = pl.ds(tile * block_m, block_m)
+    plgpu.store(o_ref.at[sl, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[sl], lse, mask=row_ok)
+
+
+def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, causal, scale, q_len, kv_len,
+                  rows, block_m, n_splits, precision, whole_blocks):
+    mask_ref = refs[0] if has_mask else None
+    o_ref, lse_ref = refs[-2:]
+    pid = pl.program_id(0)
+    tile = pid // n_splits
+    si = pid % n_splits
+    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len, kv_len)
+    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
+    lo = si * schedule.BLOCKS_PER_SPLIT
+    end = jnp.maximum(jnp.minimum(lo + schedule.BLOCKS_PER_SPLIT, hi), lo)
+    out, lse = _fold_blocks(lo, full, end, q, k_ref, v_ref, mask_ref, limit, causal=causal,
+                            kv_len=kv_len, scale=scale, precision=precision,
+                            whole_blocks=whole_blocks)
+    sl = pl.ds(tile * block_m, block_m)
+    plgpu.store(o_ref.at[si, sl, :], out, mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[si, sl], lse, mask=row_ok)
+
+
+def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, lse_ref, *, rows, block_m, n_splits):
+    tile = pl.program_id(0)
+    row_ok = tile * block_m + jnp.arange(block_m, dtype=jnp.int32) < rows
+    sl = pl.ds(tile * block_m, block_m)
+    head_dim = o_ref.shape[-1]
+
+    def body(si, state):
+        o_s = plgpu.load(o_parts_ref.at[si, sl, :], mask=row_ok[:, None], other=0.0)
+        lse_s = plgpu.load(lse_parts_ref.at[si, sl], mask=row_ok, other=NEG_INF)
+        return merge(*state, o_s, lse_s)
+
+    init = (jnp.zeros((block_m, head_dim), jnp.float32),
+            jnp.full((block_m,), NEG_INF, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, n_splits, body, init)
+    plgpu.store(o_ref.at[sl, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[sl], lse, mask=row_ok)
+
+
+def check_supported(head_dim: int) -> str | None:
+    """Why these kernels cannot serve a head dim, or None."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return (f"head dim D={head_dim} is not supported by the Pallas kernels "
+                f"(powers of two from 16 to 256)")
+    return None
+
+
+def split_partials(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
+                   interpret: bool, config: ForwardConfig | None = None):
+    """Per-split partial states ``(out [B, Hkv, n_splits, g*Sq, D], lse [..., g*Sq])``.
+
+    The split-parallel path without its combine; the states are in ascending split
+    order and fold, by :func:`jaxattn.merge.merge`, to :func:`forward`'s result.
+    """
+    return _forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
+                    interpret=interpret, path="split", config=config, partials=True)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
+                                             "config"))
+def forward(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
+            interpret: bool, path: str | None = None, config: ForwardConfig | None = None):
+    """Attention forward on the canonical schedule.
+
+    Args:
+      q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Skv, D]``; key_padding_mask: ``[B, Skv]``
+        bool or None; scale: the resolved scale.
+      path: ``None`` (choose by row parallelism), ``"prefill"`` or ``"split"``; every
+        choice gives the same bits.
+      config: launch parameters (default :func:`forward_config`); they never change the
+        bits.
+
+    Returns:
+      ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
+    """
+    return _forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
+                    interpret=interpret, path=path, config=config, partials=False)
+
+
+def _forward(q, k, v, key_padding_mask, *, causal, scale, interpret, path, config,
+             partials):
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = g * sq
+    n_splits = schedule.num_splits(skv)
+    if sq == 0 or skv == 0:
+        if partials:
+            return (jnp.zeros((b, hkv, n_splits, rows, d), jnp.float32),
+                    jnp.full((b, hkv, n_splits, rows), NEG_INF, jnp.float32))
+        return (jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), NEG_INF, jnp.float32))
+    cfg = config or forward_config(d)
+    precision = precision_for(q.dtype)
+    has_mask = key_padding_mask is not None
+    qf = q.reshape(b, hkv, rows, d)
+    if path is None:
+        use_split = (n_splits > 1 and
+                     pl.cdiv(rows, cfg.block_m) * b * hkv < cfg.split_parallel_below)
+        path = "split" if use_split else "prefill"
+    if path not in ("prefill", "split"):
+        raise ValueError(f"path must be None, 'prefill' or 'split', got {path!r}")
+
+    per_head = lambda blk: pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
+    in_specs = [per_head((rows, d)), per_head((skv, d)), per_head((skv, d))]
+    args = [qf, k, v]
+    if has_mask:
+        in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
+        args.append(key_padding_mask.astype(jnp.int32))
+    static = dict(has_mask=has_mask, causal=causal, scale=scale, q_len=sq, kv_len=skv,
+                  rows=rows, precision=precision,
+                  whole_blocks=(not interpret) if cfg.whole_blocks is None
+                  else cfg.whole_blocks)
+    out_shapes = [jax.ShapeDtypeStruct((b, hkv, rows, d), q.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32)]
+    lse_spec = pl.BlockSpec((None, None, rows), lambda i, bi, hi: (bi, hi, 0))
+
+    if path == "prefill":
+        bm = cfg.block_m
+        out, lse = pl.pallas_call(
+            functools.partial(_prefill_kernel, block_m=bm, **static),
+            grid=(pl.cdiv(rows, bm), b, hkv),
+            in_specs=in_specs,
+            out_specs=[per_head((rows, d)), lse_spec],
+            out_shape=out_shapes,
+            compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages),
+            interpret=interpret,
+            name="jaxattn_prefill",
+        )(*args)
+        return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
+
+    bm = min(cfg.block_m, max(16, next_pow2(rows)))
+    tiles = pl.cdiv(rows, bm)
+    warps, stages = ((cfg.decode_num_warps, cfg.decode_num_stages) if bm <= 32
+                     else (cfg.num_warps, cfg.num_stages))
+    parts_spec = pl.BlockSpec((None, None, n_splits, rows, d),
+                              lambda i, bi, hi: (bi, hi, 0, 0, 0))
+    parts_lse_spec = pl.BlockSpec((None, None, n_splits, rows),
+                                  lambda i, bi, hi: (bi, hi, 0, 0))
+    o_parts, lse_parts = pl.pallas_call(
+        functools.partial(_split_kernel, block_m=bm, n_splits=n_splits, **static),
+        grid=(tiles * n_splits, b, hkv),
+        in_specs=in_specs,
+        out_specs=[parts_spec, parts_lse_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, n_splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, n_splits, rows), jnp.float32)],
+        compiler_params=_compiler_params(warps, stages),
+        interpret=interpret,
+        name="jaxattn_split",
+    )(*args)
+    if partials:
+        return o_parts, lse_parts
+    out, lse = pl.pallas_call(
+        functools.partial(_combine_kernel, rows=rows, block_m=bm, n_splits=n_splits),
+        grid=(tiles, b, hkv),
+        in_specs=[parts_spec, parts_lse_spec],
+        out_specs=[per_head((rows, d)), lse_spec],
+        out_shape=out_shapes,
+        compiler_params=_compiler_params(warps, 1),
+        interpret=interpret,
+        name="jaxattn_combine",
+    )(o_parts, lse_parts)
+    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)

@@ -1,0 +1,141 @@
+"""The reference attention: plain ``jax.numpy``, the ground truth of the library.
+
+``forward_fp32`` / ``forward_fp32_with_lse`` upcast to fp32 and compute every matmul at
+``precision=HIGHEST`` whatever the caller's ambient ``jax.default_matmul_precision``.
+``forward`` / ``forward_with_lse`` keep the input dtype at the matmul inputs (fp32
+accumulation, fp32 softmax) and return the input dtype. Everything here is jittable and
+differentiable; rows with no visible key give ``out = 0``, ``lse = -inf`` and zero
+gradients, never NaN.
+
+This backend promises the first two rows of the invariance matrix (a sequence alone vs
+inside a batch, run to run); it does not follow the blocked schedule of
+:mod:`jaxattn.schedule`, so its bits differ from the kernels' (tolerance, not bits).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxattn.validation import validate_inputs, resolve_scale
+
+_NEG_INF = float("-inf")
+
+
+def visibility(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    key_padding_mask: jax.Array | None,
+    batch: int,
+    query_positions: jax.Array | None = None,
+    key_positions: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean ``[B, 1, Sq, Skv]``: may query i attend to key j.
+
+    Causal rule: key j is visible to query i iff ``pos_k(j) <= pos_q(i)`` where by
+    default ``pos_q(i) = i + (Skv - Sq)`` and ``pos_k(j) = j`` (one rule for prefill,
+    chunked prefill and decode). ``query_positions`` / ``key_positions`` (``[B, Sq]`` /
+    ``[B, Skv]`` int) override the positions for context parallelism.
+    """
+    if query_positions is None:
+        query_positions = jnp.broadcast_to(
+            jnp.arange(q_len, dtype=jnp.int32) + (kv_len - q_len), (batch, q_len))
+    if key_positions is None:
+        key_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
+    visible = jnp.ones((batch, 1, q_len, kv_len), dtype=bool)
+    if causal:
+        visible = visible & (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    return visible
+
+
+def _attend_one(q, k, v, visible, *, scale, precision, p_dtype):
+    """One sequence: q ``[Hq, Sq, D]``, k/v ``[Hkv, Skv, D]``, visible ``[1, Sq, Skv]``."""
+    hq, sq, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    qg = q.reshape(hkv, g, sq, d)
+    # Keys no query sees are zeroed, so padding holding NaN or inf cannot leak through
+    # 0 * NaN in the matmuls.
+    seen = jnp.any(visible, axis=1)[:, :, None]  # [1, Skv, 1]
+    k = jnp.where(seen, k, jnp.zeros((), k.dtype))
+    v = jnp.where(seen, v, jnp.zeros((), v.dtype))
+    s = jnp.einsum("hgqd,hkd->hgqk", qg, k, precision=precision,
+                   preferred_element_type=jnp.float32) * jnp.float32(scale)
+    vis = visible[:, None]  # [1, 1, Sq, Skv]
+    s = jnp.where(vis, s, _NEG_INF)
+    m = lax.stop_gradient(jnp.max(s, axis=-1, initial=_NEG_INF, keepdims=True))
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = jnp.einsum("hgqk,hkd->hgqd", p.astype(p_dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
+    lse = jnp.where(empty, _NEG_INF, m_safe[..., 0] + jnp.log(l_safe))
+    return out.reshape(hq, sq, d), lse.reshape(hq, sq)
+
+
+def _attend(q, k, v, *, scale, visible, precision, p_dtype):
+    """Softmax attention with GQA on ``[B, H, S, D]``; returns fp32 (out, lse).
+
+    The batch is walked by ``lax.map``: every sequence runs the same compiled
+    per-sequence computation whatever B is, which keeps a sequence's bits (forward and
+    backward) the same alone or inside any batch.
+    """
+    fn = functools.partial(_attend_one, scale=scale, precision=precision, p_dtype=p_dtype)
+    return lax.map(lambda xs: fn(*xs), (q, k, v, visible))
+
+
+def forward_fp32_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
+                          query_positions=None, key_positions=None):
+    """fp32 ground truth: returns ``(out [B, Hq, Sq, D] fp32, lse [B, Hq, Sq] fp32)``.
+
+    Inputs are upcast to fp32 and every matmul runs at ``precision=HIGHEST`` regardless
+    of the ambient default matmul precision.
+    """
+    dims = validate_inputs(q, k, v, causal=causal, scale=scale,
+                           key_padding_mask=key_padding_mask)
+    vis = visibility(dims.q_len, dims.kv_len, causal=causal, batch=dims.batch,
+                     key_padding_mask=key_padding_mask,
+                     query_positions=query_positions, key_positions=key_positions)
+    f32 = jnp.float32
+    return _attend(q.astype(f32), k.astype(f32), v.astype(f32),
+                   scale=resolve_scale(scale, dims.head_dim), visible=vis,
+                   precision=lax.Precision.HIGHEST, p_dtype=f32)
+
+
+def forward_fp32(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
+    """fp32 ground truth output ``[B, Hq, Sq, D]`` fp32 (see :func:`forward_fp32_with_lse`)."""
+    return forward_fp32_with_lse(q, k, v, causal=causal, scale=scale,
+                                 key_padding_mask=key_padding_mask)[0]
+
+
+def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
+                     query_positions=None, key_positions=None):
+    """Input-dtype path: returns ``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``.
+
+    Matmul inputs stay in the input dtype (probabilities are cast to it before P @ V),
+    accumulation and softmax are fp32, at the caller's ambient matmul precision.
+    """
+    dims = validate_inputs(q, k, v, causal=causal, scale=scale,
+                           key_padding_mask=key_padding_mask)
+    vis = visibility(dims.q_len, dims.kv_len, causal=causal, batch=dims.batch,
+                     key_padding_mask=key_padding_mask,
+                     query_positions=query_positions, key_positions=key_positions)
+    out, lse = _attend(q, k, v, scale=resolve_scale(scale, dims.head_dim), visible=vis,
+                       precision=None, p_dtype=q.dtype)
+    return out.astype(q.dtype), lse
+
+
+def forward(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
+    """Input-dtype path output ``[B, Hq, Sq, D]`` in ``q.dtype``."""
+    return forward_with_lse(q, k, v, causal=causal, scale=scale,
+                            key_padding_mask=key_padding_mask)[0]
