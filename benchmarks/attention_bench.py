@@ -9,7 +9,9 @@ device-to-device copy bandwidth counted as bytes read + written). Peers: cuDNN t
 ``jax.nn.dot_product_attention(implementation="cudnn")`` and XLA through
 ``implementation="xla"``, and JAX's built-in Pallas Triton ``mha`` (no GQA: it gets K
 and V repeated to Hq heads, outside the timed region). Timing: warm-up, then the median
-over ``--iters`` timed calls, each synchronised, rotating over several input sets.
+over ``--iters`` samples of ``--reps`` back-to-back calls each (one synchronisation per
+sample), rotating over several input sets so that no call reads the previous one's
+inputs from L2.
 """
 
 from __future__ import annotations
@@ -40,23 +42,29 @@ flags.DEFINE_list("modes", ["fwd", "fwdbwd", "decode"], "What to time.")
 flags.DEFINE_list("backends", ["jaxattn", "cudnn", "xla", "pallas_mha"], "Systems to time.")
 flags.DEFINE_integer("decode_batch", 8, "Batch for decode.")
 flags.DEFINE_list("decode_kv_lens", ["4096", "32768"], "Context lengths for decode.")
-flags.DEFINE_integer("iters", 20, "Timed calls per point (median reported).")
+flags.DEFINE_integer("iters", 10, "Timed samples per point (median reported).")
+flags.DEFINE_integer("reps", 10, "Back-to-back calls per timed sample.")
 flags.DEFINE_integer("warmup", 3, "Untimed calls first.")
 flags.DEFINE_integer("input_sets", 3, "Input sets rotated over (defeats L2 reuse).")
 flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
-flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU (CI keeps the binary alive).")
+flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU (CI keeps the binary alive);"
+                  " jaxattn runs its Pallas kernels, in interpret mode there.")
+flags.DEFINE_string("jaxattn_backend", None, "Backend of jaxattn (default: platform priority).")
 
 
-def _time(fn: Callable, inputs: list, iters: int, warmup: int) -> float:
-    """Median seconds of ``fn(*inputs[i % n])``, synchronised after each call."""
+def _time(fn: Callable, inputs: list, iters: int, warmup: int, reps: int) -> float:
+    """Median seconds per call: each of ``iters`` samples launches ``reps`` calls back to
+    back, rotating over the input sets, and synchronises once (the device stays busy;
+    host dispatch overlaps it)."""
     for i in range(warmup):
         jax.block_until_ready(fn(*inputs[i % len(inputs)]))
     times = []
-    for i in range(iters):
-        args = inputs[i % len(inputs)]
+    for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for r in range(reps):
+            out = fn(*inputs[r % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
     return statistics.median(times)
 
 
@@ -78,7 +86,9 @@ def _random(shape, dtype, key):
 def make_fn(system: str, causal: bool, scale: float, hq: int, hkv: int):
     """A jitted ``fn(q, k, v) -> out`` in the system's layout, and an input transform."""
     if system == "jaxattn":
-        fn = lambda q, k, v: jaxattn.attention(q, k, v, causal=causal, scale=scale)
+        backend = FLAGS.jaxattn_backend or ("pallas" if FLAGS.smoke else None)
+        fn = lambda q, k, v: jaxattn.attention(q, k, v, causal=causal, scale=scale,
+                                               backend=backend)
         return jax.jit(fn), lambda q, k, v: (q, k, v)
     to_bshd = lambda x: jnp.swapaxes(x, 1, 2)
     if system in ("cudnn", "xla"):
@@ -118,7 +128,7 @@ def bench_attention(system, mode, b, hq, hkv, sq, skv, d, dtype, causal, iters, 
         run = jax.jit(fwdbwd)
     else:
         run = fn
-    sec = _time(run, sets, iters, warmup)
+    sec = _time(run, sets, iters, warmup, FLAGS.reps if not FLAGS.smoke else 1)
     flops = attention_flops(b, hq, sq, skv, d, causal)
     row = {"system": system, "mode": mode, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq,
            "Skv": skv, "D": d, "dtype": str(jnp.dtype(dtype)), "causal": causal,
@@ -136,7 +146,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     n = nbytes // 4
     xs = [jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
     copy = jax.jit(lambda x: x + 1.0)
-    sec = _time(copy, [(x,) for x in xs], iters, 3)
+    sec = _time(copy, [(x,) for x in xs], iters, 3, 5)
     return 2 * n * 4 / sec / 1e9
 
 
@@ -181,7 +191,9 @@ def main(argv):
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax, "lib")
             else "", "command": "python -m benchmarks.attention_bench " +
-            " ".join(os.sys.argv[1:]), "jaxattn_backend": jaxattn.get_op().backend}
+            " ".join(os.sys.argv[1:]),
+            "jaxattn_backend": FLAGS.jaxattn_backend or ("pallas" if FLAGS.smoke else
+                                                         jaxattn.get_op().backend)}
     rows = []
 
     def record(system, mode, **kw):

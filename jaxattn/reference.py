@@ -60,6 +60,8 @@ def _attend_one(q, k, v, visible, *, scale, precision, p_dtype):
     hq, sq, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
+    # fp32 for every public dtype; float64 inputs (tests only) stay float64.
+    acc_t = jnp.promote_types(q.dtype, jnp.float32)
     qg = q.reshape(hkv, g, sq, d)
     # Keys no query sees are zeroed, so padding holding NaN or inf cannot leak through
     # 0 * NaN in the matmuls.
@@ -67,7 +69,7 @@ def _attend_one(q, k, v, visible, *, scale, precision, p_dtype):
     k = jnp.where(seen, k, jnp.zeros((), k.dtype))
     v = jnp.where(seen, v, jnp.zeros((), v.dtype))
     s = jnp.einsum("hgqd,hkd->hgqk", qg, k, precision=precision,
-                   preferred_element_type=jnp.float32) * jnp.float32(scale)
+                   preferred_element_type=acc_t) * jnp.asarray(scale, acc_t)
     vis = visible[:, None]  # [1, 1, Sq, Skv]
     s = jnp.where(vis, s, _NEG_INF)
     m = lax.stop_gradient(jnp.max(s, axis=-1, initial=_NEG_INF, keepdims=True))
@@ -75,7 +77,7 @@ def _attend_one(q, k, v, visible, *, scale, precision, p_dtype):
     p = jnp.where(vis, jnp.exp(s - m_safe), 0.0)
     l = jnp.sum(p, axis=-1)
     acc = jnp.einsum("hgqk,hkd->hgqd", p.astype(p_dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=acc_t)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     out = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
@@ -91,6 +93,12 @@ def _attend(q, k, v, *, scale, visible, precision, p_dtype):
     backward) the same alone or inside any batch.
     """
     fn = functools.partial(_attend_one, scale=scale, precision=precision, p_dtype=p_dtype)
+    if q.shape[0] == 1:
+        # XLA drops a loop of one trip and compiles its body in another context (seen on
+        # the H200: other bits than inside a batch); two trips keep the loop.
+        twice = lambda x: jnp.concatenate([x, x], axis=0)
+        out, lse = lax.map(lambda xs: fn(*xs), tuple(map(twice, (q, k, v, visible))))
+        return out[:1], lse[:1]
     return lax.map(lambda xs: fn(*xs), (q, k, v, visible))
 
 

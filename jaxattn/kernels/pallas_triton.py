@@ -47,9 +47,9 @@ class ForwardConfig:
 
     block_m: int = 128
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
     decode_num_warps: int = 4
-    decode_num_stages: int = 2
+    decode_num_stages: int = 3
     #: Below this many (row tile, batch, KV head) programs, and with more than one
     #: split, the split-parallel path is used.
     split_parallel_below: int = 264
@@ -65,8 +65,11 @@ class ForwardConfig:
 
 
 def forward_config(head_dim: int) -> ForwardConfig:
-    """Default launch parameters for a head dim."""
-    return ForwardConfig(block_m=64 if head_dim > 128 else 128)
+    """Default launch parameters for a head dim (H200 sweep of 2026-11-29, D=128:
+    benchmarks/tune.py; see docs/benchmarks.md)."""
+    if head_dim > 128:
+        return ForwardConfig(block_m=64, num_warps=4, num_stages=2)
+    return ForwardConfig()
 
 
 def _compiler_params(num_warps: int, num_stages: int):

@@ -59,8 +59,8 @@ class BackwardConfig:
 def backward_config(head_dim: int) -> BackwardConfig:
     """Default backward tiles for a head dim."""
     if head_dim > 128:
-        return BackwardConfig(block_q=32, block_kv=32, num_warps=8)
-    return BackwardConfig(num_warps=8 if head_dim > 64 else 4)
+        return BackwardConfig(block_q=32, block_kv=32, num_warps=4)
+    return BackwardConfig()
 
 
 def _params(cfg: BackwardConfig):

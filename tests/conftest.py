@@ -1,0 +1,78 @@
+"""Shared fixtures. Deterministic XLA flags are set before JAX starts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+if "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_deterministic_ops=true").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip)
+
+
+_counter = iter(range(10**9))
+
+
+def rand(shape, dtype=jnp.float32, *, seed: int | None = None, scale: float = 1.0):
+    """Fresh normal values (never zeros); a new seed on every call unless given."""
+    seed = next(_counter) + 1000 if seed is None else seed
+    x = jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32) * scale
+    return x.astype(dtype)
+
+
+def rand_qkv(b, hq, hkv, sq, skv, d, dtype=jnp.float32, seed: int | None = None):
+    seed = next(_counter) * 3 + 5000 if seed is None else seed
+    return (rand((b, hq, sq, d), dtype, seed=seed), rand((b, hkv, skv, d), dtype, seed=seed + 1),
+            rand((b, hkv, skv, d), dtype, seed=seed + 2))
+
+
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| in float64."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def np_attention(q, k, v, *, causal=True, scale=None, mask=None, q_pos=None, k_pos=None):
+    """Independent float64 NumPy attention: (out, lse), loops over batch and heads."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros((b, hq, sq, d))
+    lse = np.full((b, hq, sq), -np.inf)
+    for bi in range(b):
+        qp = np.arange(sq) + (skv - sq) if q_pos is None else np.asarray(q_pos[bi])
+        kp = np.arange(skv) if k_pos is None else np.asarray(k_pos[bi])
+        vis = np.ones((sq, skv), bool)
+        if causal:
+            vis &= kp[None, :] <= qp[:, None]
+        if mask is not None:
+            vis &= np.asarray(mask[bi])[None, :]
+        for h in range(hq):
+            kh, vh = k[bi, h // g], v[bi, h // g]
+            for i in range(sq):
+                idx = np.nonzero(vis[i])[0]
+                if idx.size == 0:
+                    continue
+                s = q[bi, h, i] @ kh[idx].T * scale
+                m = s.max()
+                p = np.exp(s - m)
+                out[bi, h, i] = p @ vh[idx] / p.sum()
+                lse[bi, h, i] = m + np.log(p.sum())
+    return out, lse

@@ -1,0 +1,294 @@
+"""One parameterised battery that every backend of "attention" runs.
+
+A backend gets the whole battery by being listed in BACKENDS with its capabilities:
+``follows_schedule`` backends promise every row of the invariance matrix (DESIGN.md 7);
+the others promise the first two. On a CPU the Pallas kernels run in interpret mode,
+on a GPU natively: the same tests, both places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxattn
+from jaxattn import invariance, reference
+from jaxattn.invariance import bits_equal
+
+from conftest import ON_GPU, np_attention, rand, rand_qkv, rel_err
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    follows_schedule: bool
+    head_dims: tuple[int, ...]
+
+
+BACKENDS = [
+    BackendSpec("reference", follows_schedule=False, head_dims=(16, 24, 64, 128, 256)),
+    BackendSpec("pallas", follows_schedule=True, head_dims=(16, 64, 128, 256)),
+]
+TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
+GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda s: s.name)
+def spec(request) -> BackendSpec:
+    return request.param
+
+
+def _op(spec):
+    return jaxattn.get_op("attention", backend=spec.name)
+
+
+def _fwd(spec, **kw):
+    op = _op(spec)
+    return jax.jit(lambda q, k, v, m=None: op.forward_with_lse(q, k, v, key_padding_mask=m,
+                                                               **kw))
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sq,skv", [(70, 70), (1, 130), (33, 200), (100, 40)])
+def test_forward_accuracy(spec, dtype, causal, sq, skv):
+    q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, dtype)
+    out, lse = _fwd(spec, causal=causal)(q, k, v)
+    ref_out, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref_out) < TOL[dtype]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert np.max(np.abs(np.asarray(lse)[fin] - np.asarray(ref_lse)[fin])) < (
+        1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_forward_fp32_accuracy_against_float64(spec):
+    q, k, v = rand_qkv(1, 4, 1, 40, 90, 32)
+    out, lse = _op(spec).forward_fp32_with_lse(q, k, v)
+    ref_out, ref_lse = np_attention(q, k, v)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, ref_out) < 1e-5
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_head_dims(spec, d):
+    if d not in spec.head_dims:
+        pytest.skip(f"{spec.name} does not serve D={d}")
+    q, k, v = rand_qkv(1, 2, 1, 20, 70, d, jnp.bfloat16)
+    out = _op(spec)(q, k, v)
+    assert rel_err(out, reference.forward_fp32(q, k, v)) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (6, 3), (8, 1)])
+def test_gqa_groups(spec, hq, hkv):
+    q, k, v = rand_qkv(2, hq, hkv, 9, 75, 64, jnp.bfloat16)
+    out = _op(spec)(q, k, v)
+    ref = np_attention(q, k, v)[0]
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+    # Head h must read KV head h // g.
+    g = hq // hkv
+    h = hq - 1
+    one = _op(spec)(q[:, h:h + 1], k[:, h // g:h // g + 1], v[:, h // g:h // g + 1])
+    assert rel_err(one[:, 0], ref[:, h]) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("scale", [None, 0.0, 0.05, 1.3])
+def test_scale(spec, scale):
+    q, k, v = rand_qkv(1, 2, 1, 16, 80, 64, jnp.float32)
+    out = _op(spec)(q, k, v, scale=scale)
+    assert rel_err(out, np_attention(q, k, v, scale=scale)[0]) < 1e-5
+
+
+def test_padding_mask_and_rows_with_no_visible_key(spec):
+    b, s = 3, 90
+    q, k, v = rand_qkv(b, 4, 2, s, s, 64, jnp.bfloat16)
+    mask = np.ones((b, s), bool)
+    mask[0, 60:] = False
+    mask[1, :5] = False          # causal rows 0..4 of batch 1 see nothing
+    mask[2, :] = False           # batch 2 sees nothing
+    mask[1, 40:47] = False
+    out, lse = _fwd(spec, causal=True)(q, k, v, jnp.asarray(mask))
+    ref_out, ref_lse = np_attention(q, k, v, mask=mask)
+    assert rel_err(out, ref_out) < TOL[jnp.bfloat16]
+    empty = np.isneginf(ref_lse)
+    assert empty[1, :, :5].all() and empty[2].all()
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
+    assert np.all(np.asarray(out, np.float32)[empty] == 0)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+
+
+def test_empty_kv_and_single_query(spec):
+    q, k, v = rand_qkv(2, 4, 2, 5, 0, 64, jnp.bfloat16)
+    out, lse = _fwd(spec, causal=True)(q, k, v)
+    assert np.all(np.asarray(out, np.float32) == 0) and np.isneginf(np.asarray(lse)).all()
+    q, k, v = rand_qkv(2, 4, 2, 1, 1, 64, jnp.bfloat16)
+    out = _op(spec)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.repeat(np.asarray(v, np.float32), 2, axis=1), rtol=1e-2)
+
+
+def test_nan_in_padded_keys_does_not_leak(spec):
+    b, s = 2, 100
+    q, k, v = rand_qkv(b, 4, 2, s, s, 64, jnp.bfloat16)
+    lengths = np.array([100, 37])
+    mask = np.arange(s)[None] < lengths[:, None]
+    pad = ~mask[:, None, :, None]
+    k_nan = jnp.where(pad, jnp.nan, k).astype(k.dtype)
+    v_nan = jnp.where(pad, jnp.inf, v).astype(v.dtype)
+    out, lse = _fwd(spec, causal=False)(q, k_nan, v_nan, jnp.asarray(mask))
+    ref = np_attention(q, k, v, causal=False, mask=mask)[0]
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert not np.isnan(np.asarray(lse)).any()
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+
+
+def test_inputs_not_mutated(spec):
+    q, k, v = rand_qkv(1, 2, 1, 20, 20, 64, jnp.bfloat16)
+    copies = [np.array(x) for x in (q, k, v)]
+    jax.grad(lambda q, k, v: _op(spec)(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
+    assert all(bits_equal(x, c) for x, c in zip((q, k, v), copies, strict=True))
+
+
+# ---------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("causal,sq,skv,masked", [(True, 70, 70, False), (True, 20, 130, True),
+                                                 (False, 50, 33, True), (True, 90, 40, False)])
+def test_gradients_match_reference(spec, dtype, causal, sq, skv, masked):
+    q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, dtype)
+    mask = None
+    if masked:
+        m = np.ones((2, skv), bool)
+        m[0, skv // 2:] = False
+        m[1, :3] = False
+        mask = jnp.asarray(m)
+    w_out = rand(q.shape)
+    w_lse = rand(q.shape[:3])
+    op = _op(spec)
+
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v)
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
+
+    got = jax.grad(lambda *a: loss(lambda q, k, v: op.forward_with_lse(
+        q, k, v, causal=causal, key_padding_mask=mask), *a), (0, 1, 2))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.grad(lambda *a: loss(lambda q, k, v: reference.forward_fp32_with_lse(
+        q, k, v, causal=causal, key_padding_mask=mask), *a), (0, 1, 2))(*f32)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert g.dtype == dtype, name
+        assert not np.isnan(np.asarray(g, np.float32)).any(), name
+        assert rel_err(g, w) < GRAD_TOL[dtype], name
+    if masked:  # padded keys get exactly zero dK and dV
+        for g in got[1:]:
+            assert np.all(np.asarray(g, np.float32)[0, :, skv // 2:] == 0)
+
+
+def test_rows_with_no_visible_key_get_zero_gradients(spec):
+    q, k, v = rand_qkv(1, 2, 1, 40, 10, 64, jnp.bfloat16)  # offset -30: rows 0..29 empty
+    g = jax.grad(lambda q, k, v: _op(spec)(q, k, v).astype(jnp.float32).sum() * 1.0,
+                 (0, 1, 2))(q, k, v)
+    assert all(not np.isnan(np.asarray(x, np.float32)).any() for x in g)
+    assert np.all(np.asarray(g[0], np.float32)[:, :, :30] == 0)
+
+
+# --------------------------------------------------------------------- invariance matrix
+
+PROBLEM = invariance.Problem(batch=3, num_q_heads=4, num_kv_heads=2, seq_len=150,
+                             head_dim=64, dtype="bfloat16")
+
+
+def _assert_all(results, promised=True):
+    for r in results:
+        if promised:
+            assert r.equal, f"{r.case} [{r.kind}]: {r.detail}"
+
+
+def test_row_alone_vs_in_batch(spec):
+    _assert_all(invariance.check_batch(_op(spec), PROBLEM))
+
+
+def test_run_to_run(spec):
+    _assert_all(invariance.check_rerun(_op(spec), PROBLEM))
+
+
+def test_chunked_prefill_vs_full(spec):
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    _assert_all(invariance.check_chunked_prefill(_op(spec), PROBLEM, [64, 37, 100]))
+
+
+def test_decode_steps_vs_prefill(spec):
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    steps = list(range(0, 150, 7)) + [63, 64, 65, 127, 128, 149]
+    _assert_all(invariance.check_decode(_op(spec), PROBLEM, steps))
+
+
+def test_tail_padding_vs_unpadded(spec):
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    _assert_all(invariance.check_padding(_op(spec), PROBLEM, [150, 64, 1, 99]))
+
+
+def test_gqa_and_fp32_invariance(spec):
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    p = dataclasses.replace(PROBLEM, num_q_heads=8, num_kv_heads=1, dtype="float32",
+                            seq_len=80)
+    _assert_all(invariance.check_decode(_op(spec), p, [0, 40, 79]))
+    _assert_all(invariance.check_chunked_prefill(_op(spec), p, [50]))
+
+
+def test_decode_past_one_split_with_padding_mask(spec):
+    """Decode over more than one SPLIT (split-parallel path) with a padding mask."""
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    s = jaxattn.SPLIT + 100
+    q, k, v = rand_qkv(1, 4, 2, s, s, 64, jnp.bfloat16)
+    mask = jnp.asarray(np.arange(s) % 11 != 3)[None]
+    fwd = _fwd(spec, causal=True)
+    out, lse = fwd(q, k, v, mask)
+    for t in (jaxattn.SPLIT - 1, jaxattn.SPLIT, s - 1):
+        o, l = fwd(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], mask[:, :t + 1])
+        assert bits_equal(o, out[:, :, t:t + 1]) and bits_equal(l, lse[:, :, t:t + 1]), t
+
+
+# ------------------------------------------------------------------------- properties
+
+@settings(max_examples=8 if not ON_GPU else 25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 4]),
+       sq=st.integers(1, 80), extra=st.integers(-20, 90), causal=st.booleans(),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), masked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_property_against_reference(b, hkv, g, sq, extra, causal, dtype, masked, seed):
+    skv = max(0, sq + extra)
+    dt = jnp.dtype(dtype)
+    q, k, v = rand_qkv(b, hkv * g, hkv, sq, skv, 64, dt, seed=seed)
+    mask = None
+    if masked:
+        mask = jax.random.uniform(jax.random.PRNGKey(seed + 1), (b, skv)) > 0.3
+    for spec in BACKENDS:
+        out, lse = _fwd(spec, causal=causal)(q, k, v, mask)
+        ref, ref_lse = np_attention(q, k, v, causal=causal,
+                                    mask=None if mask is None else np.asarray(mask))
+        out32 = np.asarray(out, np.float32)
+        assert not np.isnan(out32).any() and not np.isnan(np.asarray(lse)).any()
+        empty = np.isneginf(ref_lse)
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
+        assert np.all(out32[empty] == 0)
+        if not empty.all():
+            assert rel_err(out, ref) < TOL[dt.type], spec.name

@@ -1,0 +1,61 @@
+"""The main job and the benchmark binary run end to end, and the main job fails loudly."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from absl import flags
+
+from jaxattn import check, reference, registry
+
+
+def test_check_main_job_passes_and_writes_json(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxattn.check", "--num_q_heads=4", "--num_kv_heads=2",
+         "--head_dim=64", "--seq_len=80", "--decode_steps=4", "--chunk_sizes=32,50",
+         f"--json_out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== backend pallas ==" in proc.stdout and "== backend reference ==" in proc.stdout
+    assert "decode (4 steps) vs prefill" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["passed"] is True
+    rows = report["backends"]["pallas"]["invariance"]
+    assert len(rows) == 8 and all(r["equal"] for r in rows)
+
+
+def test_check_exits_nonzero_when_a_promised_invariant_breaks():
+    counter = itertools.count()
+
+    def noisy(q, k, v, **kw):  # changes its bits on every call
+        out, lse = reference.forward_with_lse(q, k, v, **kw)
+        return out + jnp.asarray(next(counter) * 1e-3, out.dtype), lse
+
+    registry.register("attention", registry.Backend(
+        name="noisy", platforms=("cpu", "gpu"), priority={}, forward_with_lse=noisy))
+    try:
+        flags.FLAGS(["check", "--backends=noisy", "--num_q_heads=2", "--num_kv_heads=1",
+                     "--head_dim=16", "--seq_len=24", "--decode_steps=2",
+                     "--chunk_sizes=8"])
+        with pytest.raises(SystemExit) as exc:
+            check.main([])
+        assert exc.value.code == 1
+    finally:
+        del registry._REGISTRY["attention"]["noisy"]
+        flags.FLAGS.unparse_flags()
+
+
+def test_benchmark_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_bench", "--smoke",
+                           f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
+    assert all("error" not in r and r["ms"] > 0 for r in rows)
+    assert "| fwd | jaxattn |" in (tmp_path / "results.md").read_text()

@@ -1,0 +1,142 @@
+"""Tests specific to the Pallas kernels: launch parameters never change the bits, the
+split-parallel and prefill paths agree, the in-kernel merge agrees with an XLA fold, and
+memory stays O(B*H*S*D)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import reference, schedule
+from jaxattn.invariance import bits_equal
+from jaxattn.kernels import pallas_triton as pt
+from jaxattn.kernels import pallas_triton_vjp as pv
+from jaxattn.merge import merge
+
+from conftest import ON_GPU, rand, rand_qkv, rel_err
+
+INTERPRET = not ON_GPU
+
+
+def _forward(q, k, v, mask=None, causal=True, **kw):
+    return pt.forward(q, k, v, mask, causal=causal, scale=1 / math.sqrt(q.shape[-1]),
+                      interpret=INTERPRET, **kw)
+
+
+@pytest.mark.parametrize("sq,skv", [(1, 2 * schedule.SPLIT + 70), (3, schedule.SPLIT + 1),
+                                    (40, 300)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_parallel_and_prefill_paths_agree_in_bits(sq, skv, causal):
+    q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16)
+    mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, skv)) > 0.2
+    for m in (None, mask):
+        a = _forward(q, k, v, m, causal, path="prefill")
+        b = _forward(q, k, v, m, causal, path="split")
+        assert bits_equal(a[0], b[0]) and bits_equal(a[1], b[1])
+        assert rel_err(a[0], reference.forward_fp32(q, k, v, causal=causal,
+                                                    key_padding_mask=m)) < 3e-2
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_tile_height_does_not_change_bits(block_m):
+    """A row's bits do not depend on which other rows share its tile."""
+    q, k, v = rand_qkv(1, 8, 2, 100, 1200, 64, jnp.bfloat16, seed=11)
+    base = _forward(q, k, v, path="prefill")
+    for path in ("prefill", "split"):
+        got = _forward(q, k, v, path=path, config=pt.ForwardConfig(block_m=block_m))
+        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3), (4, 3)])
+def test_warps_and_stages_do_not_change_bits(warps, stages):
+    q, k, v = rand_qkv(2, 32, 8, 600, 2100, 128, jnp.bfloat16, seed=12)
+    base = _forward(q, k, v, path="prefill")
+    cfg = pt.ForwardConfig(num_warps=warps, num_stages=stages, decode_num_warps=warps,
+                           decode_num_stages=stages)
+    for path in ("prefill", "split"):
+        got = _forward(q, k, v, path=path, config=cfg)
+        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (path, warps)
+
+
+def test_whole_block_steps_compute_the_same_values():
+    """The unmasked fast path (used on the GPU) in interpret mode: values, not bits."""
+    for causal, sq, skv in [(True, 150, 150), (True, 70, 200), (False, 64, 64),
+                            (True, 200, 130)]:
+        q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16)
+        cf = pt.ForwardConfig(block_m=32, whole_blocks=True)
+        out, lse = _forward(q, k, v, causal=causal, config=cf)
+        ref, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
+        assert rel_err(out, ref) < 3e-2
+        do = rand(q.shape, jnp.bfloat16)
+        cb = pv.BackwardConfig(block_q=32, block_kv=32, whole_blocks=True)
+        got = pv.backward(q, k, v, None, out, lse, do, None, causal=causal,
+                          scale=1 / 8, interpret=INTERPRET, config=cb)
+        want = jax.vjp(lambda a, b, c: reference.forward_fp32(a, b, c, causal=causal),
+                       *(x.astype(jnp.float32) for x in (q, k, v)))[1](do.astype(jnp.float32))
+        for g, w in zip(got, want, strict=True):
+            assert rel_err(g, w) < 5e-2
+
+
+@pytest.mark.gpu
+def test_whole_block_steps_give_the_masked_bits_on_gpu():
+    q, k, v = rand_qkv(2, 8, 2, 700, 700, 128, jnp.bfloat16, seed=13)
+    do = rand(q.shape, jnp.bfloat16, seed=14)
+    for causal in (True, False):
+        fast = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=True))
+        slow = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=False))
+        assert bits_equal(fast[0], slow[0]) and bits_equal(fast[1], slow[1])
+        grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal, scale=1 / math.sqrt(128),
+                             interpret=False,
+                             config=dataclasses.replace(pv.backward_config(128), whole_blocks=w))
+                 for w in (True, False)]
+        for a, b in zip(*grads, strict=True):
+            assert bits_equal(a, b)
+
+
+def test_in_kernel_merge_equals_xla_fold_of_the_split_states():
+    """The combine kernel's fold and an XLA ``lax.scan`` of :func:`merge` over the same
+    partial states give the same bits (on the GPU this compares Triton with XLA)."""
+    q, k, v = rand_qkv(2, 4, 2, 3, 3 * schedule.SPLIT + 50, 64, jnp.bfloat16, seed=15)
+    scale = 1 / 8
+    o_parts, lse_parts = pt.split_partials(q, k, v, causal=True, scale=scale,
+                                           interpret=INTERPRET)
+    assert o_parts.shape[2] == 4
+
+    @jax.jit
+    def fold(o_parts, lse_parts):
+        init = (jnp.zeros_like(o_parts[:, :, 0]), jnp.full_like(lse_parts[:, :, 0], -jnp.inf))
+        xs = (jnp.moveaxis(o_parts, 2, 0), jnp.moveaxis(lse_parts, 2, 0))
+        state, _ = jax.lax.scan(lambda s, x: (merge(*s, *x), None), init, xs)
+        return state
+
+    o_xla, lse_xla = fold(o_parts, lse_parts)
+    out, lse = _forward(q, k, v, path="split")
+    b, hq, sq, d = q.shape
+    assert bits_equal(lse_xla.reshape(b, hq, sq), lse)
+    assert bits_equal(o_xla.astype(q.dtype).reshape(q.shape), out)
+
+
+@pytest.mark.gpu
+def test_memory_is_linear_in_sequence_length():
+    s = 8192
+    q = jax.ShapeDtypeStruct((1, 8, s, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, s, 128), jnp.bfloat16)
+    loss = lambda q, k, v: pv.attention(q, k, v, None, True, 0.1, False)[0].astype(
+        jnp.float32).sum()
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    q_bytes = 1 * 8 * s * 128 * 2
+    assert temp < 16 * q_bytes < s * s * 4, temp
+
+
+def test_backward_config_is_validated():
+    with pytest.raises(ValueError, match="block_q must be a power of two"):
+        pv.BackwardConfig(block_q=48)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        pt.ForwardConfig(block_m=8)

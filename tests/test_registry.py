@@ -1,0 +1,82 @@
+"""Registry dispatch: platform priority only, explicit backends never fall back."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import registry
+from jaxattn.invariance import bits_equal
+
+from conftest import ON_GPU, rand_qkv
+
+
+def test_platform_priority():
+    assert registry.resolve("attention", platform="cpu").name == "reference"
+    assert registry.resolve("attention", platform="gpu").name == (
+        "pallas" if registry._backends("attention")["pallas"].available() is None else
+        "reference")
+    op = jaxattn.get_op("attention")
+    assert op.backend == ("pallas" if ON_GPU else "reference")
+    assert "backend=" in repr(op)
+
+
+def test_dispatch_does_not_depend_on_shapes():
+    chosen = {jaxattn.get_op("attention").backend}
+    for shape in [(1, 2, 1, 4), (3, 8, 100, 64)]:
+        q, k, v = rand_qkv(shape[0], shape[1], 1, shape[2], shape[2], shape[3])
+        chosen.add(jaxattn.get_op("attention").backend)
+    assert len(chosen) == 1
+
+
+def test_explicit_backend_is_used_and_reported():
+    q, k, v = rand_qkv(1, 4, 2, 8, 8, 16)
+    for name in ("reference", "pallas"):
+        op = jaxattn.get_op("attention", backend=name)
+        assert op.backend == name
+        np.testing.assert_allclose(op(q, k, v), jaxattn.reference.forward_fp32(q, k, v),
+                                   rtol=1e-4, atol=1e-5)
+    # attention(backend=...) is that op.
+    assert bits_equal(jaxattn.attention(q, k, v, backend="reference"),
+                      jaxattn.get_op(backend="reference")(q, k, v))
+
+
+def test_unknown_names_raise():
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda'.*registered: pallas, reference"):
+        jaxattn.get_op("attention", backend="cuda")
+    with pytest.raises(KeyError, match=r"unknown op 'attn'; known ops: .*attention"):
+        jaxattn.get_op("attn")
+
+
+def test_explicit_backend_on_wrong_platform_raises():
+    with pytest.raises(ValueError, match=r"does not run on platform 'tpu'"):
+        registry.resolve("attention", "pallas", platform="tpu")
+
+
+def test_unavailable_backend_raises_instead_of_falling_back():
+    registry.register("attention", registry.Backend(
+        name="broken", platforms=("cpu", "gpu"), priority={"cpu": -1, "gpu": -1},
+        forward_with_lse=lambda *a, **k: None, available=lambda: "no such device"))
+    try:
+        with pytest.raises(RuntimeError, match=r"backend 'broken' is unavailable: no such"):
+            jaxattn.get_op("attention", backend="broken")
+        # Automatic choice skips it (declared capability), whatever the shapes.
+        assert jaxattn.get_op("attention").backend != "broken"
+    finally:
+        del registry._REGISTRY["attention"]["broken"]
+
+
+def test_op_surface():
+    op = jaxattn.get_op("attention", backend="reference")
+    q, k, v = rand_qkv(1, 2, 1, 5, 5, 8, jax.numpy.bfloat16)
+    out, lse = op.forward_with_lse(q, k, v)
+    assert out.dtype == q.dtype and lse.dtype == jax.numpy.float32
+    assert bits_equal(op.forward(q, k, v), out) and bits_equal(op(q, k, v), out)
+    o32, l32 = op.forward_fp32_with_lse(q, k, v)
+    assert o32.dtype == jax.numpy.float32
+    assert bits_equal(o32, jaxattn.reference.forward_fp32(q, k, v))
+    assert bits_equal(op.forward_fp32(q, k, v), o32)
+    out2, lse2 = jaxattn.attention(q, k, v, return_lse=True, backend="reference")
+    assert bits_equal(out2, out) and bits_equal(lse2, lse)
