@@ -25,7 +25,7 @@ if has env; then
   tail -5 "$OUT/env.txt"
 fi
 if has tests; then
-  $PY -m pytest -q -x -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.txt" | tail -25
+  $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.txt" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has check; then

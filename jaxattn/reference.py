@@ -131,15 +131,18 @@ def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
     """Input-dtype path: returns ``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``.
 
     Matmul inputs stay in the input dtype (probabilities are cast to it before P @ V),
-    accumulation and softmax are fp32, at the caller's ambient matmul precision.
+    accumulation and softmax are fp32, at the caller's ambient matmul precision for 16-bit
+    inputs and at ``HIGHEST`` for fp32 inputs.
     """
     dims = validate_inputs(q, k, v, causal=causal, scale=scale,
                            key_padding_mask=key_padding_mask)
     vis = visibility(dims.q_len, dims.kv_len, causal=causal, batch=dims.batch,
                      key_padding_mask=key_padding_mask,
                      query_positions=query_positions, key_positions=key_positions)
+    # fp32 inputs multiply in true fp32 (as the kernels do), not in the GPU's tf32.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     out, lse = _attend(q, k, v, scale=resolve_scale(scale, dims.head_dim), visible=vis,
-                       precision=None, p_dtype=q.dtype)
+                       precision=precision, p_dtype=q.dtype)
     return out.astype(q.dtype), lse
 
 
