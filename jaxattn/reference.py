@@ -85,21 +85,42 @@ def _attend_one(q, k, v, visible, *, scale, precision, p_dtype):
     return out.reshape(hq, sq, d), lse.reshape(hq, sq)
 
 
+def _map(fn, xs):
+    """``lax.map`` over the batch. XLA drops a loop of one trip and compiles its body in
+    another context (seen on the H200: other bits than inside a batch), so a batch of one
+    runs as two identical trips."""
+    if xs[0].shape[0] == 1:
+        outs = lax.map(lambda a: fn(*a), tuple(jnp.concatenate([x, x], axis=0) for x in xs))
+        return jax.tree_util.tree_map(lambda y: y[:1], outs)
+    return lax.map(lambda a: fn(*a), xs)
+
+
 def _attend(q, k, v, *, scale, visible, precision, p_dtype):
     """Softmax attention with GQA on ``[B, H, S, D]``; returns fp32 (out, lse).
 
-    The batch is walked by ``lax.map``: every sequence runs the same compiled
-    per-sequence computation whatever B is, which keeps a sequence's bits (forward and
-    backward) the same alone or inside any batch.
+    The batch is walked by a loop whose body is one sequence, forward and backward (the
+    VJP recomputes the sequence's forward inside its own loop rather than slicing
+    residuals stacked over the batch): every sequence runs the same compiled
+    computation whatever B is, which keeps its bits alone or inside any batch.
     """
     fn = functools.partial(_attend_one, scale=scale, precision=precision, p_dtype=p_dtype)
-    if q.shape[0] == 1:
-        # XLA drops a loop of one trip and compiles its body in another context (seen on
-        # the H200: other bits than inside a batch); two trips keep the loop.
-        twice = lambda x: jnp.concatenate([x, x], axis=0)
-        out, lse = lax.map(lambda xs: fn(*xs), tuple(map(twice, (q, k, v, visible))))
-        return out[:1], lse[:1]
-    return lax.map(lambda xs: fn(*xs), (q, k, v, visible))
+
+    @jax.custom_vjp
+    def mapped(q, k, v, visible):
+        return _map(fn, (q, k, v, visible))
+
+    def mapped_fwd(q, k, v, visible):
+        return _map(fn, (q, k, v, visible)), (q, k, v, visible)
+
+    def mapped_bwd(res, cts):
+        def one(q1, k1, v1, vis1, d_out, d_lse):
+            _, vjp = jax.vjp(lambda a, b, c: fn(a, b, c, vis1), q1, k1, v1)
+            return vjp((d_out, d_lse))
+        dq, dk, dv = _map(one, (*res, *cts))
+        return dq, dk, dv, None
+
+    mapped.defvjp(mapped_fwd, mapped_bwd)
+    return mapped(q, k, v, visible)
 
 
 def forward_fp32_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
