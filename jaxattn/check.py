@@ -43,6 +43,15 @@ TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-5}
 REFERENCE_PROMISES = ("row alone vs in batch", "run to run")
 
 
+def promised(backend: str, case: str, kind: str, platform: str) -> bool:
+    """Whether ``backend`` promises bit equality for this row on ``platform``."""
+    if backend != "reference":
+        return True
+    if case == "row alone vs in batch" and kind == "backward" and platform == "gpu":
+        return False  # known gap on the GPU, see docs/contract.md
+    return case in REFERENCE_PROMISES
+
+
 def accuracy(backend: str, p: invariance.Problem) -> dict:
     """Forward error of ``backend`` against the fp32 reference on fresh inputs."""
     q, k, v = invariance.random_qkv(p, seed=p.seed + 101)
@@ -103,12 +112,12 @@ def main(argv):
         print(f"{'case':<46}{'kind':<10}{'promised':<10}{'bits equal':<12}detail")
         out_rows = []
         for r in rows:
-            promised = be != "reference" or r.case in REFERENCE_PROMISES
+            is_promised = promised(be, r.case, r.kind, current_platform())
             verdict = "yes" if r.equal else "NO"
-            print(f"{r.case:<46}{r.kind:<10}{'yes' if promised else 'no':<10}{verdict:<12}"
-                  f"{r.detail}")
-            failed |= promised and not r.equal
-            out_rows.append({**r.__dict__, "promised": promised})
+            print(f"{r.case:<46}{r.kind:<10}{'yes' if is_promised else 'no':<10}"
+                  f"{verdict:<12}{r.detail}")
+            failed |= is_promised and not r.equal
+            out_rows.append({**r.__dict__, "promised": is_promised})
         report["backends"][be] = {"accuracy": acc, "invariance": out_rows}
     print(f"\n{'FAIL' if failed else 'PASS'} ({time.time() - t0:.0f}s)")
     report["passed"] = not failed
