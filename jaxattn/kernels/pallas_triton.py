@@ -76,12 +76,26 @@ def _compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, kv_len: int):
+def _split_refs(refs, has_mask: bool, has_offsets: bool):
+    """(mask_ref or None, offsets_ref or None, the remaining refs)."""
+    refs = list(refs)
+    mask_ref = refs.pop(0) if has_mask else None
+    off_ref = refs.pop(0) if has_offsets else None
+    return mask_ref, off_ref, refs
+
+
+def _causal_offset(off_ref, q_len: int, kv_len: int):
+    """Position of query 0 minus position of key 0: ``Skv - Sq`` unless given per
+    sequence (context parallelism: global positions of a shard)."""
+    return kv_len - q_len if off_ref is None else off_ref[pl.program_id(1)]
+
+
+def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, offset):
     """Rows of tile ``tile``: validity, causal position limit, and the q tile."""
     row_ids = tile * block_m + jnp.arange(block_m, dtype=jnp.int32)
     row_ok = row_ids < rows
-    # Key j is visible to row r iff j <= (r mod Sq) + (Skv - Sq).
-    limit = row_ids % q_len + (kv_len - q_len)
+    # Key j is visible to row r iff j <= (r mod Sq) + offset.
+    limit = row_ids % q_len + offset
     q = plgpu.load(q_ref.at[pl.ds(tile * block_m, block_m), :], mask=row_ok[:, None],
                    other=0.0)
     return row_ok, limit, q
@@ -145,12 +159,12 @@ def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_le
     return finalize(acc, m, l)
 
 
-def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, causal, scale, q_len, kv_len,
-                    rows, block_m, precision, whole_blocks):
-    mask_ref = refs[0] if has_mask else None
-    o_ref, lse_ref = refs[-2:]
+def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
+                    kv_len, rows, block_m, precision, whole_blocks):
+    mask_ref, off_ref, (o_ref, lse_ref) = _split_refs(refs, has_mask, has_offsets)
     tile = pl.program_id(0)
-    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len, kv_len)
+    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
+                                 _causal_offset(off_ref, q_len, kv_len))
     full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
     per_split = schedule.BLOCKS_PER_SPLIT
     n_splits = (hi + per_split - 1) // per_split
@@ -169,14 +183,14 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, causal, scale, q_len, 
     plgpu.store(lse_ref.at[sl], lse, mask=row_ok)
 
 
-def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, causal, scale, q_len, kv_len,
-                  rows, block_m, n_splits, precision, whole_blocks):
-    mask_ref = refs[0] if has_mask else None
-    o_ref, lse_ref = refs[-2:]
+def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
+                  kv_len, rows, block_m, n_splits, precision, whole_blocks):
+    mask_ref, off_ref, (o_ref, lse_ref) = _split_refs(refs, has_mask, has_offsets)
     pid = pl.program_id(0)
     tile = pid // n_splits
     si = pid % n_splits
-    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len, kv_len)
+    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
+                                 _causal_offset(off_ref, q_len, kv_len))
     full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
     lo = si * schedule.BLOCKS_PER_SPLIT
     end = jnp.maximum(jnp.minimum(lo + schedule.BLOCKS_PER_SPLIT, hi), lo)
@@ -214,26 +228,31 @@ def check_supported(head_dim: int) -> str | None:
     return None
 
 
-def split_partials(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
-                   interpret: bool, config: ForwardConfig | None = None):
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def split_partials(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool,
+                   scale: float, interpret: bool, config: ForwardConfig | None = None):
     """Per-split partial states ``(out [B, Hkv, n_splits, g*Sq, D], lse [..., g*Sq])``.
 
     The split-parallel path without its combine; the states are in ascending split
     order and fold, by :func:`jaxattn.merge.merge`, to :func:`forward`'s result.
     """
-    return _forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
+    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
                     interpret=interpret, path="split", config=config, partials=True)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
                                              "config"))
-def forward(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
-            interpret: bool, path: str | None = None, config: ForwardConfig | None = None):
+def forward(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool,
+            scale: float, interpret: bool, path: str | None = None,
+            config: ForwardConfig | None = None):
     """Attention forward on the canonical schedule.
 
     Args:
       q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Skv, D]``; key_padding_mask: ``[B, Skv]``
         bool or None; scale: the resolved scale.
+      causal_offsets: ``[B]`` int or None: position of query 0 minus position of key 0
+        per sequence (default ``Skv - Sq``); key j is visible to query i iff
+        ``j <= i + offset``.
       path: ``None`` (choose by row parallelism), ``"prefill"`` or ``"split"``; every
         choice gives the same bits.
       config: launch parameters (default :func:`forward_config`); they never change the
@@ -242,12 +261,12 @@ def forward(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
     Returns:
       ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
     """
-    return _forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
+    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
                     interpret=interpret, path=path, config=config, partials=False)
 
 
-def _forward(q, k, v, key_padding_mask, *, causal, scale, interpret, path, config,
-             partials):
+def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interpret, path,
+             config, partials):
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -275,7 +294,11 @@ def _forward(q, k, v, key_padding_mask, *, causal, scale, interpret, path, confi
     if has_mask:
         in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
         args.append(key_padding_mask.astype(jnp.int32))
-    static = dict(has_mask=has_mask, causal=causal, scale=scale, q_len=sq, kv_len=skv,
+    has_offsets = causal and causal_offsets is not None
+    if has_offsets:
+        in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
+        args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale, q_len=sq, kv_len=skv,
                   rows=rows, precision=precision,
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)

@@ -96,10 +96,11 @@ def _key_ok(mask_ref, start, block, kv_len):
     return cols, ok
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask, causal,
-                 scale, q_len, kv_len, group, block_q, block_kv, precision, whole_blocks):
-    mask_ref = refs[0] if has_mask else None
-    dk_ref, dv_ref = refs[-2:]
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask,
+                 has_offsets, causal, scale, q_len, kv_len, group, block_q, block_kv, precision,
+                 whole_blocks):
+    mask_ref, off_ref, (dk_ref, dv_ref) = pallas_triton._split_refs(refs, has_mask,
+                                                                    has_offsets)
     kb = pl.program_id(0)
     start = kb * block_kv
     cols, ok = _key_ok(mask_ref, start, block_kv, kv_len)
@@ -107,7 +108,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mas
     k = plgpu.load(k_ref.at[ksl, :], mask=ok[:, None], other=0.0)
     v = plgpu.load(v_ref.at[ksl, :], mask=ok[:, None], other=0.0)
     head_dim = k.shape[1]
-    offset = kv_len - q_len
+    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len)
     n_qblocks = pl.cdiv(q_len, block_q)
     # Query blocks [first, n) hold a row that sees this KV block; those in [mid, last)
     # see it whole (every row valid and past the diagonal, every key kept).
@@ -168,9 +169,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mas
     plgpu.store(dv_ref.at[ksl, :], dv.astype(dv_ref.dtype), mask=in_range)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask, causal,
-               scale, q_len, kv_len, block_q, block_kv, precision, whole_blocks):
-    mask_ref = refs[0] if has_mask else None
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask, has_offsets,
+               has_acc, causal, scale, q_len, kv_len, block_q, block_kv, precision,
+               whole_blocks):
+    mask_ref, off_ref, refs = pallas_triton._split_refs(refs, has_mask, has_offsets)
+    acc_ref = refs[0] if has_acc else None
     dq_ref = refs[-1]
     qb = pl.program_id(0)
     rows = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
@@ -180,7 +183,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask,
     do = plgpu.load(do_ref.at[qsl, :], mask=row_ok[:, None], other=0.0)
     lse = plgpu.load(lse_ref.at[qsl], mask=row_ok, other=NEG_INF)
     delta = plgpu.load(delta_ref.at[qsl], mask=row_ok, other=0.0)
-    offset = kv_len - q_len
+    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len)
     limit = rows + offset
     n_kv = pl.cdiv(kv_len, block_kv)
     full = 0 if (has_mask or not whole_blocks) else kv_len // block_kv
@@ -214,82 +217,141 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask,
         ds = p * (dp - delta[:, None])
         return dq + dot(ds.astype(k.dtype), k, precision=precision)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    if acc_ref is None:
+        dq = jnp.zeros(q.shape, jnp.float32)
+    else:  # continue the accumulation of earlier key ranges (context parallelism)
+        dq = plgpu.load(acc_ref.at[qsl, :], mask=row_ok[:, None], other=0.0)
     if whole_blocks and not has_mask and kv_len >= block_kv:
         full = jnp.minimum(full, hi)
         dq = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), dq)
     else:
         full = jnp.int32(0)
     dq = jax.lax.fori_loop(full, hi, functools.partial(body, masked=True), dq)
-    plgpu.store(dq_ref.at[qsl, :], (dq * scale).astype(dq_ref.dtype), mask=row_ok[:, None])
+    # Unscaled fp32 accumulator: the caller scales and casts after the last key range.
+    plgpu.store(dq_ref.at[qsl, :], dq, mask=row_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
-def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
-             scale: float, interpret: bool, config: BackwardConfig | None = None):
-    """Gradients ``(dq, dk, dv)`` of the forward, given cotangents of out and lse.
+def _head(blk):
+    return pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
 
-    ``config`` (default :func:`backward_config`) sets the tiles, hence the accumulation
-    order: keep one config per head dim for results to stay comparable run to run.
-    """
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    if sq == 0 or skv == 0:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    g = hq // hkv
+
+def _head_vec(n):
+    return pl.BlockSpec((None, None, n), lambda i, bi, hi: (bi, hi, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def delta(out, d_out, d_lse, *, interpret: bool, config: BackwardConfig | None = None):
+    """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]``, in a Pallas kernel."""
+    b, hq, sq, d = out.shape
     cfg = config or backward_config(d)
-    precision = precision_for(q.dtype)
-    has_mask = key_padding_mask is not None
-    mask_args = [key_padding_mask.astype(jnp.int32)] if has_mask else []
-    d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse.astype(jnp.float32)
-
-    head = lambda blk: pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
-    head_vec = lambda n: pl.BlockSpec((None, None, n), lambda i, bi, hi: (bi, hi, 0))
-    delta = pl.pallas_call(
+    d_lse = jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None else d_lse.astype(
+        jnp.float32)
+    return pl.pallas_call(
         functools.partial(_delta_kernel, q_len=sq, block=cfg.delta_block),
         grid=(pl.cdiv(sq, cfg.delta_block), b, hq),
-        in_specs=[head((sq, d)), head((sq, d)), head_vec(sq)],
-        out_specs=head_vec(sq),
+        in_specs=[_head((sq, d)), _head((sq, d)), _head_vec(sq)],
+        out_specs=_head_vec(sq),
         out_shape=jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
         compiler_params=_params(cfg),
         interpret=interpret,
         name="jaxattn_bwd_delta",
-    )(out, d_out, d_lse)
+    )(out, d_out.astype(out.dtype), d_lse)
 
-    static = dict(has_mask=has_mask, causal=causal, scale=scale, q_len=sq, kv_len=skv,
-                  block_q=cfg.block_q, block_kv=cfg.block_kv, precision=precision,
+
+def _common(q, k, key_padding_mask, causal_offsets, causal, scale, interpret, cfg):
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    has_mask = key_padding_mask is not None
+    has_offsets = causal and causal_offsets is not None
+    extra_specs, extra_args = [], []
+    if has_mask:
+        extra_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
+        extra_args.append(key_padding_mask.astype(jnp.int32))
+    if has_offsets:
+        extra_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
+        extra_args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale,
+                  q_len=sq, kv_len=skv, block_q=cfg.block_q, block_kv=cfg.block_kv,
+                  precision=precision_for(q.dtype),
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)
-    mask_spec = [pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0))] if has_mask else []
+    return extra_specs, extra_args, static
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def dkdv(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_offsets=None, *,
+         causal: bool, scale: float, interpret: bool, config: BackwardConfig | None = None):
+    """dK, dV of the keys in ``k``/``v`` from every query row, given the final lse and
+    delta of those rows: ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    cfg = config or backward_config(d)
+    specs, args, static = _common(q, k, key_padding_mask, causal_offsets, causal, scale,
+                                  interpret, cfg)
     group = lambda blk: pl.BlockSpec((None, g, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
     group_vec = pl.BlockSpec((None, g, sq), lambda i, bi, hi: (bi, hi, 0))
-    dk, dv = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dkdv_kernel, group=g, **static),
         grid=(pl.cdiv(skv, cfg.block_kv), b, hkv),
-        in_specs=[group((sq, d)), head((skv, d)), head((skv, d)), group((sq, d)),
-                  group_vec, group_vec, *mask_spec],
-        out_specs=[head((skv, d)), head((skv, d))],
+        in_specs=[group((sq, d)), _head((skv, d)), _head((skv, d)), group((sq, d)),
+                  group_vec, group_vec, *specs],
+        out_specs=[_head((skv, d)), _head((skv, d))],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(cfg),
         interpret=interpret,
         name="jaxattn_bwd_dkdv",
-    )(q, k, v, d_out, lse, delta, *mask_args)
+    )(q, k, v, d_out.astype(q.dtype), lse, delta_, *args)
 
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def dq_accumulate(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_offsets=None,
+                  acc=None, *, causal: bool, scale: float, interpret: bool,
+                  config: BackwardConfig | None = None):
+    """The unscaled fp32 dQ accumulator after the keys in ``k``/``v``, continuing ``acc``
+    (the accumulator after all earlier keys, or None). ``dq = (acc * scale)`` cast to
+    q's dtype after the last key range; folding key ranges in ascending order this way
+    gives the bits of one call over all keys when ranges start on KV-block boundaries."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    cfg = config or backward_config(d)
+    specs, args, static = _common(q, k, key_padding_mask, causal_offsets, causal, scale,
+                                  interpret, cfg)
+    acc_specs, acc_args = ([_head((sq, d))], [acc]) if acc is not None else ([], [])
     kv_head = lambda blk: pl.BlockSpec((None, None, *blk),
                                        lambda i, bi, hi: (bi, hi // g, 0, 0))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **static),
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, has_acc=acc is not None, **static),
         grid=(pl.cdiv(sq, cfg.block_q), b, hq),
-        in_specs=[head((sq, d)), kv_head((skv, d)), kv_head((skv, d)), head((sq, d)),
-                  head_vec(sq), head_vec(sq), *mask_spec],
-        out_specs=head((sq, d)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        in_specs=[_head((sq, d)), kv_head((skv, d)), kv_head((skv, d)), _head((sq, d)),
+                  _head_vec(sq), _head_vec(sq), *specs, *acc_specs],
+        out_specs=_head((sq, d)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
         compiler_params=_params(cfg),
         interpret=interpret,
         name="jaxattn_bwd_dq",
-    )(q, k, v, d_out, lse, delta, *mask_args)
-    return dq, dk, dv
+    )(q, k, v, d_out.astype(q.dtype), lse, delta_, *args, *acc_args)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal_offsets=None, *,
+             causal: bool, scale: float, interpret: bool,
+             config: BackwardConfig | None = None):
+    """Gradients ``(dq, dk, dv)`` of the forward, given cotangents of out and lse.
+
+    ``config`` (default :func:`backward_config`) sets the tiles, hence the accumulation
+    order: keep one config per head dim for results to stay comparable run to run.
+    """
+    sq, skv = q.shape[2], k.shape[2]
+    if sq == 0 or skv == 0:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    kw = dict(causal=causal, scale=scale, interpret=interpret, config=config)
+    dl = delta(out, d_out, d_lse, interpret=interpret, config=config)
+    dk, dv = dkdv(q, k, v, d_out, lse, dl, key_padding_mask, causal_offsets, **kw)
+    acc = dq_accumulate(q, k, v, d_out, lse, dl, key_padding_mask, causal_offsets, **kw)
+    return (acc * scale).astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

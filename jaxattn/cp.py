@@ -1,0 +1,464 @@
+"""Context parallelism: partial states, the global-order merge, CP attention.
+
+DESIGN.md section 5. Two ways to run attention over a sequence cut into shards:
+
+* :func:`forward` / :func:`forward_with_lse` / :func:`forward_fp32` /
+  :func:`forward_fp32_with_lse` (the seed contract, one device): queries and keys are cut
+  into ``cp_world_size`` shards, each shard's keys into ranges of ``kv_chunk_size``;
+  every (query shard, key range) pair yields :class:`PartialState` objects (one per
+  ``SPLIT`` of keys with the Pallas backend), and :func:`merge_partial_states` folds
+  them with ``lax.scan`` in ascending global key order, whatever order they arrive in.
+  When every key range starts on a ``SPLIT`` boundary the bits equal the single call's.
+* :func:`sharded_attention` (a mesh, ``jax.shard_map``): q, k and v sharded along the
+  sequence over a mesh axis. K and V are all-gathered, so every device computes its own
+  query rows over all keys with the same kernels: equal in bits to one device whatever
+  the shard boundaries (query shards must start on multiples of the backward's 64-row
+  block for the backward bits). See docs/cp.md for the collectives and bytes.
+
+Positions are global: query i of a sequence sits at ``query_position_offsets[b] + i``
+(default ``Skv - Sq``), key j at ``key_position_offsets[b] + j`` (default 0), and the
+causal rule compares them. Key ranges ``[start, end)`` index the key array as passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxattn import reference, schedule
+from jaxattn.kernels import pallas_triton as pt
+from jaxattn.kernels import pallas_triton_vjp as pv
+from jaxattn.merge import merge
+from jaxattn.registry import Backend, register, resolve
+from jaxattn.validation import Dims, resolve_scale, validate_inputs
+
+_NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PartialState:
+    """Attention over the contiguous key range ``[start, end)``.
+
+    Attributes:
+      out: ``[B, Hq, Sq, D]`` fp32, normalised over the range's visible keys (0 if none).
+      lse: ``[B, Hq, Sq]`` fp32 natural-log sum-exp (``-inf`` if none).
+      start, end: the key range (static ints); ``start == end`` is an empty range.
+    """
+
+    out: jax.Array
+    lse: jax.Array
+    start: int
+    end: int
+
+    def tree_flatten(self):
+        return (self.out, self.lse), (self.start, self.end)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int, int], at: int = 0) -> PartialState:
+        """The empty state ``(0, -inf)`` over ``[at, at)`` for an output ``shape``."""
+        return cls(jnp.zeros(shape, jnp.float32), jnp.full(shape[:3], _NEG_INF, jnp.float32),
+                   at, at)
+
+
+def merge_partial_states(states: Sequence[PartialState]) -> PartialState:
+    """Fold partial states in ascending key order with ``lax.scan`` and :func:`merge`.
+
+    The states may come in any order; they must tile one contiguous key range with no
+    gap and no overlap (empty ranges are allowed anywhere inside it).
+
+    Raises:
+      ValueError: no states, mismatched shapes, a gap or an overlap between ranges.
+    """
+    if not states:
+        raise ValueError("merge_partial_states needs at least one state")
+    shapes = {(tuple(s.out.shape), tuple(s.lse.shape)) for s in states}
+    if len(shapes) != 1:
+        raise ValueError(f"partial states have different shapes: {sorted(shapes)}")
+    for s in states:
+        if s.end < s.start:
+            raise ValueError(f"invalid key range [{s.start}, {s.end})")
+    ordered = sorted(states, key=lambda s: (s.start, s.end))
+    nonempty = [s for s in ordered if s.end > s.start]
+    for a, b in zip(nonempty, nonempty[1:], strict=False):
+        if b.start > a.end:
+            raise ValueError(f"gap in key ranges: [{a.start}, {a.end}) then "
+                             f"[{b.start}, {b.end}) leaves keys {a.end}..{b.start - 1} out")
+        if b.start < a.end:
+            raise ValueError(f"overlapping key ranges: [{a.start}, {a.end}) and "
+                             f"[{b.start}, {b.end})")
+    start = nonempty[0].start if nonempty else ordered[0].start
+    end = nonempty[-1].end if nonempty else ordered[0].end
+    if not nonempty:
+        return ordered[0]
+    outs = jnp.stack([s.out for s in nonempty])
+    lses = jnp.stack([s.lse for s in nonempty])
+    init = (jnp.zeros_like(outs[0]), jnp.full_like(lses[0], _NEG_INF))
+    (out, lse), _ = lax.scan(lambda acc, x: (merge(*acc, *x), None), init, (outs, lses))
+    return PartialState(out, lse, start, end)
+
+
+def _offsets(arg, default: int, b: int, name: str) -> jax.Array:
+    if arg is None:
+        return jnp.full((b,), default, jnp.int32)
+    arr = jnp.asarray(arg)
+    if arr.shape != (b,) or not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int array of shape [B] = ({b},), got "
+                         f"shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(jnp.int32)
+
+
+def _ranges(n: int, world: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Shard ``n`` items over ``world`` shards, then cut each shard into chunks."""
+    shard = -(-n // world) if n else 0
+    out = []
+    for w in range(world):
+        a, b = min(w * shard, n), min((w + 1) * shard, n)
+        step = chunk or max(b - a, 1)
+        out += [(c, min(c + step, b)) for c in range(a, b, step)] or [(a, a)]
+    return out
+
+
+def _pallas_states(q, k, v, mask, offsets, start, *, causal, scale, interpret):
+    """One PartialState per SPLIT of the key range ``[start, start + Skv)``."""
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    if skv == 0:
+        return [PartialState.empty(q.shape, start)]
+    o_parts, lse_parts = pt.split_partials(q, k, v, mask, offsets, causal=causal,
+                                           scale=scale, interpret=interpret)
+    hkv = k.shape[1]
+    n = o_parts.shape[2]
+    o_parts = jnp.moveaxis(o_parts, 2, 0).reshape(n, b, hq, sq, d)
+    lse_parts = jnp.moveaxis(lse_parts, 2, 0).reshape(n, b, hq, sq)
+    del hkv
+    sp = schedule.SPLIT
+    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
+                         start + min((i + 1) * sp, skv)) for i in range(n)]
+
+
+def _reference_state(q, k, v, mask, q_pos, k_pos, start, *, causal, scale, fp32):
+    fn = reference.forward_fp32_with_lse if fp32 else reference.forward_with_lse
+    if k.shape[2] == 0:
+        return PartialState.empty(q.shape, start)
+    out, lse = fn(q, k, v, causal=causal, scale=scale, key_padding_mask=mask,
+                  query_positions=q_pos, key_positions=k_pos)
+    return PartialState(out.astype(jnp.float32), lse, start, start + k.shape[2])
+
+
+def _check_cp_args(cp_world_size, kv_chunk_size):
+    if isinstance(cp_world_size, bool) or not isinstance(cp_world_size, (int, np.integer)) \
+            or cp_world_size < 1:
+        raise ValueError(f"cp_world_size must be a positive int, got {cp_world_size!r}")
+    if kv_chunk_size is not None and (isinstance(kv_chunk_size, bool) or not isinstance(
+            kv_chunk_size, (int, np.integer)) or kv_chunk_size < 1):
+        raise ValueError(f"kv_chunk_size must be None or a positive int, got {kv_chunk_size!r}")
+
+
+def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_size,
+                    kv_chunk_size, fp32, interpret):
+    """(out fp32, lse) from the partial states of every (query shard, key range)."""
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    outs, lses = [], []
+    ranges = _ranges(skv, cp_world_size, kv_chunk_size)
+    for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
+        if qb == qa:
+            continue
+        qs = q[:, :, qa:qb]
+        # Ranges "arrive" in ring order starting at this shard's own; the merge sorts.
+        order = ranges[qi % len(ranges):] + ranges[:qi % len(ranges)]
+        states = []
+        for a, e in order:
+            ms = None if mask is None else mask[:, a:e]
+            if backend == "pallas":
+                off = (qo + qa) - (ko + a)
+                states += _pallas_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off, a,
+                                         causal=causal, scale=scale, interpret=interpret)
+            else:
+                q_pos = (qo + qa)[:, None] + jnp.arange(qb - qa, dtype=jnp.int32)
+                k_pos = ko[:, None] + jnp.arange(a, e, dtype=jnp.int32)
+                states.append(_reference_state(qs, k[:, :, a:e], v[:, :, a:e], ms, q_pos,
+                                               k_pos, a, causal=causal, scale=scale,
+                                               fp32=fp32))
+        merged = merge_partial_states(states)
+        outs.append(merged.out)
+        lses.append(merged.lse)
+    if not outs:
+        return jnp.zeros(q.shape, jnp.float32), jnp.zeros((b, hq, 0), jnp.float32)
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _pallas_cp(q, k, v, mask, offsets, causal, scale, cp_world_size, kv_chunk_size,
+               interpret):
+    qo, ko = offsets
+    out, lse = _forward_states(q, k, v, mask, qo, ko, causal=causal, scale=scale,
+                               backend="pallas", cp_world_size=cp_world_size,
+                               kv_chunk_size=kv_chunk_size, fp32=False, interpret=interpret)
+    return out.astype(q.dtype), lse
+
+
+def _pallas_cp_fwd(q, k, v, mask, offsets, causal, scale, cp_world_size, kv_chunk_size,
+                   interpret):
+    out, lse = _pallas_cp(q, k, v, mask, offsets, causal, scale, cp_world_size,
+                          kv_chunk_size, interpret)
+    return (out, lse), (q, k, v, mask, offsets, out, lse)
+
+
+def _pallas_cp_bwd(causal, scale, cp_world_size, kv_chunk_size, interpret, res, cts):
+    """dK, dV per key range from the global lse and delta; dQ accumulated over the key
+    ranges in ascending global order (one fp32 accumulator, scaled and cast once)."""
+    q, k, v, mask, (qo, ko), out, lse = res
+    d_out, d_lse = cts
+    kw = dict(causal=causal, scale=scale, interpret=interpret)
+    dl = pv.delta(out, d_out, d_lse, interpret=interpret)
+    dks, dvs, acc = [], [], None
+    for a, e in _ranges(k.shape[2], cp_world_size, kv_chunk_size):
+        if e == a:
+            continue
+        ms = None if mask is None else mask[:, a:e]
+        off = qo - (ko + a)
+        dk, dv = pv.dkdv(q, k[:, :, a:e], v[:, :, a:e], d_out, lse, dl, ms, off, **kw)
+        dks.append(dk)
+        dvs.append(dv)
+        acc = pv.dq_accumulate(q, k[:, :, a:e], v[:, :, a:e], d_out, lse, dl, ms, off, acc,
+                               **kw)
+    if acc is None:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
+    dq = (acc * scale).astype(q.dtype)
+    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2), None, None
+
+
+_pallas_cp.defvjp(_pallas_cp_fwd, _pallas_cp_bwd)
+
+
+def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
+        key_position_offsets, cp_world_size, kv_chunk_size, fp32, backend):
+    dims: Dims = validate_inputs(q, k, v, causal=causal, scale=scale,
+                                 key_padding_mask=key_padding_mask)
+    _check_cp_args(cp_world_size, kv_chunk_size)
+    be = resolve("cp_attention", backend).name
+    if be == "pallas":
+        reason = pt.check_supported(dims.head_dim)
+        if reason:
+            raise ValueError(f"backend 'pallas' cannot serve this call: {reason}")
+    qo = _offsets(query_position_offsets, dims.kv_len - dims.q_len, dims.batch,
+                  "query_position_offsets")
+    ko = _offsets(key_position_offsets, 0, dims.batch, "key_position_offsets")
+    if fp32:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    s = resolve_scale(scale, dims.head_dim)
+    if be == "pallas":
+        interpret = jax.default_backend() == "cpu"
+        out, lse = _pallas_cp(q, k, v, key_padding_mask, (qo, ko), bool(causal), s,
+                              int(cp_world_size), kv_chunk_size, interpret)
+        return out, lse
+    out, lse = _forward_states(q, k, v, key_padding_mask, qo, ko, causal=causal, scale=s,
+                               backend="reference", cp_world_size=int(cp_world_size),
+                               kv_chunk_size=kv_chunk_size, fp32=fp32, interpret=False)
+    return out.astype(q.dtype), lse
+
+
+def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
+                     query_position_offsets=None, key_position_offsets=None, cp_world_size=1,
+                     kv_chunk_size=None, backend=None):
+    """CP attention: ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
+
+    Args:
+      q, k, v, causal, scale, key_padding_mask: as :func:`jaxattn.attention`.
+      query_position_offsets: ``[B]`` int, global position of query 0 (default Skv - Sq).
+      key_position_offsets: ``[B]`` int, global position of key 0 (default 0).
+      cp_world_size: number of shards of queries and keys (simulated on one device).
+      kv_chunk_size: keys per partial-state range inside a shard (default: the shard).
+      backend: None (platform priority), "pallas" or "reference".
+    """
+    return _cp(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+               query_position_offsets=query_position_offsets,
+               key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+               kv_chunk_size=kv_chunk_size, fp32=False, backend=backend)
+
+
+def forward(q, k, v, **kwargs):
+    """CP attention output (see :func:`forward_with_lse`)."""
+    return forward_with_lse(q, k, v, **kwargs)[0]
+
+
+def forward_fp32_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
+                          query_position_offsets=None, key_position_offsets=None,
+                          cp_world_size=1, kv_chunk_size=None, backend=None):
+    """CP attention on fp32-upcast inputs: fp32 ``(out, lse)``."""
+    return _cp(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+               query_position_offsets=query_position_offsets,
+               key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+               kv_chunk_size=kv_chunk_size, fp32=True, backend=backend)
+
+
+def forward_fp32(q, k, v, **kwargs):
+    """fp32 CP attention output (see :func:`forward_fp32_with_lse`)."""
+    return forward_fp32_with_lse(q, k, v, **kwargs)[0]
+
+
+def _unsupported_cp(dims: Dims) -> str | None:
+    return pt.check_supported(dims.head_dim)
+
+
+def _cp_forward_with_lse(backend_name):
+    def fn(q, k, v, *, causal, scale, key_padding_mask):
+        return forward_with_lse(q, k, v, causal=causal, scale=scale,
+                                key_padding_mask=key_padding_mask, backend=backend_name)
+    return fn
+
+
+register("cp_attention", Backend(
+    name="reference", platforms=("cpu", "gpu", "tpu"), priority={"cpu": 0, "gpu": 100, "tpu": 0},
+    forward_with_lse=_cp_forward_with_lse("reference"),
+    description="CP over the reference's partial states"))
+register("cp_attention", Backend(
+    name="pallas", platforms=("gpu", "cpu"), priority={"gpu": 10},
+    forward_with_lse=_cp_forward_with_lse("pallas"),
+    available=lambda: resolve("attention", "pallas") and None,
+    unsupported=_unsupported_cp,
+    description="CP over the Pallas kernels' per-split partial states"))
+
+
+# --------------------------------------------------------------------------- on a mesh
+
+def _chunks(n: int, s: int, load_balance: bool) -> list[list[int]]:
+    """Per device, the global sequence chunks it holds (chunk size s // n, or s // 2n)."""
+    if not load_balance:
+        return [[i] for i in range(n)]
+    return [[i, 2 * n - 1 - i] for i in range(n)]
+
+
+def _layout(n: int, s: int, load_balance: bool):
+    """(permutation putting each device's chunks together, chunk length, chunks)."""
+    chunks = _chunks(n, s, load_balance)
+    per = len(chunks[0])
+    c = s // (n * per)
+    perm = np.concatenate([np.arange(j * c, (j + 1) * c) for dev in chunks for j in dev])
+    return perm, c, chunks
+
+
+def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
+                      scale: float | None = None, key_padding_mask=None,
+                      load_balance: bool = False, return_lse: bool = False):
+    """Attention over q, k, v sharded along the sequence on ``mesh[axis_name]``.
+
+    Args:
+      q: ``[B, Hq, S, D]``; k, v: ``[B, Hkv, S, D]`` (self-attention, Sq == Skv == S);
+        S must divide into ``n`` equal shards (``2n`` chunks with ``load_balance``).
+      mesh, axis_name: the mesh and the axis that shards the sequence.
+      load_balance: for causal attention, device i holds chunks i and 2n-1-i of the
+        sequence instead of chunk i (the caller passes natural order; the permutation is
+        applied here). It balances the causal work and never changes the bits.
+
+    Forward: each device all-gathers K and V and computes its own query rows over all
+    keys with the Pallas kernels. Backward: each device all-gathers q, dO, lse and delta
+    (and K, V), computes dK and dV of its own keys over every query and dQ of its own
+    queries over every key. No reduction crosses devices, so forward and backward give
+    the bits of one device when chunk boundaries fall on multiples of 64 (the backward's
+    block) -- and, for the forward, always.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    dims = validate_inputs(q, k, v, causal=causal, scale=scale,
+                           key_padding_mask=key_padding_mask)
+    if dims.q_len != dims.kv_len:
+        raise ValueError(f"sharded_attention is self-attention: Sq ({dims.q_len}) must "
+                         f"equal Skv ({dims.kv_len})")
+    reason = pt.check_supported(dims.head_dim)
+    if reason:
+        raise ValueError(reason)
+    n = mesh.shape[axis_name]
+    s = dims.q_len
+    parts = n * (2 if load_balance else 1)
+    if s % parts:
+        raise ValueError(f"sequence length {s} must divide into {parts} equal chunks "
+                         f"({n} devices{', load-balanced' if load_balance else ''})")
+    sc = resolve_scale(scale, dims.head_dim)
+    interpret = jax.default_backend() == "cpu"
+    perm, c, chunks = _layout(n, s, load_balance)
+    inv = np.argsort(perm)
+    has_mask = key_padding_mask is not None
+    seq = P(None, None, axis_name, None)
+    vec = P(None, None, axis_name)
+    mspec = P(None, axis_name)
+    b = dims.batch
+    kw = dict(causal=bool(causal), scale=sc, interpret=interpret)
+
+    def gather(x, axis):
+        full = lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        return jnp.take(full, inv, axis=axis) if load_balance else full
+
+    def my_chunks():
+        i = lax.axis_index(axis_name)
+        starts = jnp.asarray([[j * c for j in dev] for dev in chunks], jnp.int32)[i]
+        return [(slice(t * c, (t + 1) * c), starts[t]) for t in range(len(chunks[0]))]
+
+    def fwd_local(q_l, k_l, v_l, m_l):
+        k_all, v_all = gather(k_l, 2), gather(v_l, 2)
+        m_all = gather(m_l, 1) if has_mask else None
+        outs = [pt.forward(q_l[:, :, sl], k_all, v_all, m_all, jnp.full((b,), st), **kw)
+                for sl, st in my_chunks()]
+        return (jnp.concatenate([o for o, _ in outs], 2),
+                jnp.concatenate([l_ for _, l_ in outs], 2))
+
+    def bwd_local(q_l, k_l, v_l, m_l, out_l, lse_l, do_l, dlse_l):
+        dl_l = pv.delta(out_l, do_l, dlse_l, interpret=interpret)
+        q_all, do_all = gather(q_l, 2), gather(do_l.astype(q_l.dtype), 2)
+        lse_all, dl_all = gather(lse_l, 2), gather(dl_l, 2)
+        k_all, v_all = gather(k_l, 2), gather(v_l, 2)
+        m_all = gather(m_l, 1) if has_mask else None
+        dks, dvs, dqs = [], [], []
+        for sl, st in my_chunks():
+            ms = m_l[:, sl] if has_mask else None
+            dk, dv = pv.dkdv(q_all, k_l[:, :, sl], v_l[:, :, sl], do_all, lse_all, dl_all,
+                             ms, jnp.full((b,), -st), **kw)
+            acc = pv.dq_accumulate(q_l[:, :, sl], k_all, v_all, do_l[:, :, sl],
+                                   lse_l[:, :, sl], dl_l[:, :, sl], m_all, jnp.full((b,), st),
+                                   **kw)
+            dks.append(dk)
+            dvs.append(dv)
+            dqs.append((acc * sc).astype(q_l.dtype))
+        return tuple(jnp.concatenate(x, 2) for x in (dqs, dks, dvs))
+
+    mask_in = key_padding_mask if has_mask else jnp.zeros((b, s), bool)
+    fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(seq, seq, seq, mspec),
+                            out_specs=(seq, vec), check_vma=False)
+    bwd_map = jax.shard_map(bwd_local, mesh=mesh,
+                            in_specs=(seq, seq, seq, mspec, seq, vec, seq, vec),
+                            out_specs=(seq, seq, seq), check_vma=False)
+
+    @jax.custom_vjp
+    def attn(q, k, v, m):
+        return fwd_map(q, k, v, m)
+
+    def attn_fwd(q, k, v, m):
+        out, lse = fwd_map(q, k, v, m)
+        return (out, lse), (q, k, v, m, out, lse)
+
+    def attn_bwd(res, cts):
+        q, k, v, m, out, lse = res
+        d_out, d_lse = cts
+        dq, dk, dv = bwd_map(q, k, v, m, out, lse, d_out, d_lse)
+        return dq, dk, dv, None
+
+    attn.defvjp(attn_fwd, attn_bwd)
+    if load_balance:
+        q, k, v = (jnp.take(x, perm, axis=2) for x in (q, k, v))
+        mask_in = jnp.take(mask_in, perm, axis=1)
+    out, lse = attn(q, k, v, mask_in)
+    if load_balance:
+        out, lse = jnp.take(out, inv, axis=2), jnp.take(lse, inv, axis=2)
+    return (out, lse) if return_lse else out
