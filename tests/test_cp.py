@@ -1,0 +1,229 @@
+"""Context parallelism: partial states, the global-order merge, CP attention on one
+device and over a mesh of 8 CPU devices."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import cp, schedule
+from jaxattn.invariance import bits_equal
+
+from conftest import np_attention, rand, rand_qkv, rel_err
+
+
+@pytest.fixture
+def small_split():
+    """SPLIT = 128 keys, so SPLIT-aligned shards fit interpret-mode shapes. The property
+    under test (aligned CP == no CP, in bits) holds for any SPLIT."""
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    yield
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+    jax.clear_caches()
+
+
+def _states(n=5, shape=(1, 2, 3, 8)):
+    edges = [0, 4, 4, 9, 20, 33][:n + 1]
+    return [cp.PartialState(rand(shape), rand(shape[:3]), a, b)
+            for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def test_merge_partial_states_is_order_free_and_matches_a_left_fold():
+    states = _states()
+    merged = cp.merge_partial_states(states)
+    assert (merged.start, merged.end) == (0, 33)
+    shuffled = states[:]
+    random.Random(0).shuffle(shuffled)
+    again = cp.merge_partial_states(shuffled)
+    assert bits_equal(again.out, merged.out) and bits_equal(again.lse, merged.lse)
+    out, lse = states[0].out, states[0].lse
+    for s in states[1:]:
+        if s.end > s.start:
+            out, lse = jaxattn.merge(out, lse, s.out, s.lse)
+    np.testing.assert_allclose(merged.out, out, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_with_an_empty_state_keeps_bits():
+    s = _states(1)[0]
+    empty = cp.PartialState.empty(s.out.shape, at=s.end)
+    m = cp.merge_partial_states([empty, s])
+    assert bits_equal(m.out, s.out) and bits_equal(m.lse, s.lse)
+    # An empty range made of (0, -inf) data over a non-empty key range also passes through.
+    blank = cp.PartialState(jnp.zeros_like(s.out), jnp.full_like(s.lse, -jnp.inf), s.end, 50)
+    m = cp.merge_partial_states([blank, s])
+    assert bits_equal(m.out, s.out) and bits_equal(m.lse, s.lse) and m.end == 50
+
+
+def test_merge_rejects_gaps_overlaps_and_shape_mismatch():
+    a = _states(1)[0]  # [0, 4)
+    gap = cp.PartialState(a.out, a.lse, 10, 12)
+    with pytest.raises(ValueError, match=r"gap in key ranges: \[0, 4\) then \[10, 12\)"):
+        cp.merge_partial_states([a, gap])
+    over = cp.PartialState(a.out, a.lse, 2, 6)
+    with pytest.raises(ValueError, match=r"overlapping key ranges: \[0, 4\) and \[2, 6\)"):
+        cp.merge_partial_states([a, over])
+    with pytest.raises(ValueError, match="different shapes"):
+        cp.merge_partial_states([a, cp.PartialState(a.out[:, :1], a.lse[:, :1], 4, 5)])
+    with pytest.raises(ValueError, match="at least one"):
+        cp.merge_partial_states([])
+
+
+@pytest.mark.parametrize("world,chunk", [(1, None), (2, None), (2, 128), (4, None),
+                                         (8, None)])
+def test_cp_degrees_equal_single_call_in_bits(small_split, world, chunk):
+    q, k, v = rand_qkv(2, 4, 2, 1024, 1024, 64, jnp.bfloat16)
+    mask = jnp.asarray(np.arange(1024) % 13 != 5)[None].repeat(2, 0)
+    do = rand(q.shape, jnp.bfloat16)
+    op = jaxattn.get_op("attention", backend="pallas")
+    ref, ref_vjp = jax.vjp(lambda q, k, v: op.forward_with_lse(q, k, v, key_padding_mask=mask),
+                           q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: cp.forward_with_lse(
+        q, k, v, key_padding_mask=mask, cp_world_size=world, kv_chunk_size=chunk,
+        backend="pallas"), q, k, v)
+    assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
+    d_lse = rand(ref[1].shape)
+    for a, b in zip(got_vjp((do, d_lse)), ref_vjp((do, d_lse)), strict=True):
+        assert bits_equal(a, b)
+
+
+def test_unaligned_shards_are_within_tolerance(small_split):
+    q, k, v = rand_qkv(1, 4, 2, 700, 700, 64, jnp.float32)
+    got = cp.forward_fp32(q, k, v, cp_world_size=3, backend="pallas")
+    ref = jaxattn.reference.forward_fp32(q, k, v)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_reference_backend_cp_matches_float64():
+    q, k, v = rand_qkv(2, 4, 2, 40, 40, 16)
+    for world, chunk in [(1, None), (2, 7), (4, None)]:
+        out, lse = cp.forward_fp32_with_lse(q, k, v, cp_world_size=world, kv_chunk_size=chunk,
+                                            backend="reference")
+        ref_out, ref_lse = np_attention(q, k, v)
+        assert rel_err(out, ref_out) < 1e-5
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_position_offsets_are_observable(backend):
+    """Different query and key starts against an independent position-aware float64
+    computation: an implementation that ignores the offsets fails."""
+    q, k, v = rand_qkv(2, 4, 2, 24, 70, 64, jnp.float32)
+    qo = np.array([117, 40])
+    ko = np.array([100, 0])
+    out = cp.forward_fp32(q, k, v, query_position_offsets=jnp.asarray(qo),
+                          key_position_offsets=jnp.asarray(ko), cp_world_size=2,
+                          kv_chunk_size=16, backend=backend)
+    q_pos = qo[:, None] + np.arange(24)
+    k_pos = ko[:, None] + np.arange(70)
+    ref, _ = np_attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
+    assert rel_err(out, ref) < 1e-5
+    ignored, _ = np_attention(q, k, v)
+    assert rel_err(out, ignored) > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_empty_shards_and_rows_with_no_visible_key(backend):
+    q, k, v = rand_qkv(1, 2, 1, 3, 0, 64, jnp.bfloat16)
+    out, lse = cp.forward_with_lse(q, k, v, cp_world_size=4, backend=backend)
+    assert np.all(np.asarray(out, np.float32) == 0) and np.isneginf(np.asarray(lse)).all()
+    q, k, v = rand_qkv(1, 2, 1, 3, 5, 64, jnp.bfloat16)  # more shards than queries
+    out, lse = cp.forward_with_lse(q, k, v, cp_world_size=8, backend=backend)
+    ref = jaxattn.reference.forward_fp32(q, k, v)
+    assert rel_err(out, ref) < 3e-2
+    # Keys all after the queries: nothing visible, out 0, lse -inf, no NaN gradients.
+    q, k, v = rand_qkv(1, 2, 1, 4, 6, 64, jnp.float32)
+    f = lambda q, k, v: cp.forward(q, k, v, query_position_offsets=jnp.array([0]),
+                                   key_position_offsets=jnp.array([10]), cp_world_size=2,
+                                   backend=backend)
+    assert np.all(np.asarray(f(q, k, v)) == 0)
+    g = jax.grad(lambda *a: f(*a).sum(), (0, 1, 2))(q, k, v)
+    assert all(np.all(np.asarray(x) == 0) for x in g)
+
+
+def test_gradients_against_reference():
+    q, k, v = rand_qkv(1, 4, 2, 60, 90, 64, jnp.float32)
+    w = rand(q.shape)
+    qo = jnp.array([50])
+    got = jax.grad(lambda *a: jnp.sum(cp.forward(*a, query_position_offsets=qo,
+                                                 cp_world_size=2, backend="pallas") * w),
+                   (0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(cp.forward(*a, query_position_offsets=qo,
+                                                  backend="reference") * w), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-4
+
+
+def test_registry_and_bad_arguments():
+    op = jaxattn.get_op("cp_attention")
+    assert op.backend == jaxattn.get_op("attention").backend
+    q, k, v = rand_qkv(1, 2, 1, 4, 4, 16)
+    assert rel_err(op(q, k, v), jaxattn.reference.forward_fp32(q, k, v)) < 1e-4
+    with pytest.raises(ValueError, match="cp_world_size must be a positive int"):
+        cp.forward(q, k, v, cp_world_size=0)
+    with pytest.raises(ValueError, match="kv_chunk_size must be None or a positive int"):
+        cp.forward(q, k, v, kv_chunk_size=0)
+    with pytest.raises(ValueError, match=r"query_position_offsets must be an int array of "
+                                         r"shape \[B\] = \(1,\)"):
+        cp.forward(q, k, v, query_position_offsets=jnp.array([1, 2]))
+    with pytest.raises(ValueError, match="Hq must be a multiple"):
+        cp.forward(q, k[:, :0], v[:, :0])
+
+
+def test_sharded_attention_on_8_cpu_devices_equals_one_device():
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh
+        import jaxattn
+        from jaxattn import cp
+        from jaxattn.invariance import bits_equal
+        assert len(jax.devices()) == 8
+        ks = jax.random.split(jax.random.PRNGKey(3), 5)
+        q = jax.random.normal(ks[0], (2, 4, 1024, 64), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[1], (2, 2, 1024, 64), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (2, 2, 1024, 64), jnp.float32).astype(jnp.bfloat16)
+        do = jax.random.normal(ks[3], q.shape, jnp.float32).astype(jnp.bfloat16)
+        mask = jnp.asarray(np.arange(1024) % 7 != 2)[None].repeat(2, 0)
+        att = lambda q, k, v: jaxattn.attention(q, k, v, key_padding_mask=mask,
+                                                return_lse=True, backend="pallas")
+        ref, vjp = jax.vjp(att, q, k, v)
+        dl = jax.random.normal(ks[4], ref[1].shape)
+        gref = vjp((do, dl))
+        for n in (2, 4, 8):
+            for lb in (False, True):
+                mesh = Mesh(np.array(jax.devices()[:n]), ("sp",))
+                f = lambda q, k, v: cp.sharded_attention(
+                    q, k, v, mesh=mesh, axis_name="sp", key_padding_mask=mask,
+                    load_balance=lb, return_lse=True)
+                got, gvjp = jax.vjp(jax.jit(f), q, k, v)
+                assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1]), (n, lb)
+                for a, b in zip(gvjp((do, dl)), gref):
+                    assert bits_equal(a, b), (n, lb)
+                assert not np.isnan(np.asarray(got[0], np.float32)).any()
+        print("SHARDED OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_sharded_attention_rejects_bad_layouts():
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    q, k, v = rand_qkv(1, 2, 1, 8, 6, 64)
+    with pytest.raises(ValueError, match=r"Sq \(8\) must equal Skv \(6\)"):
+        cp.sharded_attention(q, k, v, mesh=mesh, axis_name="sp")
+    q, k, v = rand_qkv(1, 2, 1, 9, 9, 64)
+    with pytest.raises(ValueError, match="must divide into 2 equal chunks"):
+        cp.sharded_attention(q, k, v, mesh=mesh, axis_name="sp", load_balance=True)
