@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 import jaxattn

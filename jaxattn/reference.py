@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn.validation import validate_inputs, resolve_scale
+from jaxattn.validation import resolve_scale, validate_inputs
 
 _NEG_INF = float("-inf")
 

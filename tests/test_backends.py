@@ -14,14 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ON_GPU, np_attention, rand, rand_qkv, rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxattn
 from jaxattn import invariance, reference
 from jaxattn.invariance import bits_equal
-
-from conftest import ON_GPU, np_attention, rand, rand_qkv, rel_err
 
 
 @dataclasses.dataclass(frozen=True)

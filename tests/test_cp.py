@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import np_attention, rand, rand_qkv, rel_err
 
 import jaxattn
 from jaxattn import cp, schedule
 from jaxattn.invariance import bits_equal
-
-from conftest import np_attention, rand, rand_qkv, rel_err
 
 
 @pytest.fixture

@@ -6,12 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import np_attention, rand, rand_qkv
 
 from jaxattn import reference
 from jaxattn.invariance import bits_equal
 from jaxattn.merge import finalize, merge
-
-from conftest import np_attention, rand, rand_qkv
 
 
 def test_empty_side_returns_other_bits():

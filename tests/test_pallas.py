@@ -9,16 +9,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from conftest import ON_GPU, rand, rand_qkv, rel_err
 
 from jaxattn import reference, schedule
 from jaxattn.invariance import bits_equal
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
 from jaxattn.merge import merge
-
-from conftest import ON_GPU, rand, rand_qkv, rel_err
 
 INTERPRET = not ON_GPU
 
@@ -77,7 +75,8 @@ def test_whole_block_steps_compute_the_same_values():
         cb = pv.BackwardConfig(block_q=32, block_kv=32, whole_blocks=True)
         got = pv.backward(q, k, v, None, out, lse, do, None, causal=causal,
                           scale=1 / 8, interpret=INTERPRET, config=cb)
-        want = jax.vjp(lambda a, b, c: reference.forward_fp32(a, b, c, causal=causal),
+        want = jax.vjp(lambda a, b, c, causal=causal: reference.forward_fp32(a, b, c,
+                                                                            causal=causal),
                        *(x.astype(jnp.float32) for x in (q, k, v)))[1](do.astype(jnp.float32))
         for g, w in zip(got, want, strict=True):
             assert rel_err(g, w) < 5e-2
@@ -91,8 +90,8 @@ def test_whole_block_steps_give_the_masked_bits_on_gpu():
         fast = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=True))
         slow = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=False))
         assert bits_equal(fast[0], slow[0]) and bits_equal(fast[1], slow[1])
-        grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal, scale=1 / math.sqrt(128),
-                             interpret=False,
+        grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal,
+                             scale=1 / math.sqrt(128), interpret=False,
                              config=dataclasses.replace(pv.backward_config(128), whole_blocks=w))
                  for w in (True, False)]
         for a, b in zip(*grads, strict=True):

@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import np_attention, rand, rand_qkv, rel_err
 
 from jaxattn import reference
 from jaxattn.invariance import bits_equal
-
-from conftest import np_attention, rand, rand_qkv, rel_err
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -5,12 +5,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import ON_GPU, rand_qkv
 
 import jaxattn
 from jaxattn import registry
 from jaxattn.invariance import bits_equal
-
-from conftest import ON_GPU, rand_qkv
 
 
 def test_platform_priority():

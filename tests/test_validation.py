@@ -5,11 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rand, rand_qkv
 
 import jaxattn
 from jaxattn.validation import validate_inputs
-
-from conftest import rand, rand_qkv
 
 
 def _ok():

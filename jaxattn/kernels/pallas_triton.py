@@ -298,8 +298,8 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
     if has_offsets:
         in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
         args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
-    static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale, q_len=sq, kv_len=skv,
-                  rows=rows, precision=precision,
+    static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale,
+                  q_len=sq, kv_len=skv, rows=rows, precision=precision,
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)
     out_shapes = [jax.ShapeDtypeStruct((b, hkv, rows, d), q.dtype),
