@@ -147,7 +147,7 @@ def test_cp_attention_op_equals_jax_cp():
     op = torch_bridge.get_op("cp_attention", backend=BACKEND)
     q, k, v = _t(2, 4, 30, 64, grad=True), _t(2, 2, 50, 64, grad=True), \
         _t(2, 2, 50, 64, grad=True, seed=21)
-    kw = dict(query_position_offsets=torch.tensor([20, 40]), cp_world_size=2,
+    kw = dict(query_position_offsets=torch.tensor([20, 40], device=DEV), cp_world_size=2,
               kv_chunk_size=16)
     out, lse = op.forward_with_lse(q, k, v, **kw)
     jo, jl = cp.forward_with_lse(_j(q), _j(k), _j(v), query_position_offsets=jnp.array([20, 40]),
@@ -180,6 +180,10 @@ def test_errors():
         op(q, k, v, key_padding_mask=torch.ones(1, 8, dtype=torch.int32, device=DEV))
     with pytest.raises(TypeError, match="belong to the 'cp_attention' op"):
         op(q, k, v, cp_world_size=2)
+    cp_op = torch_bridge.get_op("cp_attention")
+    with pytest.raises(ValueError, match=r"all tensors must be on one device.*"
+                                         r"query_position_offsets on meta"):
+        cp_op(q, k, v, query_position_offsets=torch.tensor([3], device="meta"))
     if DEV == "cpu" and torch.cuda.is_available():  # pragma: no cover - mixed machine
         with pytest.raises(ValueError, match="never copies to another device"):
             op(q.cuda(), k.cuda(), v.cuda())
@@ -207,4 +211,5 @@ def test_cuda_streams_jax_producer_read_by_torch():
     x = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.float32)
     y = (x @ x) @ x  # long enough to be in flight at the hand-off
     t = bridge.to_torch(y)
-    assert torch.equal(t.sum().cpu(), torch.from_numpy(np.asarray(y)).sum())
+    assert t.data_ptr() == y.unsafe_buffer_pointer()
+    assert torch.equal(t.cpu(), torch.from_numpy(np.asarray(y)))

@@ -248,11 +248,12 @@ class TorchOp:
                                             cp_world_size != 1 or kv_chunk_size is not None):
             raise TypeError("position offsets, cp_world_size and kv_chunk_size belong to "
                             "the 'cp_attention' op")
-        _check_same_device({"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask})
-        if fp32:
-            q, k, v = q.float(), k.float(), v.float()
         qo = _as_offsets(query_position_offsets, q)
         ko = _as_offsets(key_position_offsets, q)
+        _check_same_device({"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask,
+                            "query_position_offsets": qo, "key_position_offsets": ko})
+        if fp32:
+            q, k, v = q.float(), k.float(), v.float()
         # Devices, shapes and dtypes are checked inside the op (jaxattn's one validation).
         return _attention_op(q, k, v, key_padding_mask, qo, ko, self.op_name, self.backend,
                              bool(causal), None if scale is None else float(scale),
@@ -279,6 +280,8 @@ class TorchOp:
 
 
 def _as_offsets(x: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """Offsets as a tensor: a tensor stays as given (it must be on q's device); Python or
+    NumPy integers become an int32 tensor on q's device."""
     if x is None or isinstance(x, torch.Tensor):
         return x
     return torch.as_tensor(x, dtype=torch.int32, device=like.device)
