@@ -26,7 +26,7 @@ def test_check_main_job_passes_and_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] is True
     rows = report["backends"]["pallas"]["invariance"]
-    assert len(rows) == 8 and all(r["equal"] for r in rows)
+    assert len(rows) == 9 and all(r["equal"] for r in rows)
 
 
 def test_check_exits_nonzero_when_a_promised_invariant_breaks():

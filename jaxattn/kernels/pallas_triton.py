@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,36 @@ def _split_refs(refs, has_mask: bool, has_offsets: bool):
     return mask_ref, off_ref, refs
 
 
+class _KV(NamedTuple):
+    """Where a program's keys live. ``view(ref, start)`` is the ``[BLOCK_N, D]`` view of
+    keys ``[start, start + BLOCK_N)`` of this program's sequence and KV head: a slice of
+    the contiguous ``[Skv, D]`` block, or a slice of one page of a paged cache."""
+
+    k_ref: Any
+    v_ref: Any
+    mask_ref: Any
+    kv_len: Any  # a Python int (contiguous) or this sequence's length (paged)
+    view: Callable
+
+
+def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int | None) -> _KV:
+    bn = schedule.BLOCK_N
+    if page_size is None:
+        return _KV(k_ref, v_ref, mask_ref, kv_len,
+                   lambda ref, start: ref.at[pl.ds(start, bn), :])
+    table_ref, lens_ref = paged_refs
+    b, h = pl.program_id(1), pl.program_id(2)
+    num_pages = k_ref.shape[0]
+
+    def view(ref, start):
+        # page_size is a multiple of BLOCK_N, so a block never straddles two pages; the
+        # clip only keeps a bad table entry from reading outside the cache.
+        page = jnp.clip(table_ref[b, start // page_size], 0, num_pages - 1)
+        return ref.at[page, h, pl.ds(start % page_size, bn), :]
+
+    return _KV(k_ref, v_ref, None, lens_ref[b], view)
+
+
 def _causal_offset(off_ref, q_len: int, kv_len: int):
     """Position of query 0 minus position of key 0: ``Skv - Sq`` unless given per
     sequence (context parallelism: global positions of a shard)."""
@@ -101,10 +133,10 @@ def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, offset):
     return row_ok, limit, q
 
 
-def _block_bounds(row_ok, limit, *, causal: bool, kv_len: int, has_mask: bool):
+def _block_bounds(row_ok, limit, *, causal: bool, kv_len, has_mask: bool):
     """(blocks seen whole by every row, blocks seen by any row) of the tile."""
     bn = schedule.BLOCK_N
-    total = schedule.num_blocks(kv_len)
+    total = (kv_len + bn - 1) // bn
     full = 0 if has_mask else kv_len // bn
     if not causal:
         return jnp.int32(full), jnp.int32(total)
@@ -115,8 +147,8 @@ def _block_bounds(row_ok, limit, *, causal: bool, kv_len: int, has_mask: bool):
     return full.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_len, scale,
-                 precision, whole_blocks):
+def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
+                 whole_blocks):
     """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
     seen whole by every row); returns the split's partial state.
 
@@ -126,11 +158,12 @@ def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_le
     """
     bn = schedule.BLOCK_N
     m_rows, head_dim = q.shape
+    mask_ref, kv_len = kv.mask_ref, kv.kv_len
 
     def whole(j, carry):
-        sl = pl.ds(j * bn, bn)
-        return online_softmax_step(*carry, q, k_ref[sl, :], v_ref[sl, :], None,
-                                   scale=scale, precision=precision)
+        k = kv.view(kv.k_ref, j * bn)[...]
+        v = kv.view(kv.v_ref, j * bn)[...]
+        return online_softmax_step(*carry, q, k, v, None, scale=scale, precision=precision)
 
     def masked(j, carry):
         start = j * bn
@@ -139,8 +172,8 @@ def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_le
         if mask_ref is not None:
             ok = ok & (plgpu.load(mask_ref.at[pl.ds(start, bn)], mask=ok, other=0) != 0)
         # Keys not kept load as zeros: NaN or inf in padding cannot leak through 0 * x.
-        k = plgpu.load(k_ref.at[pl.ds(start, bn), :], mask=ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(start, bn), :], mask=ok[:, None], other=0.0)
+        k = plgpu.load(kv.view(kv.k_ref, start), mask=ok[:, None], other=0.0)
+        v = plgpu.load(kv.view(kv.v_ref, start), mask=ok[:, None], other=0.0)
         visible = jnp.broadcast_to(ok[None, :], (m_rows, bn))
         if causal:
             visible = visible & (cols[None, :] <= limit[:, None])
@@ -150,7 +183,8 @@ def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_le
     init = (jnp.zeros((m_rows, head_dim), jnp.float32),
             jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    if whole_blocks and kv_len >= bn and mask_ref is None:  # else no block is whole
+    # (A static length below BLOCK_N has no whole block; its loop is not even traced.)
+    if whole_blocks and mask_ref is None and not (isinstance(kv_len, int) and kv_len < bn):
         mid = jnp.clip(mid, lo, hi)
         carry = jax.lax.fori_loop(lo, mid, whole, init)
     else:
@@ -160,20 +194,23 @@ def _fold_blocks(lo, mid, hi, q, k_ref, v_ref, mask_ref, limit, *, causal, kv_le
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                    kv_len, rows, block_m, precision, whole_blocks):
-    mask_ref, off_ref, (o_ref, lse_ref) = _split_refs(refs, has_mask, has_offsets)
+                    kv_len, rows, block_m, precision, whole_blocks, page_size):
+    mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size)
+    o_ref, lse_ref = refs[-2:]
     tile = pl.program_id(0)
     row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
-                                 _causal_offset(off_ref, q_len, kv_len))
-    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
+                                 _causal_offset(off_ref, q_len, kv.kv_len))
+    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv.kv_len,
+                             has_mask=has_mask)
     per_split = schedule.BLOCKS_PER_SPLIT
     n_splits = (hi + per_split - 1) // per_split
 
     def split_body(si, state):
         lo = si * per_split
-        part = _fold_blocks(lo, full, jnp.minimum(lo + per_split, hi), q, k_ref, v_ref,
-                            mask_ref, limit, causal=causal, kv_len=kv_len, scale=scale,
-                            precision=precision, whole_blocks=whole_blocks)
+        part = _fold_blocks(lo, full, jnp.minimum(lo + per_split, hi), q, kv, limit,
+                            causal=causal, scale=scale, precision=precision,
+                            whole_blocks=whole_blocks)
         return merge(*state, *part)
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
@@ -184,19 +221,21 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, s
 
 
 def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                  kv_len, rows, block_m, n_splits, precision, whole_blocks):
-    mask_ref, off_ref, (o_ref, lse_ref) = _split_refs(refs, has_mask, has_offsets)
+                  kv_len, rows, block_m, n_splits, precision, whole_blocks, page_size):
+    mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size)
+    o_ref, lse_ref = refs[-2:]
     pid = pl.program_id(0)
     tile = pid // n_splits
     si = pid % n_splits
     row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
-                                 _causal_offset(off_ref, q_len, kv_len))
-    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
+                                 _causal_offset(off_ref, q_len, kv.kv_len))
+    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv.kv_len,
+                             has_mask=has_mask)
     lo = si * schedule.BLOCKS_PER_SPLIT
     end = jnp.maximum(jnp.minimum(lo + schedule.BLOCKS_PER_SPLIT, hi), lo)
-    out, lse = _fold_blocks(lo, full, end, q, k_ref, v_ref, mask_ref, limit, causal=causal,
-                            kv_len=kv_len, scale=scale, precision=precision,
-                            whole_blocks=whole_blocks)
+    out, lse = _fold_blocks(lo, full, end, q, kv, limit, causal=causal, scale=scale,
+                            precision=precision, whole_blocks=whole_blocks)
     sl = pl.ds(tile * block_m, block_m)
     plgpu.store(o_ref.at[si, sl, :], out, mask=row_ok[:, None])
     plgpu.store(lse_ref.at[si, sl], lse, mask=row_ok)
@@ -265,10 +304,38 @@ def forward(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool
                     interpret=interpret, path=path, config=config, partials=False)
 
 
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
+                                             "config"))
+def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, scale: float,
+                  interpret: bool, path: str | None = None,
+                  config: ForwardConfig | None = None):
+    """Attention of the last ``Sq`` tokens of each sequence against a paged KV cache,
+    read in place by the kernels (no gather into a contiguous copy).
+
+    Args:
+      q: ``[B, Hq, Sq, D]``: the queries of tokens ``seq_lens[b] - Sq .. seq_lens[b] - 1``.
+      k_pages, v_pages: ``[num_pages, Hkv, page_size, D]``; ``page_size`` a multiple of
+        ``BLOCK_N``.
+      block_table: ``[B, max_pages]`` int32: logical page p of sequence b is physical
+        page ``block_table[b, p]``.
+      seq_lens: ``[B]`` int32 keys per sequence (at most ``max_pages * page_size``).
+
+    Returns ``(out, lse)`` equal in bits to :func:`forward` on the contiguous keys.
+    """
+    return _forward(q, k_pages, v_pages, None, None, causal=causal, scale=scale,
+                    interpret=interpret, path=path, config=config, partials=False,
+                    paged=(block_table, seq_lens))
+
+
 def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interpret, path,
-             config, partials):
+             config, partials, paged=None):
     b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
+    if paged is None:
+        skv, page_size = k.shape[2], None
+    else:  # capacity of the block table; each sequence's own length comes from seq_lens
+        page_size = k.shape[2]
+        skv = paged[0].shape[1] * page_size
     g = hq // hkv
     rows = g * sq
     n_splits = schedule.num_splits(skv)
@@ -289,7 +356,11 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
         raise ValueError(f"path must be None, 'prefill' or 'split', got {path!r}")
 
     per_head = lambda blk: pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
-    in_specs = [per_head((rows, d)), per_head((skv, d)), per_head((skv, d))]
+    if paged is None:
+        in_specs = [per_head((rows, d)), per_head((skv, d)), per_head((skv, d))]
+    else:
+        whole = pl.BlockSpec(k.shape, lambda i, bi, hi: (0, 0, 0, 0))
+        in_specs = [per_head((rows, d)), whole, whole]
     args = [qf, k, v]
     if has_mask:
         in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
@@ -298,8 +369,13 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
     if has_offsets:
         in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
         args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    if paged is not None:
+        table, lens = paged
+        in_specs += [pl.BlockSpec(table.shape, lambda i, bi, hi: (0, 0)),
+                     pl.BlockSpec((b,), lambda i, bi, hi: (0,))]
+        args += [table.astype(jnp.int32), lens.astype(jnp.int32)]
     static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale,
-                  q_len=sq, kv_len=skv, rows=rows, precision=precision,
+                  q_len=sq, kv_len=skv, rows=rows, precision=precision, page_size=page_size,
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)
     out_shapes = [jax.ShapeDtypeStruct((b, hkv, rows, d), q.dtype),

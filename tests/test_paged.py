@@ -1,0 +1,101 @@
+"""Paged KV cache: read in place by the kernels, equal in bits to contiguous KV for any
+page table and any page size that is a multiple of BLOCK_N; clear errors otherwise."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import invariance, paged
+from jaxattn.invariance import bits_equal
+
+from conftest import rand_qkv, rel_err
+
+P = invariance.Problem(batch=3, num_q_heads=4, num_kv_heads=2, seq_len=150, head_dim=64)
+
+
+def test_paged_decode_and_chunks_equal_contiguous_in_bits():
+    op = jaxattn.get_op("attention", backend="pallas")
+    res = invariance.check_paged(op, P, [64, 128, 256], steps=[0, 1, 63, 64, 100, 149])
+    assert all(r.equal for r in res), res
+
+
+def test_paged_over_more_than_one_split_and_ragged_lengths():
+    """Sequences of different lengths in one batch, one longer than SPLIT."""
+    s = jaxattn.SPLIT + 90
+    q, k, v = rand_qkv(3, 4, 2, s, s, 64, jnp.bfloat16)
+    lens = np.array([s, 700, 5])
+    ps, max_pages = 128, -(-s // 128)
+    num_pages = 3 * max_pages
+    table = np.random.default_rng(1).permutation(num_pages).reshape(3, max_pages)
+    kp = jnp.full((num_pages, 2, ps, 64), jnp.nan, jnp.bfloat16)
+    vp = jnp.full((num_pages, 2, ps, 64), jnp.nan, jnp.bfloat16)
+    for b in range(3):
+        kb = paged.write(kp, vp, jnp.asarray(table[b:b + 1]), jnp.zeros((1,), jnp.int32),
+                         k[b:b + 1, :, :lens[b]], v[b:b + 1, :, :lens[b]])
+        kp, vp = kb[0], kb[1]
+    sq = 3
+    qs = jnp.stack([q[b, :, lens[b] - sq:lens[b]] for b in range(3)])
+    for path in ("prefill", "split"):
+        out, lse = jaxattn.kernels.pallas_triton.paged_forward(
+            qs, kp, vp, jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32),
+            causal=True, scale=0.125, interpret=jax.default_backend() == "cpu", path=path)
+        for b in range(3):
+            o, l = jaxattn.attention(qs[b:b + 1], k[b:b + 1, :, :lens[b]], v[b:b + 1, :, :lens[b]],
+                                     scale=0.125, return_lse=True, backend="pallas")
+            assert bits_equal(out[b:b + 1], o) and bits_equal(lse[b:b + 1], l), (path, b)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+
+
+def test_reference_backend_reads_any_page_size():
+    p = dataclasses.replace(P, batch=2)
+    q, k, v = invariance.random_qkv(p)
+    table = jnp.asarray(np.arange(2 * 6)[::-1].reshape(2, 6).astype(np.int32))
+    kp = jnp.zeros((12, 2, 30, 64), k.dtype)
+    vp = jnp.zeros((12, 2, 30, 64), v.dtype)
+    kp, vp, lens = paged.write(kp, vp, table, jnp.zeros((2,), jnp.int32), k[:, :, :120],
+                               v[:, :, :120])
+    out = paged.attention(q[:, :, 110:120], kp, vp, table, lens, backend="reference")
+    ref = jaxattn.reference.forward_fp32(q[:, :, 110:120], k[:, :, :120], v[:, :, :120])
+    assert rel_err(out, ref) < 3e-2
+    with pytest.raises(ValueError, match=r"page_size 30 is not a multiple of BLOCK_N=64"):
+        paged.attention(q[:, :, 110:120], kp, vp, table, lens, backend="pallas")
+
+
+def test_write_appends_without_touching_inputs():
+    kp = jnp.zeros((4, 1, 64, 16), jnp.float32)
+    table = jnp.array([[2, 0]], jnp.int32)
+    new = jnp.arange(1 * 1 * 70 * 16, dtype=jnp.float32).reshape(1, 1, 70, 16) + 1
+    k2, _, lens = paged.write(kp, kp, table, jnp.array([0]), new, new)
+    assert int(lens[0]) == 70 and float(jnp.abs(kp).sum()) == 0
+    np.testing.assert_array_equal(k2[2, 0], new[0, 0, :64])
+    np.testing.assert_array_equal(k2[0, 0, :6], new[0, 0, 64:])
+    np.testing.assert_array_equal(paged.gather(k2, table)[0, :, :70], new[0])
+
+
+def test_errors():
+    q, k, v = rand_qkv(2, 4, 2, 1, 8, 64)
+    kp = jnp.zeros((5, 2, 64, 64))
+    table = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    lens = jnp.array([70, 10], jnp.int32)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 is not a page id in \[0, 5\)"):
+        paged.attention(q, kp, kp, table.at[0, 1].set(9), lens)
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[0, max_pages \* page_size\] "
+                                         r"= \[0, 128\]"):
+        paged.attention(q, kp, kp, table, jnp.array([200, 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"block_table must have shape \[B, max_pages\]"):
+        paged.attention(q, kp, kp, table[:1], lens)
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \[B\]"):
+        paged.attention(q, kp, kp, table, lens[:1])
+    with pytest.raises(TypeError, match="share one dtype"):
+        paged.attention(q.astype(jnp.bfloat16), kp, kp, table, lens)
+    with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
+        paged.attention(q, jnp.zeros((5, 3, 64, 64)), jnp.zeros((5, 3, 64, 64)), table, lens)
+    # An unused table entry may hold anything (here -1): only used pages are checked.
+    out = paged.attention(q, kp + 1.0, kp + 1.0, table.at[1, 1].set(-1), lens)
+    assert not np.isnan(np.asarray(out)).any()
