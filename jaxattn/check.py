@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxattn import invariance, reference
+from jaxattn.invariance import TOLERANCE
 from jaxattn.registry import backend_names, current_platform, get_op, resolve
 
 FLAGS = flags.FLAGS
@@ -37,8 +38,6 @@ flags.DEFINE_integer("decode_steps", 8, "Decode steps checked (spread over the s
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
-#: Accuracy bars: max |out - ref| / max |ref| against forward_fp32 (DESIGN.md 7).
-TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-5}
 #: Matrix rows the reference backend promises; kernel backends promise every row.
 REFERENCE_PROMISES = ("row alone vs in batch", "run to run")
 

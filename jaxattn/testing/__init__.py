@@ -1,0 +1,1 @@
+"""Diagnostics: the single-device comparison harness (:mod:`jaxattn.testing.comparison`)."""
