@@ -17,7 +17,6 @@ import numpy as np
 
 from jaxattn.registry import get_op
 
-
 #: Accuracy bars: max |out - ref| / max |ref| against forward_fp32 (DESIGN.md 7).
 TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-5}
 

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rand
 
 from jaxattn import invariance, rope
 from jaxattn.testing import comparison as cmp
-
-from conftest import rand
 
 P = invariance.Problem(batch=2, num_q_heads=4, num_kv_heads=2, seq_len=130, head_dim=64)
 

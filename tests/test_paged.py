@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rand_qkv, rel_err
 
 import jaxattn
 from jaxattn import invariance, paged
 from jaxattn.invariance import bits_equal
-
-from conftest import rand_qkv, rel_err
 
 P = invariance.Problem(batch=3, num_q_heads=4, num_kv_heads=2, seq_len=150, head_dim=64)
 

@@ -258,9 +258,12 @@ def delta(out, d_out, d_lse, *, interpret: bool, config: BackwardConfig | None =
     )(out, d_out.astype(out.dtype), d_lse)
 
 
-def _common(q, k, key_padding_mask, causal_offsets, causal, scale, interpret, cfg):
+def _common(q, k, key_padding_mask, causal_offsets, causal, scale, interpret, config):
+    """Shapes, tiles, the optional mask/offset operands and the static kernel options
+    shared by the dK/dV and dQ launches."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
+    cfg = config or backward_config(d)
     has_mask = key_padding_mask is not None
     has_offsets = causal and causal_offsets is not None
     extra_specs, extra_args = [], []
@@ -275,7 +278,8 @@ def _common(q, k, key_padding_mask, causal_offsets, causal, scale, interpret, cf
                   precision=precision_for(q.dtype),
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)
-    return extra_specs, extra_args, static
+    return (b, hq, sq, d, k.shape[1], skv, hq // k.shape[1], cfg), extra_specs, extra_args, \
+        static
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -283,12 +287,8 @@ def dkdv(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_offsets=None
          causal: bool, scale: float, interpret: bool, config: BackwardConfig | None = None):
     """dK, dV of the keys in ``k``/``v`` from every query row, given the final lse and
     delta of those rows: ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype."""
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    cfg = config or backward_config(d)
-    specs, args, static = _common(q, k, key_padding_mask, causal_offsets, causal, scale,
-                                  interpret, cfg)
+    (b, hq, sq, d, hkv, skv, g, cfg), specs, args, static = _common(
+        q, k, key_padding_mask, causal_offsets, causal, scale, interpret, config)
     group = lambda blk: pl.BlockSpec((None, g, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
     group_vec = pl.BlockSpec((None, g, sq), lambda i, bi, hi: (bi, hi, 0))
     return pl.pallas_call(
@@ -313,12 +313,8 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_off
     (the accumulator after all earlier keys, or None). ``dq = (acc * scale)`` cast to
     q's dtype after the last key range; folding key ranges in ascending order this way
     gives the bits of one call over all keys when ranges start on KV-block boundaries."""
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    cfg = config or backward_config(d)
-    specs, args, static = _common(q, k, key_padding_mask, causal_offsets, causal, scale,
-                                  interpret, cfg)
+    (b, hq, sq, d, hkv, skv, g, cfg), specs, args, static = _common(
+        q, k, key_padding_mask, causal_offsets, causal, scale, interpret, config)
     acc_specs, acc_args = ([_head((sq, d))], [acc]) if acc is not None else ([], [])
     kv_head = lambda blk: pl.BlockSpec((None, None, *blk),
                                        lambda i, bi, hi: (bi, hi // g, 0, 0))
