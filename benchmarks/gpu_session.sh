@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything the H200 is needed for, in one call; results land under $OUT.
 #
-#   STAGES=env,tests,check,bench bash benchmarks/gpu_session.sh
+#   STAGES=env,tests,check,operator,bench,bridge bash benchmarks/gpu_session.sh
 #
 # env: versions and nvidia-smi; tests: the pytest suite on the GPU (GPU-marked tests
-# included); check: the main job (accuracy + invariance matrix) at GPU sizes;
-# bench: benchmarks/attention_bench.py at the shapes.
+# included); check: the invariance matrix + accuracy at GPU sizes; operator: the
+# check_operator CLI at Qwen3-8B shapes (B=8, S=4096); bench: benchmarks/attention_bench.py
+# at the shapes; bridge: the torch bridge's overhead (benchmarks/bridge_bench.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxattn-out}
-STAGES=${STAGES:-env,tests,check,bench}
+STAGES=${STAGES:-env,tests,check,operator,bench,bridge}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,9 +35,20 @@ if has check; then
       --chunk_sizes=64,100,1000 --json_out="$OUT/check.json" 2>&1 | tee "$OUT/check.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
 fi
+if has operator; then
+  $PY -m jaxattn.check_operator --op attention --candidate pallas --dtype bf16 \
+      --batch=${OP_BATCH:-8} --seq_len=${OP_SEQ:-4096} --query_chunk_size=1000 \
+      --kv_page_size=128 --decode_steps=${OP_DECODE:-32} --json_out="$OUT/operator.json" 2>&1 \
+      | tee "$OUT/operator.txt" | tail -20
+  status=$((status | ${PIPESTATUS[0]}))
+fi
 if has bench; then
   $PY -m benchmarks.attention_bench --out_dir="$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench.txt" | tail -30
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has bridge; then
+  $PY -m benchmarks.bridge_bench --out_dir="$OUT/bridge" 2>&1 | tee "$OUT/bridge.txt" | tail -8
   status=$((status | ${PIPESTATUS[0]}))
 fi
 exit $status

@@ -59,3 +59,13 @@ def test_benchmark_smoke(tmp_path):
     assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
     assert all("error" not in r and r["ms"] > 0 for r in rows)
     assert "| fwd | jaxattn |" in (tmp_path / "results.md").read_text()
+
+
+def test_bridge_benchmark_smoke(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bridge_bench", "--smoke",
+                           f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["bridge_ms"] > 0 and r["jax_ms"] > 0 for r in rows)
