@@ -40,6 +40,40 @@ def _median_time(fn, sync, iters, reps):
     return statistics.median(times)
 
 
+def _bench_shape(name, shape, op, jop, dev, torch_sync, iters, reps) -> list[dict]:
+    import torch
+
+    b, hq, hkv, sq, skv, d = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, sq, d, generator=g).to(torch.bfloat16).to(dev)
+    k = torch.randn(b, hkv, skv, d, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(b, hkv, skv, d, generator=g).to(torch.bfloat16).to(dev)
+    do = torch.randn(b, hq, sq, d, generator=g).to(torch.bfloat16).to(dev)
+    jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
+    f = jax.jit(lambda q, k, v: jop(q, k, v))
+    fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: jop(q, k, v), q, k, v)[1](do))
+    holder = {}
+    jax_fwd = _median_time(lambda: holder.__setitem__("o", f(jq, jk, jv)),
+                           lambda: jax.block_until_ready(holder["o"]), iters, reps)
+    jax_fb = _median_time(lambda: holder.__setitem__("g", fb(jq, jk, jv, jdo)),
+                          lambda: jax.block_until_ready(holder["g"]), iters, reps)
+    tq, tk, tv = (x.clone().requires_grad_() for x in (q, k, v))
+    torch_fwd = _median_time(lambda: op(q, k, v), torch_sync, iters, reps)
+
+    def torch_step():
+        out = op(tq, tk, tv)
+        torch.autograd.backward(out, do)
+
+    torch_fb = _median_time(torch_step, torch_sync, iters, reps)
+    rows = []
+    for mode, tj, tt in (("fwd", jax_fwd, torch_fwd), ("fwdbwd", jax_fb, torch_fb)):
+        rows.append({"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq, "Skv": skv,
+                     "D": d, "mode": mode, "jax_ms": tj * 1e3, "bridge_ms": tt * 1e3,
+                     "overhead_ms": (tt - tj) * 1e3})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv):
     del argv
     import torch
@@ -59,32 +93,8 @@ def main(argv):
     jop = jaxattn.get_op("attention")
     torch_sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
     rows = []
-    for name, (b, hq, hkv, sq, skv, d) in shapes.items():
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(b, hq, sq, d, generator=g).to(torch.bfloat16).to(dev)
-        k = torch.randn(b, hkv, skv, d, generator=g).to(torch.bfloat16).to(dev)
-        v = torch.randn(b, hkv, skv, d, generator=g).to(torch.bfloat16).to(dev)
-        do = torch.randn(b, hq, sq, d, generator=g).to(torch.bfloat16).to(dev)
-        jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
-        f = jax.jit(lambda q, k, v: jop(q, k, v))
-        fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: jop(q, k, v), q, k, v)[1](do))
-        holder = {}
-        jax_fwd = _median_time(lambda: holder.__setitem__("o", f(jq, jk, jv)),
-                               lambda: jax.block_until_ready(holder["o"]), iters, reps)
-        jax_fb = _median_time(lambda: holder.__setitem__("g", fb(jq, jk, jv, jdo)),
-                              lambda: jax.block_until_ready(holder["g"]), iters, reps)
-        tq, tk, tv = (x.clone().requires_grad_() for x in (q, k, v))
-        torch_fwd = _median_time(lambda: op(q, k, v), torch_sync, iters, reps)
-
-        def torch_step():
-            out = op(tq, tk, tv)
-            torch.autograd.backward(out, do)
-        torch_fb = _median_time(torch_step, torch_sync, iters, reps)
-        for mode, tj, tt in (("fwd", jax_fwd, torch_fwd), ("fwdbwd", jax_fb, torch_fb)):
-            rows.append({"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq, "Skv": skv,
-                         "D": d, "mode": mode, "jax_ms": tj * 1e3, "bridge_ms": tt * 1e3,
-                         "overhead_ms": (tt - tj) * 1e3})
-            print(rows[-1], flush=True)
+    for name, shape in shapes.items():
+        rows += _bench_shape(name, shape, op, jop, dev, torch_sync, iters, reps)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "torch": torch.__version__,
             "backend": op.backend, "command": "python -m benchmarks.bridge_bench " +
