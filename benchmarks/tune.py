@@ -22,7 +22,10 @@ from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep.")
+flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep; 'variants' times "
+                  "and checks the schedule variants of --variants.")
+flags.DEFINE_list("variants", ["e:mma", "2:mma", "e:reduce", "2:reduce"],
+                  "SOFTMAX_EXP_BASE:ROWSUM pairs for --what=variants.")
 flags.DEFINE_list("block_n", ["64"], "BLOCK_N values to try.")
 flags.DEFINE_list("split", ["1024"], "SPLIT values to try (decode).")
 flags.DEFINE_integer("seq_len", 4096, "Prefill length.")
@@ -106,7 +109,41 @@ def main(argv):
                     gbs = 2 * kd.size * 2 / t / 1e9
                     print(f"decode BLOCK_N={bn} SPLIT={sp} Skv={skv} warps={w} stages={st}: "
                           f"{t * 1e6:.1f} us {gbs:.0f} GB/s", flush=True)
+    if "variants" in FLAGS.what:
+        _variants(q, k, v, scale, flops)
     set_schedule(64, 1024)
+
+
+def _variants(q, k, v, scale, flops):
+    """Speed of each schedule variant beside its invariance on this GPU (decode vs
+    prefill rows, chunked prefill, tile heights): a variant is usable only if all hold."""
+    import jaxattn
+    from jaxattn import invariance
+
+    p = invariance.Problem(batch=2, num_q_heads=32, num_kv_heads=8, seq_len=2048,
+                           head_dim=FLAGS.head_dim)
+    for variant in FLAGS.variants:
+        base, rowsum = variant.split(":")
+        schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = base, rowsum
+        jax.clear_caches()
+        fn = jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
+                                                interpret=False))
+        t = timeit(fn, (q, k, v), FLAGS.reps)
+        op = jaxattn.get_op("attention", backend="pallas")
+        res = invariance.check_decode(op, p, [0, 1, 63, 64, 1000, 2047])
+        res += invariance.check_chunked_prefill(op, p, [100, 1000])
+        qq, kk, vv = invariance.random_qkv(p)
+        tiles = [pt.forward(qq, kk, vv, causal=True, scale=scale, interpret=False,
+                            path=path, config=pt.ForwardConfig(block_m=bm))
+                 for bm in (16, 64, 128) for path in ("prefill", "split")]
+        tiles_ok = all(invariance.bits_equal(a[0], tiles[0][0]) and
+                       invariance.bits_equal(a[1], tiles[0][1]) for a in tiles)
+        verdicts = " ".join(f"{r.case.split(' ')[0]}={'ok' if r.equal else 'DIFF'}" for r in res)
+        print(f"variant exp={base} rowsum={rowsum}: fwd {t * 1e3:.3f} ms "
+              f"{flops / t / 1e12:.1f} TFLOP/s; {verdicts} tiles={'ok' if tiles_ok else 'DIFF'}",
+              flush=True)
+    schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = "e", "mma"
+    jax.clear_caches()
 
 
 if __name__ == "__main__":

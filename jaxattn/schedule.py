@@ -26,7 +26,20 @@ SPLIT: Final[int] = 1024
 #: Blocks per split.
 BLOCKS_PER_SPLIT: Final[int] = SPLIT // BLOCK_N
 
+#: Exponential of the in-kernel online softmax: "e" (``exp``, the same instruction XLA
+#: uses) or "2" (``exp2`` of scores pre-scaled by log2(e): the GPU's fast approximate
+#: instruction; every kernel path would use it alike). The merge of partial states always
+#: uses exp/log. "2" is a candidate for speed, not yet measured for invariance on the GPU.
+SOFTMAX_EXP_BASE: Final[str] = "e"
+
+#: Row sum of a block's probabilities: "mma" (on the matrix unit: the same bits for
+#: every tile height, by the measurement in DESIGN.md section 4) or "reduce" (a vector
+#: reduction, whose order follows the register layout; a candidate for speed that must
+#: be shown tile-invariant on the GPU before it is used).
+ROWSUM: Final[str] = "mma"
+
 assert SPLIT % BLOCK_N == 0, "SPLIT must be a multiple of BLOCK_N"
+assert SOFTMAX_EXP_BASE in ("e", "2") and ROWSUM in ("mma", "reduce")
 
 
 def num_blocks(num_keys: int) -> int:

@@ -13,6 +13,7 @@ import pytest
 from conftest import ON_GPU, rand, rand_qkv, rel_err
 
 from jaxattn import reference, schedule
+from jaxattn.registry import get_op as jaxattn_get_op
 from jaxattn.invariance import bits_equal
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
@@ -141,3 +142,27 @@ def test_backward_config_is_validated():
         pv.BackwardConfig(block_q=48)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         pt.ForwardConfig(block_m=8)
+
+
+@pytest.mark.parametrize("base,rowsum", [("2", "mma"), ("e", "reduce"), ("2", "reduce")])
+def test_schedule_variants_are_accurate_and_keep_decode_bits(base, rowsum):
+    """The candidate schedule variants (benchmarks/tune.py --what=variants) stay within
+    the accuracy bar and keep decode rows equal to prefill rows here; their invariance on
+    the GPU is what the tuning run measures before one is adopted."""
+    from jaxattn import invariance
+    old = (schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM)
+    schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = base, rowsum
+    jax.clear_caches()
+    try:
+        q, k, v = rand_qkv(1, 4, 2, 150, 150, 64, jnp.bfloat16)
+        out, lse = _forward(q, k, v)
+        ref, ref_lse = reference.forward_fp32_with_lse(q, k, v)
+        assert rel_err(out, ref) < 3e-2
+        assert float(jnp.max(jnp.abs(lse - ref_lse))) < 2e-2
+        op = jaxattn_get_op("attention", backend="pallas")
+        p = invariance.Problem(batch=1, num_q_heads=4, num_kv_heads=2, seq_len=130,
+                               head_dim=64)
+        assert all(r.equal for r in invariance.check_decode(op, p, [0, 64, 129]))
+    finally:
+        schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = old
+        jax.clear_caches()

@@ -8,11 +8,17 @@ computes it.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxattn import schedule
+
 NEG_INF = float("-inf")
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 #: Columns of the all-ones operand that turns a row sum into a matrix product. The
 #: row sum of the probabilities is taken on the matrix unit (max over identical
@@ -35,9 +41,17 @@ def precision_for(dtype) -> lax.Precision | None:
 
 
 def rowsum(p: jax.Array, precision: lax.Precision | None) -> jax.Array:
-    """Row sums of a ``[M, N]`` tile computed on the matrix unit (see ROWSUM_COLS)."""
+    """Row sums of a ``[M, N]`` tile: on the matrix unit (see ROWSUM_COLS), or as a
+    vector reduction when ``schedule.ROWSUM == "reduce"``."""
+    if schedule.ROWSUM == "reduce":
+        return jnp.sum(p.astype(jnp.float32), axis=1)
     ones = jnp.ones((p.shape[1], ROWSUM_COLS), dtype=p.dtype)
     return jnp.max(dot(p, ones, precision=precision), axis=1)
+
+
+def natural_max(m: jax.Array) -> jax.Array:
+    """The running max of :func:`online_softmax_step` in natural-log units."""
+    return m * LN2 if schedule.SOFTMAX_EXP_BASE == "2" else m
 
 
 def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array,
@@ -57,14 +71,19 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array
 
     A block with no visible key leaves (acc, m, l) unchanged bit for bit while m is
     finite (alpha = exp(0) = 1, p = 0), so skipping such blocks changes nothing.
+
+    With ``schedule.SOFTMAX_EXP_BASE == "2"`` scores are pre-scaled by log2(e) and m is
+    in log2 units (:func:`natural_max` converts it back).
     """
-    s = dot(q, k, trans_b=True, precision=precision) * scale
+    base2 = schedule.SOFTMAX_EXP_BASE == "2"
+    exp = jnp.exp2 if base2 else jnp.exp
+    s = dot(q, k, trans_b=True, precision=precision) * (scale * LOG2E if base2 else scale)
     if visible is not None:
         s = jnp.where(visible, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None]).astype(v.dtype)
+    alpha = exp(m - m_safe)
+    p = exp(s - m_safe[:, None]).astype(v.dtype)
     l_new = l * alpha + rowsum(p, precision)
     acc_new = acc * alpha[:, None] + dot(p, v, precision=precision)
     return acc_new, m_new, l_new

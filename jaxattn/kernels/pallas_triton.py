@@ -39,7 +39,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxattn import schedule
-from jaxattn.kernels.common import NEG_INF, next_pow2, online_softmax_step, precision_for
+from jaxattn.kernels.common import (
+    NEG_INF,
+    natural_max,
+    next_pow2,
+    online_softmax_step,
+    precision_for,
+)
 from jaxattn.merge import finalize, merge
 
 
@@ -190,7 +196,7 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
     else:
         mid, carry = lo, init
     acc, m, l = jax.lax.fori_loop(mid, hi, masked, carry)
-    return finalize(acc, m, l)
+    return finalize(acc, natural_max(m), l)
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
