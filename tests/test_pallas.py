@@ -13,11 +13,11 @@ import pytest
 from conftest import ON_GPU, rand, rand_qkv, rel_err
 
 from jaxattn import reference, schedule
-from jaxattn.registry import get_op as jaxattn_get_op
 from jaxattn.invariance import bits_equal
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
 from jaxattn.merge import merge
+from jaxattn.registry import get_op as jaxattn_get_op
 
 INTERPRET = not ON_GPU
 
