@@ -309,6 +309,11 @@ def forward_fp32(q, k, v, **kwargs):
     return forward_fp32_with_lse(q, k, v, **kwargs)[0]
 
 
+def _attention_backend(name: str) -> Backend:
+    from jaxattn.registry import _backends
+    return _backends("attention")[name]
+
+
 def _unsupported_cp(dims: Dims) -> str | None:
     return pt.check_supported(dims.head_dim)
 
@@ -327,7 +332,7 @@ register("cp_attention", Backend(
 register("cp_attention", Backend(
     name="pallas", platforms=("gpu", "cpu"), priority={"gpu": 10},
     forward_with_lse=_cp_forward_with_lse("pallas"),
-    available=lambda: resolve("attention", "pallas") and None,
+    available=lambda: _attention_backend("pallas").available(),
     unsupported=_unsupported_cp,
     description="CP over the Pallas kernels' per-split partial states"))
 

@@ -226,3 +226,15 @@ def test_sharded_attention_rejects_bad_layouts():
     q, k, v = rand_qkv(1, 2, 1, 9, 9, 64)
     with pytest.raises(ValueError, match="must divide into 2 equal chunks"):
         cp.sharded_attention(q, k, v, mesh=mesh, axis_name="sp", load_balance=True)
+
+
+def test_cp_op_falls_to_the_reference_when_the_kernels_are_unavailable(monkeypatch):
+    import dataclasses as dc
+
+    from jaxattn import registry
+    pallas = registry._backends("attention")["pallas"]
+    monkeypatch.setitem(registry._REGISTRY["attention"], "pallas",
+                        dc.replace(pallas, available=lambda: "no GPU of compute capability 8+"))
+    assert registry.resolve("cp_attention", platform="gpu").name == "reference"
+    with pytest.raises(RuntimeError, match="backend 'pallas' is unavailable: no GPU"):
+        registry.resolve("cp_attention", "pallas", platform="gpu")
