@@ -292,10 +292,14 @@ def run(cfg: Config, prompt_lens=(37, 100, 64, 5), new_tokens: int = 12, seed: i
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("size", "small", list(SIZES), "Model size.")
-flags.DEFINE_integer("new_tokens", 12, "Tokens generated per sequence.")
-flags.DEFINE_integer("seed", 0, "Seed of weights and prompts.")
-flags.DEFINE_enum("backend", "pallas", ["pallas", "reference"], "jaxattn backend.")
+
+
+def _define_flags() -> None:
+    """Flags exist only when this file is the program (importing it defines none)."""
+    flags.DEFINE_enum("size", "small", list(SIZES), "Model size.")
+    flags.DEFINE_integer("new_tokens", 12, "Tokens generated per sequence.")
+    flags.DEFINE_integer("seed", 0, "Seed of weights and prompts.")
+    flags.DEFINE_enum("backend", "pallas", ["pallas", "reference"], "jaxattn backend.")
 
 
 def main(argv):
@@ -312,4 +316,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -31,3 +31,13 @@ def test_rowwise_gives_the_same_bits_for_a_row_whatever_the_row_count():
         part = demo.rowwise(fn, x[:n])
         assert np.array_equal(np.asarray(part).view(np.uint32),
                               np.asarray(full[:n]).view(np.uint32)), n
+
+
+def test_example_runs_as_a_program():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "examples.qwen3_rollout_parity",
+                           "--new_tokens=2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bitwise equal: True" in proc.stdout
