@@ -43,6 +43,7 @@ class CheckResult:
     kind: str  # "forward" or "backward"
     equal: bool
     detail: str = ""
+    checked: bool = True  # False: the case does not apply to this problem (see detail)
 
 
 def random_qkv(p: Problem, *, seq_len: int | None = None, batch: int | None = None,
@@ -232,6 +233,35 @@ def check_paged(op, p: Problem, page_sizes: Sequence[int], steps: Sequence[int],
     return [_compare(f"paged KV (pages {list(page_sizes)}) vs contiguous", "forward", pairs)]
 
 
+def check_cp(op, p: Problem, degrees: Sequence[int]) -> list[CheckResult]:
+    """CP at each degree whose shards fall on SPLIT boundaries for this sequence length,
+    forward and backward, vs the single call (context parallelism simulated on one
+    device with the backend's partial states)."""
+    from jaxattn import cp, schedule
+
+    q, k, v = random_qkv(p)
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    aligned = [d for d in degrees if p.seq_len % (d * schedule.SPLIT) == 0]
+    if not aligned:
+        return [CheckResult("CP vs no CP", kind, True,
+                            f"no degree of {list(degrees)} is SPLIT-aligned at S={p.seq_len}; "
+                            f"not checked", checked=False) for kind in ("forward", "backward")]
+
+    def run(fn):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(do.astype(out.dtype))
+
+    base, gbase = run(lambda q, k, v: op.forward(q, k, v))
+    fpairs, bpairs = [], []
+    for d in aligned:
+        out, g = run(lambda q, k, v, d=d: cp.forward(q, k, v, cp_world_size=d,
+                                                     backend=op.backend))
+        fpairs.append((out, base))
+        bpairs += list(zip(g, gbase, strict=True))
+    case = f"CP degrees {aligned} vs no CP"
+    return [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
+
+
 def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
                decode_steps: Sequence[int] | None, pad_lengths: Sequence[int],
                progress: Callable[[str], None] | None = None) -> list[CheckResult]:
@@ -246,6 +276,7 @@ def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
         ("padding", lambda: check_padding(op, p, pad_lengths)),
         ("paged", lambda: check_paged(op, p, [64, 128], decode_steps or
                                       list(range(0, p.seq_len, max(1, p.seq_len // 8))))),
+        ("cp", lambda: check_cp(op, p, [1, 2, 4, 8])),
     ]
     for name, fn in checks:
         if progress:

@@ -258,6 +258,25 @@ def test_gqa_and_fp32_invariance(spec):
     _assert_all(invariance.check_chunked_prefill(_op(spec), p, [50]))
 
 
+def test_cp_degrees_in_the_matrix(spec):
+    """The matrix's CP row: aligned degrees equal the single call (SPLIT shrunk to 128
+    keys so aligned shards stay small; restored afterwards)."""
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    from jaxattn import schedule
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    try:
+        p = dataclasses.replace(PROBLEM, seq_len=512, batch=1)
+        res = invariance.check_cp(_op(spec), p, [1, 2, 4, 8])
+        assert all(r.checked for r in res) and "[1, 2, 4]" in res[0].case
+        _assert_all(res)
+    finally:
+        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+        jax.clear_caches()
+
+
 def test_decode_past_one_split_with_padding_mask(spec):
     """Decode over more than one SPLIT (split-parallel path) with a padding mask."""
     if not spec.follows_schedule:

@@ -26,7 +26,10 @@ def test_check_main_job_passes_and_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] is True
     rows = report["backends"]["pallas"]["invariance"]
-    assert len(rows) == 9 and all(r["equal"] for r in rows)
+    assert len(rows) == 11 and all(r["equal"] for r in rows)
+    cp_rows = [r for r in rows if r["case"].startswith("CP")]
+    assert len(cp_rows) == 2 and not any(r["checked"] for r in cp_rows)
+    assert "n/a" in proc.stdout
 
 
 def test_check_exits_nonzero_when_a_promised_invariant_breaks():
