@@ -1,17 +1,30 @@
-"""Attention speed: jaxattn beside its JAX peers, measured in one process and run.
+"""Attention speed and memory: jaxattn beside its peers, measured in one process and run.
 
     python -m benchmarks.attention_bench --out_dir=/tmp/bench        # GPU
     python -m benchmarks.attention_bench --smoke                     # CPU, tiny shapes
 
-Modes: ``fwd`` and ``fwdbwd`` (TFLOP/s; causal FLOPs count the visible half), and
-``decode`` (B sequences, Sq = 1, GB/s of K and V read, beside the measured
-device-to-device copy bandwidth counted as bytes read + written). Peers: cuDNN through
-``jax.nn.dot_product_attention(implementation="cudnn")`` and XLA through
-``implementation="xla"``, and JAX's built-in Pallas Triton ``mha`` (no GQA: it gets K
-and V repeated to Hq heads, outside the timed region). Timing: warm-up, then the median
-over ``--iters`` samples of ``--reps`` back-to-back calls each (one synchronisation per
-sample), rotating over several input sets so that no call reads the previous one's
-inputs from L2.
+Modes (``--modes``):
+
+- ``fwd`` and ``fwdbwd``: Sq = Skv = S for each of ``--seq_lens``; TFLOP/s count the
+  visible pairs only when causal; forward+backward counts 3.5x the forward FLOPs.
+- ``chunked``: chunked prefill, one chunk of ``--chunk_size`` queries against S keys
+  (the chunk's queries are the last ones: causal offset S - chunk), TFLOP/s.
+- ``decode``: ``--decode_batch`` sequences, Sq = 1, GB/s of K and V read, beside the
+  measured device-to-device copy bandwidth (bytes read + written).
+
+Every row also records the memory the call needs beyond its inputs and outputs: for a
+JAX system the compiled executable's temporary buffers (``memory_analysis()``), for a
+torch system the allocator's peak during the call minus what was allocated before and
+minus the outputs (CUDA only).
+
+Peers (``--backends``, see benchmarks/systems.py): cuDNN and XLA through
+``jax.nn.dot_product_attention``, JAX's built-in Pallas ``mha``, and torch SDPA's flash,
+cuDNN and efficient backends when torch with CUDA is present. Timing follows
+/work/.library/device/METHOD.md: warm-up, then the median over ``--iters`` samples, each
+of ``reps`` back-to-back calls with one synchronisation, rotating over ``--input_sets``
+fresh random input sets (no call reads its predecessor's inputs from L2). ``reps`` is
+chosen per point so that a sample lasts about ``--sample_ms`` (at most ``--reps``).
+``--tokens`` fixes B * S (the batch shrinks as S grows, so every point fills the chip).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,51 +42,65 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import jaxattn
+from benchmarks import systems
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("batch", 2, "Batch for fwd / fwdbwd.")
+flags.DEFINE_integer("batch", 2, "Batch for fwd / fwdbwd / chunked (unless --tokens).")
+flags.DEFINE_integer("tokens", 0, "If > 0: batch = max(1, tokens // S) for each S.")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
-flags.DEFINE_list("seq_lens", ["1024", "4096", "16384"], "Sequence lengths (fwd, fwdbwd).")
+flags.DEFINE_list("seq_lens", ["1024", "4096", "16384"], "Sequence lengths (fwd, fwdbwd, "
+                  "chunked).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Dtype.")
 flags.DEFINE_bool("causal", True, "Causal attention (fwd, fwdbwd).")
-flags.DEFINE_list("modes", ["fwd", "fwdbwd", "decode"], "What to time.")
-flags.DEFINE_list("backends", ["jaxattn", "cudnn", "xla", "pallas_mha"], "Systems to time.")
+flags.DEFINE_list("modes", ["fwd", "fwdbwd", "decode"], "What to time: fwd, fwdbwd, "
+                  "chunked, decode.")
+flags.DEFINE_list("backends", ["jaxattn", "cudnn", "xla", "pallas_mha", "torch_flash",
+                               "torch_cudnn", "torch_efficient"],
+                  "Systems to time (benchmarks/systems.py); torch ones need torch + CUDA.")
+flags.DEFINE_integer("chunk_size", 2048, "Queries per chunk (chunked).")
 flags.DEFINE_integer("decode_batch", 8, "Batch for decode.")
 flags.DEFINE_list("decode_kv_lens", ["4096", "32768"], "Context lengths for decode.")
 flags.DEFINE_integer("iters", 10, "Timed samples per point (median reported).")
-flags.DEFINE_integer("reps", 10, "Back-to-back calls per timed sample.")
+flags.DEFINE_integer("reps", 10, "Most back-to-back calls per timed sample.")
+flags.DEFINE_float("sample_ms", 50.0, "Target duration of one timed sample.")
 flags.DEFINE_integer("warmup", 3, "Untimed calls first.")
 flags.DEFINE_integer("input_sets", 3, "Input sets rotated over (defeats L2 reuse).")
 flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
-flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU (CI keeps the binary alive);"
-                  " jaxattn runs its Pallas kernels, in interpret mode there.")
-flags.DEFINE_string("jaxattn_backend", None, "Backend of jaxattn (default: platform priority).")
+flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU (CI keeps the binary alive):"
+                  " jaxattn runs its Pallas kernels (interpret mode), beside XLA and torch's "
+                  "CPU SDPA.")
 
 
-def _time(fn: Callable, inputs: list, iters: int, warmup: int, reps: int) -> float:
-    """Median seconds per call: each of ``iters`` samples launches ``reps`` calls back to
-    back, rotating over the input sets, and synchronises once (the device stays busy;
-    host dispatch overlaps it)."""
+def _time(fn: Callable, inputs: list, sync: Callable, iters: int, warmup: int, max_reps: int,
+          sample_s: float) -> tuple[float, int]:
+    """(median seconds per call, reps per sample): each of ``iters`` samples launches
+    ``reps`` calls back to back, rotating over the input sets, and synchronises once."""
     for i in range(warmup):
-        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+        sync(fn(*inputs[i % len(inputs)]))
+    t0 = time.perf_counter()
+    sync(fn(*inputs[0]))
+    one = time.perf_counter() - t0
+    reps = max(1, min(max_reps, math.ceil(sample_s / max(one, 1e-9))))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         for r in range(reps):
             out = fn(*inputs[r % len(inputs)])
-        jax.block_until_ready(out)
+        sync(out)
         times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return statistics.median(times), reps
 
 
 def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
     """Matmul FLOPs of one forward (2 matmuls), counting visible pairs only when causal."""
     if causal:
         off = skv - sq
-        pairs = sum(min(skv, max(0, i + off + 1)) for i in range(sq)) if sq < 65536 else \
-            sq * skv / 2
+        if off >= 0:  # rows see off+1 .. off+sq keys
+            pairs = sq * off + sq * (sq + 1) / 2
+        else:
+            pairs = sum(max(0, i + off + 1) for i in range(sq))
     else:
         pairs = sq * skv
     return 4.0 * b * hq * pairs * d
@@ -82,60 +110,67 @@ def _random(shape, dtype, key):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def make_fn(system: str, causal: bool, scale: float, hq: int, hkv: int):
-    """A jitted ``fn(q, k, v) -> out`` in the system's layout, and an input transform."""
-    if system == "jaxattn":
-        backend = FLAGS.jaxattn_backend or ("pallas" if FLAGS.smoke else None)
-        fn = lambda q, k, v: jaxattn.attention(q, k, v, causal=causal, scale=scale,
-                                               backend=backend)
-        return jax.jit(fn), lambda q, k, v: (q, k, v)
-    to_bshd = lambda x: jnp.swapaxes(x, 1, 2)
-    if system in ("cudnn", "xla"):
-        fn = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal, implementation=system)
-        return jax.jit(fn), lambda q, k, v: (to_bshd(q), to_bshd(k), to_bshd(v))
-    if system == "pallas_mha":
-        from jax.experimental.pallas.ops.gpu import attention as mha_lib
-        g = hq // hkv
-        fn = lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=scale, causal=causal)
-        rep = lambda x: to_bshd(jnp.repeat(x, g, axis=1))
-        return jax.jit(fn), lambda q, k, v: (to_bshd(q), rep(k), rep(v))
-    raise ValueError(f"unknown system {system!r}")
+def _nbytes(tree) -> int:
+    return sum(int(x.numel() * x.element_size()) if hasattr(x, "element_size")
+               else int(x.size * x.dtype.itemsize) for x in jax.tree.leaves(tree))
 
 
-def bench_attention(system, mode, b, hq, hkv, sq, skv, d, dtype, causal, iters, warmup,
-                    n_sets) -> dict:
-    scale = 1.0 / math.sqrt(d)
-    fn, prep = make_fn(system, causal, scale, hq, hkv)
-    keys = jax.random.split(jax.random.PRNGKey(sq * 7 + skv), 4 * n_sets)
+def _jax_temp_mb(compiled) -> float | None:
+    """The compiled executable's temporary buffers, MB (None where not reported)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # some runtimes have no memory analysis
+        return None
+    return None if ma is None else ma.temp_size_in_bytes / 2**20
+
+
+def _torch_extra_mb(run: Callable, args: tuple) -> float | None:
+    """Allocator peak during one call minus what was allocated before and minus the
+    outputs, MB (CUDA only)."""
+    import torch
+    if not torch.cuda.is_available() or jax.default_backend() == "cpu":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return max(0, peak - _nbytes(out)) / 2**20
+
+
+def bench_point(system: systems.System, mode: str, b, hq, hkv, sq, skv, d, dtype, causal,
+                iters, warmup, n_sets) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(sq * 7 + skv + b), 4 * n_sets)
     sets = []
     for i in range(n_sets):
         q = _random((b, hq, sq, d), dtype, keys[4 * i])
         k = _random((b, hkv, skv, d), dtype, keys[4 * i + 1])
         v = _random((b, hkv, skv, d), dtype, keys[4 * i + 2])
-        args = prep(q, k, v)
+        args = system.prepare(q, k, v)
         if mode == "fwdbwd":
-            do = _random(args[0].shape, dtype, keys[4 * i + 3])
-            args = (*args, do)
-        sets.append(jax.block_until_ready(args))
+            args = (*args, system.prepare_like_q(_random((b, hq, sq, d), dtype,
+                                                         keys[4 * i + 3])))
+        system.sync(args)
+        sets.append(args)
     if mode == "fwdbwd":
-        base = fn
-
-        def fwdbwd(q, k, v, do):
-            out, vjp = jax.vjp(base, q, k, v)
-            return vjp(do)
-        run = jax.jit(fwdbwd)
+        run = lambda *a: system.fwdbwd(*a, causal=causal)
     else:
-        run = fn
-    sec = _time(run, sets, iters, warmup, FLAGS.reps if not FLAGS.smoke else 1)
-    flops = attention_flops(b, hq, sq, skv, d, causal)
-    row = {"system": system, "mode": mode, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq,
+        run = lambda *a: system.forward(*a, causal=causal)
+    if system.framework == "jax":  # compiled once: timed, and asked for its memory
+        timed = jax.jit(run).lower(*sets[0]).compile()
+        extra = _jax_temp_mb(timed)
+    else:
+        timed, extra = run, _torch_extra_mb(run, sets[0])
+    sec, reps = _time(timed, sets, system.sync, iters, warmup, FLAGS.reps,
+                      FLAGS.sample_ms / 1e3)
+    row = {"system": system.name, "mode": mode, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq,
            "Skv": skv, "D": d, "dtype": str(jnp.dtype(dtype)), "causal": causal,
-           "ms": sec * 1e3}
+           "ms": sec * 1e3, "reps": reps, "extra_MB": extra}
     if mode == "decode":
-        kv_bytes = 2 * b * hkv * skv * d * jnp.dtype(dtype).itemsize
-        row["GB/s"] = kv_bytes / sec / 1e9
+        row["GB/s"] = 2 * b * hkv * skv * d * jnp.dtype(dtype).itemsize / sec / 1e9
     else:
+        flops = attention_flops(b, hq, sq, skv, d, causal)
         row["TFLOP/s"] = flops * (3.5 if mode == "fwdbwd" else 1.0) / sec / 1e12
     return row
 
@@ -143,86 +178,113 @@ def bench_attention(system, mode, b, hq, hkv, sq, skv, d, dtype, causal, iters, 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy, GB/s counting bytes read plus bytes written."""
     n = nbytes // 4
-    xs = [jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
-    copy = jax.jit(lambda x: x + 1.0)
-    sec = _time(copy, [(x,) for x in xs], iters, 3, 5)
+    xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
+    sec, _ = _time(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready, iters, 3, 5, 0.0)
     return 2 * n * 4 / sec / 1e9
 
 
+def _fmt(r: dict, key: str, spec: str) -> str:
+    return format(r[key], spec) if r.get(key) is not None else ""
+
+
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"Measured {meta['date']} on {meta['device']} (jax {meta['jax']}, "
-             f"jaxlib {meta['jaxlib']}); command: `{meta['command']}`", ""]
+    lines = [f"Measured {meta['date']} on {meta['device']} (jax {meta['jax']}, torch "
+             f"{meta.get('torch', 'absent')}, jaxattn backend {meta['jaxattn_backend']}); "
+             f"command: `{meta['command']}`", ""]
     if meta.get("copy_GBps"):
         lines += [f"Device-to-device copy bandwidth (read + write): "
                   f"{meta['copy_GBps']:.0f} GB/s", ""]
-    lines += ["| mode | system | B | Hq | Hkv | Sq | Skv | D | causal | ms | TFLOP/s | GB/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| mode | system | B | Hq | Hkv | Sq | Skv | D | causal | ms | TFLOP/s | GB/s "
+              "| extra MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        head = (f"| {r['mode']} | {r['system']} | {r['B']} | {r['Hq']} | {r['Hkv']} | "
+                f"{r['Sq']} | {r['Skv']} | {r['D']} | {r['causal']} |")
         if "error" in r:
-            lines.append(f"| {r['mode']} | {r['system']} | {r['B']} | {r['Hq']} | {r['Hkv']} "
-                         f"| {r['Sq']} | {r['Skv']} | {r['D']} | {r['causal']} | error: "
-                         f"{r['error'][:60]} | | |")
+            lines.append(f"{head} {r['error'][:70].replace('|', '/')} | | | |")
             continue
-        tf = f"{r['TFLOP/s']:.1f}" if "TFLOP/s" in r else ""
-        gb = f"{r['GB/s']:.0f}" if "GB/s" in r else ""
-        lines.append(f"| {r['mode']} | {r['system']} | {r['B']} | {r['Hq']} | {r['Hkv']} | "
-                     f"{r['Sq']} | {r['Skv']} | {r['D']} | {r['causal']} | {r['ms']:.3f} | "
-                     f"{tf} | {gb} |")
+        lines.append(f"{head} {r['ms']:.3f} | {_fmt(r, 'TFLOP/s', '.1f')} | "
+                     f"{_fmt(r, 'GB/s', '.0f')} | {_fmt(r, 'extra_MB', '.1f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict:
+    meta = {"jax": jax.__version__}
+    try:
+        import jaxlib
+        meta["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    try:
+        import torch
+        meta["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return meta
 
 
 def main(argv):
     del argv
     dtype = jnp.dtype(FLAGS.dtype)
     if FLAGS.smoke:
-        shapes = dict(b=1, hq=4, hkv=2, d=64)
-        seq_lens, kv_lens, dec_b = [64], [128], 2
-        systems = [s for s in FLAGS.backends if s in ("jaxattn", "xla")]
-        iters, warmup = 2, 1
+        heads = dict(hq=4, hkv=2, d=64)
+        seq_lens, kv_lens, dec_b, chunk = [64], [128], 2, 32
+        names = ["jaxattn:pallas", "xla"] + (["torch_flash", "torch_math"]
+                                      if systems.torch_available() is None else [])
+        iters, warmup, batch_for = 2, 1, (lambda s: 1)
     else:
-        shapes = dict(b=FLAGS.batch, hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads,
-                      d=FLAGS.head_dim)
+        heads = dict(hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads, d=FLAGS.head_dim)
         seq_lens = [int(s) for s in FLAGS.seq_lens]
         kv_lens = [int(s) for s in FLAGS.decode_kv_lens]
-        dec_b = FLAGS.decode_batch
-        systems = FLAGS.backends
+        dec_b, chunk, names = FLAGS.decode_batch, FLAGS.chunk_size, FLAGS.backends
         iters, warmup = FLAGS.iters, FLAGS.warmup
+        batch_for = (lambda s: max(1, FLAGS.tokens // s)) if FLAGS.tokens > 0 else \
+            (lambda s: FLAGS.batch)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax, "lib")
-            else "", "command": "python -m benchmarks.attention_bench " +
-            " ".join(os.sys.argv[1:]),
-            "jaxattn_backend": FLAGS.jaxattn_backend or ("pallas" if FLAGS.smoke else
-                                                         jaxattn.get_op().backend)}
-    rows = []
-
-    def record(system, mode, **kw):
+            "platform": jax.default_backend(), **_versions(),
+            "command": "python -m benchmarks.attention_bench " + " ".join(sys.argv[1:]),
+            "jaxattn_backend": jaxattn.get_op().backend}
+    rows: list[dict] = []
+    loaded: dict[str, systems.System | Exception] = {}
+    for name in names:
         try:
-            row = bench_attention(system, mode, dtype=dtype, iters=iters, warmup=warmup,
-                                  n_sets=FLAGS.input_sets, **kw)
+            loaded[name] = systems.make(name)
+        except systems.Unsupported as e:
+            loaded[name] = e
+    meta["systems"] = {n: (s.notes if isinstance(s, systems.System) else f"unavailable: {s}")
+                       for n, s in loaded.items()}
+
+    def record(name, mode, **kw):
+        system = loaded[name]
+        base = {"system": name, "mode": mode, "B": kw["b"], "Hq": kw["hq"],
+                "Hkv": kw["hkv"], "Sq": kw["sq"], "Skv": kw["skv"], "D": kw["d"],
+                "causal": kw["causal"]}
+        if isinstance(system, Exception):
+            return  # listed once in meta["systems"]
+        try:
+            row = bench_point(system, mode, dtype=dtype, iters=iters, warmup=warmup,
+                              n_sets=FLAGS.input_sets, **kw)
         except Exception as e:  # a peer that cannot run this shape is reported, not fatal
-            row = {"system": system, "mode": mode, "B": kw["b"], "Hq": kw["hq"],
-                   "Hkv": kw["hkv"], "Sq": kw["sq"], "Skv": kw["skv"], "D": kw["d"],
-                   "causal": kw["causal"], "error": f"{type(e).__name__}: {e}"[:300]}
+            row = {**base, "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
 
-    for mode in ("fwd", "fwdbwd"):
+    for mode in ("fwd", "fwdbwd", "chunked"):
         if mode not in FLAGS.modes:
             continue
         for s in seq_lens:
-            for system in systems:
-                record(system, mode, b=shapes["b"], hq=shapes["hq"], hkv=shapes["hkv"],
-                       sq=s, skv=s, d=shapes["d"], causal=FLAGS.causal)
+            sq = min(chunk, s) if mode == "chunked" else s
+            for name in names:
+                record(name, mode, b=batch_for(s), sq=sq, skv=s, causal=FLAGS.causal or
+                       mode == "chunked", **heads)
     if "decode" in FLAGS.modes:
         if jax.default_backend() != "cpu":
             meta["copy_GBps"] = copy_bandwidth()
         for s in kv_lens:
-            for system in systems:
-                if system == "pallas_mha":
-                    continue  # needs Sq to be a multiple of its 128-row block
-                record(system, "decode", b=dec_b, hq=shapes["hq"], hkv=shapes["hkv"], sq=1,
-                       skv=s, d=shapes["d"], causal=system == "jaxattn")
+            for name in names:
+                if name == "pallas_mha":
+                    continue  # needs Sq to fill its 128-row blocks
+                record(name, "decode", b=dec_b, sq=1, skv=s, causal=True, **heads)
     md = to_markdown(rows, meta)
     print(md)
     if FLAGS.out_dir:

@@ -54,14 +54,48 @@ def test_check_exits_nonzero_when_a_promised_invariant_breaks():
 
 
 def test_benchmark_smoke(tmp_path):
+    """The speed binary runs every mode on the CPU (jaxattn's Pallas kernels in interpret
+    mode, XLA and torch's CPU SDPA), writes JSON and markdown, and the plotter draws it."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_bench", "--smoke",
+                           "--modes=fwd,fwdbwd,chunked,decode", f"--out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "chunked", "decode"}
+    assert all("error" not in r and r["ms"] > 0 for r in rows), rows
+    assert {"jaxattn:pallas", "xla"} <= {r["system"] for r in rows}
+    chunk = [r for r in rows if r["mode"] == "chunked"]
+    assert all(r["Sq"] < r["Skv"] for r in chunk)
+    jax_rows = [r for r in rows if not r["system"].startswith("torch")]
+    assert all(r["extra_MB"] is not None and r["extra_MB"] >= 0 for r in jax_rows)
+    assert "| fwd | jaxattn:pallas |" in (tmp_path / "results.md").read_text()
+
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.plot",
+                           f"--results={tmp_path / 'results.json'}", f"--out_dir={plots}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pngs = sorted(p.name for p in plots.iterdir())
+    assert pngs == ["decode_gbps_d64.png", "tflops_d64_causal.png"]
+    assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_peer_invariance_smoke(tmp_path):
+    """The peers' invariance matrix runs on the CPU; jaxattn's column is all equal; no
+    system's cell is an error or beyond tolerance (which would mean a broken experiment)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer_invariance", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
-    assert all("error" not in r and r["ms"] > 0 for r in rows)
-    assert "| fwd | jaxattn |" in (tmp_path / "results.md").read_text()
+    report = json.loads((tmp_path / "results.json").read_text())
+    ours = report["systems"]["jaxattn:pallas"]
+    assert len(ours) == 8 and all(c["result"] == "equal" for c in ours.values()), ours
+    for name, cells in report["systems"].items():
+        assert isinstance(cells, dict), (name, cells)
+        bad = {k: c for k, c in cells.items() if c["result"] not in ("equal", "differs")}
+        assert not bad, (name, bad)
+    assert "| run to run (backward) | equal |" in (tmp_path / "results.md").read_text()
 
 
 def test_bridge_benchmark_smoke(tmp_path):

@@ -1,0 +1,254 @@
+"""The attention systems the benchmark binaries compare, behind one small interface.
+
+Every system takes inputs in jaxattn's layout (``q [B, Hq, Sq, D]``, ``k, v [B, Hkv,
+Skv, D]``) and follows jaxattn's causal rule (query row i sees keys ``j <= i + Skv -
+Sq``, bottom-right aligned), so the same experiment means the same thing for each. Where
+a peer's own ``is_causal`` is top-left aligned, the system passes what makes it
+bottom-right (nothing for ``Sq == 1``, ``is_causal`` for ``Sq == Skv``, an explicit
+mask otherwise) and says so.
+
+Systems (``--backends`` names):
+
+- ``jaxattn`` (the platform's first backend; ``jaxattn:<backend>`` picks one, e.g.
+  ``jaxattn:reference`` or ``jaxattn:triton``);
+- ``cudnn`` and ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
+- ``pallas_mha``: JAX's built-in Pallas Triton ``mha`` (no GQA: K and V are repeated to
+  Hq heads in ``prepare``, outside any timed region; Sq must fill its 128-row blocks);
+- ``torch_flash``, ``torch_cudnn``, ``torch_efficient``, ``torch_math``: torch's
+  ``scaled_dot_product_attention`` pinned to one backend with ``sdpa_kernel``; GQA via
+  ``enable_gqa`` where the backend takes it, else K and V repeated in ``prepare``.
+
+A system exposes ``prepare`` (layout change, outside timing), ``forward``, ``fwdbwd``
+(gradients of ``sum(out * do)``), ``sync`` and ``to_numpy``; ``kv_lens`` passes tail key
+padding ([B] valid key counts) where the system supports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+
+JAX_PEERS = ("cudnn", "xla", "pallas_mha")
+TORCH_PEERS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
+               "torch_efficient": "EFFICIENT_ATTENTION", "torch_math": "MATH"}
+
+
+class Unsupported(Exception):
+    """The system cannot run this case (reported as such, not as a failure)."""
+
+
+def causal_mask(sq: int, skv: int) -> np.ndarray:
+    """jaxattn's causal rule as a boolean [Sq, Skv] matrix (True = visible)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    return j <= i + (skv - sq)
+
+
+@dataclasses.dataclass
+class System:
+    name: str
+    framework: str  # "jax" or "torch"
+    prepare: Callable[..., Any]  # (q, k, v) jax arrays -> native args
+    forward: Callable[..., Any]  # (*native, causal, kv_lens=None) -> out
+    fwdbwd: Callable[..., Any]  # (*native, do_native, causal, kv_lens=None) -> (dq, dk, dv)
+    prepare_like_q: Callable[[Any], Any]  # a [B, Hq, Sq, D] jax array (e.g. dO) -> native
+    sync: Callable[[Any], None]
+    to_numpy: Callable[[Any], np.ndarray]  # native out -> [B, H, S, D] numpy
+    notes: str = ""
+
+
+# ------------------------------------------------------------------------------ JAX
+
+
+def _jax_to_numpy(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def _jaxattn(backend: str | None) -> System:
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        mask = None
+        if kv_lens is not None:
+            mask = jnp.arange(k.shape[2])[None, :] < kv_lens[:, None]
+        return jaxattn.attention(q, k, v, causal=causal, key_padding_mask=mask,
+                                 backend=backend)
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
+                         q, k, v)
+        return vjp(do)
+
+    name = "jaxattn" if backend is None else f"jaxattn:{backend}"
+    return System(name, "jax", lambda q, k, v: (q, k, v), fwd, fwdbwd, lambda x: x,
+                  jax.block_until_ready, _jax_to_numpy,
+                  notes=f"backend {jaxattn.get_op('attention', backend=backend).backend}")
+
+
+def _bshd(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _dpa(implementation: str) -> System:
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        sq, skv = q.shape[1], k.shape[1]
+        kw: dict[str, Any] = {"implementation": implementation}
+        if kv_lens is not None:
+            kw["key_value_seq_lengths"] = kv_lens
+        if causal and sq == skv:
+            kw["is_causal"] = True
+        elif causal and sq > 1:  # top-left is_causal; bottom-right needs a mask
+            kw["mask"] = jnp.asarray(causal_mask(sq, skv))[None, None]
+        return _bshd(jax.nn.dot_product_attention(q, k, v, **kw))
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
+                         q, k, v)
+        return tuple(_bshd(g) for g in vjp(do))
+
+    return System(implementation, "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)),
+                  fwd, fwdbwd, lambda x: x, jax.block_until_ready, _jax_to_numpy,
+                  notes="jax.nn.dot_product_attention; bottom-right causal by mask when "
+                        "1 < Sq < Skv")
+
+
+def _pallas_mha() -> System:
+    def prepare(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        return _bshd(q), _bshd(jnp.repeat(k, g, axis=1)), _bshd(jnp.repeat(v, g, axis=1))
+
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        from jax.experimental.pallas.ops.gpu import attention as mha_lib
+        if kv_lens is not None or (causal and q.shape[1] != k.shape[1]):
+            raise Unsupported("Pallas mha: no key padding, top-left causal only")
+        return _bshd(mha_lib.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(q.shape[-1]),
+                                 causal=causal))
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
+                         q, k, v)
+        dq, dk, dv = (_bshd(g) for g in vjp(do))
+        return dq, dk, dv  # dk, dv per repeated head (Hq heads)
+
+    return System("pallas_mha", "jax", prepare, fwd, fwdbwd, lambda x: x,
+                  jax.block_until_ready, _jax_to_numpy,
+                  notes="no GQA: K, V repeated to Hq heads outside timing")
+
+
+# ---------------------------------------------------------------------------- torch
+
+
+def _torch_system(name: str) -> System:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, TORCH_PEERS[name])
+    cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    state = {"repeat": False}
+
+    def to_torch(x):
+        if cuda:
+            return torch.from_dlpack(jax.block_until_ready(x)).contiguous()
+        a = np.asarray(jax.device_get(x))
+        if a.dtype == jnp.bfloat16:
+            return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+
+    def prepare(q, k, v):
+        return to_torch(q), to_torch(k), to_torch(v)
+
+    def sdpa(q, k, v, causal, kv_lens):
+        sq, skv = q.shape[2], k.shape[2]
+        g = q.shape[1] // k.shape[1]
+        mask = None
+        if kv_lens is not None:
+            keep = torch.arange(skv, device=q.device)[None, :] < kv_lens[:, None]
+            mask = keep[:, None, None, :]
+            if causal and sq > 1:
+                mask = mask & torch.from_numpy(causal_mask(sq, skv)).to(q.device)
+        elif causal and sq == skv:
+            pass
+        elif causal and sq > 1:
+            from torch.nn.attention.bias import causal_lower_right
+            mask = causal_lower_right(sq, skv)
+        is_causal = causal and sq == skv and kv_lens is None
+        with sdpa_kernel([backend]):
+            if g > 1 and not state["repeat"]:
+                try:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          is_causal=is_causal,
+                                                          enable_gqa=True)
+                except RuntimeError:
+                    state["repeat"] = True  # this backend takes no GQA: repeat K, V
+            if g > 1:
+                k = k.repeat_interleave(g, dim=1)
+                v = v.repeat_interleave(g, dim=1)
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                      is_causal=is_causal)
+            except RuntimeError as e:
+                raise Unsupported(f"{name}: {str(e).splitlines()[0][:200]}") from e
+
+    def _lens(kv_lens):
+        return None if kv_lens is None else to_torch(kv_lens)
+
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        with torch.no_grad():
+            return sdpa(q, k, v, causal, _lens(kv_lens))
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = sdpa(q, k, v, causal, _lens(kv_lens))
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    def sync(x):
+        if cuda:
+            torch.cuda.synchronize()
+
+    def to_numpy(x):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.uint16).numpy().view(jnp.bfloat16)
+        return x.numpy()
+
+    return System(name, "torch", prepare, fwd, fwdbwd, to_torch, sync, to_numpy,
+                  notes=f"torch {torch.__version__} SDPA {TORCH_PEERS[name]} on {device}; "
+                        f"GQA by enable_gqa, or K, V repeated where it is refused")
+
+
+def torch_available() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        return f"torch is not installed ({e})"
+    return None
+
+
+def make(name: str) -> System:
+    """The system called ``name`` (see the module docstring)."""
+    if name == "jaxattn" or name.startswith("jaxattn:"):
+        return _jaxattn(name.split(":", 1)[1] if ":" in name else None)
+    if name in ("cudnn", "xla"):
+        return _dpa(name)
+    if name == "pallas_mha":
+        return _pallas_mha()
+    if name in TORCH_PEERS:
+        reason = torch_available()
+        if reason:
+            raise Unsupported(reason)
+        return _torch_system(name)
+    known = ["jaxattn", "jaxattn:<backend>", *JAX_PEERS, *TORCH_PEERS]
+    raise ValueError(f"unknown system {name!r}; known: {', '.join(known)}")
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    """Raw bits of a floating array, as unsigned integers."""
+    x = np.ascontiguousarray(x)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
