@@ -4,9 +4,18 @@
 #   STAGES=env,tests,check,operator,bench,bridge bash benchmarks/gpu_session.sh
 #
 # env: versions and nvidia-smi; tests: the pytest suite on the GPU (GPU-marked tests
-# included); check: the invariance matrix + accuracy at GPU sizes; operator: the
-# check_operator CLI at Qwen3-8B shapes (B=8, S=4096); bench: benchmarks/attention_bench.py
-# at the issue's shapes; bridge: the torch bridge's overhead (benchmarks/bridge_bench.py).
+# included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py" -- no
+# quoted -k expressions, they do not survive the word splitting); check: the invariance
+# matrix + accuracy at GPU sizes; operator: the check_operator CLI at Qwen3-8B shapes
+# (B=8, S=4096); bench: benchmarks/attention_bench.py at the issue's shapes; bridge: the
+# torch bridge's overhead (benchmarks/bridge_bench.py); peers: the invariance matrix of
+# every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
+# heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
+# to 128k; each part under its own timeout, results kept as they come); variants: the
+# exp2 / row-sum schedule candidates (benchmarks/tune.py); e2e: the Qwen3 rollout /
+# training parity example at Qwen3-8B sizes.
+# Each part writes under $OUT; plots are drawn afterwards on any machine with
+# `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxattn-out}
 STAGES=${STAGES:-env,tests,check,operator,bench,bridge}
@@ -49,6 +58,38 @@ if has bench; then
 fi
 if has bridge; then
   $PY -m benchmarks.bridge_bench --out_dir="$OUT/bridge" 2>&1 | tee "$OUT/bridge.txt" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has peers; then
+  timeout ${PEERS_TIMEOUT:-420} $PY -m benchmarks.peer_invariance --out_dir="$OUT/peers" \
+      ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.txt" | tail -16
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has sweep; then
+  # name|timeout|args: each part is its own process (its results survive a later timeout).
+  SWEEP_PARTS=${SWEEP_PARTS:-"causal128|240|--modes=fwd,fwdbwd --seq_lens=1024,2048,4096,8192,16384,32768 --tokens=32768
+noncausal128|180|--modes=fwd,fwdbwd --nocausal --seq_lens=1024,4096,16384,32768 --tokens=32768 --backends=jaxattn,cudnn,pallas_mha,torch_flash,torch_cudnn
+d64|90|--modes=fwd,fwdbwd --head_dim=64 --seq_lens=4096,16384 --tokens=32768
+d256|90|--modes=fwd,fwdbwd --head_dim=256 --seq_lens=4096,16384 --tokens=32768
+chunked|90|--modes=chunked --chunk_size=2048 --seq_lens=4096,16384,32768 --batch=1 --backends=jaxattn,cudnn,xla,torch_flash,torch_efficient
+decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,65536,131072 --backends=jaxattn,cudnn,xla,torch_flash,torch_cudnn,torch_efficient"}
+  while IFS='|' read -r name limit args; do
+    [[ -z "$name" ]] && continue
+    echo "== sweep $name ($limit s): $args"
+    timeout "$limit" $PY -m benchmarks.attention_bench --iters=${SWEEP_ITERS:-5} \
+        --sample_ms=30 --out_dir="$OUT/sweep/$name" $args > "$OUT/sweep-$name.txt" 2>&1
+    rc=$?; tail -3 "$OUT/sweep-$name.txt"; echo "rc=$rc"
+    status=$((status | rc))
+  done <<< "$SWEEP_PARTS"
+fi
+if has variants; then
+  timeout ${VARIANTS_TIMEOUT:-240} $PY -m benchmarks.tune --what=variants 2>&1 \
+      | tee "$OUT/variants.txt" | tail -12
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has e2e; then
+  timeout ${E2E_TIMEOUT:-300} $PY -m examples.qwen3_rollout_parity --size=qwen3-8b 2>&1 \
+      | tee "$OUT/e2e.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi
 exit $status
