@@ -12,7 +12,8 @@
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
 # to 128k; each part under its own timeout, results kept as they come); variants: the
-# exp2 / row-sum schedule candidates (benchmarks/tune.py); e2e: the Qwen3 rollout /
+# exp2 / row-sum schedule candidates (benchmarks/tune.py); cp: distributed CP on every GPU
+# of a multi-GPU host (benchmarks/cp_bench.py); e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -81,6 +82,12 @@ decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,6553
     rc=$?; tail -3 "$OUT/sweep-$name.txt"; echo "rc=$rc"
     status=$((status | rc))
   done <<< "$SWEEP_PARTS"
+fi
+if has cp; then
+  # Multi-GPU hosts only (nvidia-h200-x2/x4/x8): shard_map CP vs one GPU, tokens/s, bytes.
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 timeout ${CP_TIMEOUT:-540} $PY -m benchmarks.cp_bench \
+      --out_dir="$OUT/cp" ${CP_ARGS:-} 2>&1 | tee "$OUT/cp.txt" | tail -14
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if has variants; then
   timeout ${VARIANTS_TIMEOUT:-240} $PY -m benchmarks.tune --what=variants 2>&1 \

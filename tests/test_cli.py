@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 
@@ -106,3 +107,19 @@ def test_bridge_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["bridge_ms"] > 0 and r["jax_ms"] > 0 for r in rows)
+
+
+def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
+    """The multi-device CP binary (the multi-GPU issue's) runs on 8 virtual CPU devices:
+    degrees 2, 4, 8, bits equal to one device forward and backward."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_bench", "--smoke",
+                           f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = report["rows"]
+    assert [r["n"] for r in rows] == [2, 4, 8]
+    assert all(r["fwd_bits_equal"] and r["bwd_bits_equal"] for r in rows), rows
+    assert all(r["fwd_gather_MB"] < r["bwd_gather_MB"] for r in rows)
+    assert set(report["meta"]["allgather_GBps"]) == {"2", "4", "8"}
