@@ -26,6 +26,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX and torch may share the GPU; never let JAX grab 75% up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PY:-python3}
+# Wheels carried from benchmarks/fetch_wheels.sh (the device has no registry).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
