@@ -1,0 +1,423 @@
+"""Prototype Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
+
+NOT a registered backend: nothing in the library imports this module. It is the first
+prototype of a "mosaic" backend, developed on a CPU machine in Mosaic GPU interpret mode
+and checked there by lowering for CUDA (no GPU). See docs/mosaic.md.
+
+Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
+k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
+head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq``, no padding
+mask. ``Sq`` must be a multiple of ``block_m`` and ``Skv`` a multiple of
+``schedule.BLOCK_N``; anything else raises ValueError.
+
+Structure: one CTA per (query tile of ``block_m`` rows, query head, batch) with two
+warpgroups ("Pallas threads"):
+
+* warpgroup 0 (compute): TMA-loads its Q tile once, then walks the key blocks of
+  ``BLOCK_N`` keys in ascending order. Per block: S = Q K^T on wgmma, the online-softmax
+  step of :func:`jaxattn.kernels.common.online_softmax_step` (same operations, written
+  with layout-friendly broadcasts), the row sum of the bf16 probabilities on wgmma
+  against an all-ones tile (``schedule.ROWSUM == "mma"``) and P V on wgmma into a
+  *fresh* accumulator that is then added to ``acc * alpha`` (the accumulator is not
+  fed into the wgmma: that would round differently from ``acc * alpha + dot(p, v)``).
+  At every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
+  blocks) the split's state is finalised and folded into the running state by
+  :func:`finalize_rows` / :func:`merge_rows`: :func:`jaxattn.merge.finalize` /
+  :func:`jaxattn.merge.merge` op for op, with the ``x[..., None]`` row broadcasts
+  spelled as one ``broadcast_in_dim`` (Mosaic GPU cannot lay out an ``[M, 1]`` array).
+* warpgroup 1 (producer): TMA-loads the K and V blocks into a ring of ``stages`` SMEM
+  slots, waiting on a "consumed" barrier before reusing a slot.
+
+Two operand modes (``gpu_operands``); the arithmetic is the same in both:
+
+* True (the Hopper path, for the GPU and for lowering): K^T is a transposed view of
+  the K slot (``plgpu.transpose_ref``) and P is the wgmma A operand from registers.
+* False (the interpret-mode subset): the JAX 0.10.2 interpreter supports neither a
+  transposed SMEM operand (``TransposeTransform`` has no ``indices``) nor a register A
+  operand, so K is pre-transposed by XLA to ``[B, Hkv, D, Skv]`` and TMA-loaded as
+  ``[D, BLOCK_N]`` tiles, and P is staged through SMEM. This path also lowers for
+  CUDA, so the kernel checked in interpret mode is itself a valid Hopper kernel.
+
+Layout hints (``plgpu.layout_cast``, ``broadcasted_iota(layout=...)``) are emitted only
+when not interpreting: the interpreter has no CPU rule for ``layout_cast``, and the GPU
+lowering needs them ("Failed to infer the output layout of the iota").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxattn import schedule
+
+NEG_INF = float("-inf")
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch parameters. None of them changes the bits of a row (to be checked on the
+    GPU: wgmma tiles of 64 and 128 rows must give the same row bits)."""
+
+    #: Query rows per compute warpgroup (the wgmma M: 64 or 128).
+    block_m: int = 128
+    #: K/V SMEM ring slots (TMA prefetch depth).
+    stages: int = 2
+    #: None: the Hopper operand path unless interpreting (see the module docstring).
+    gpu_operands: bool | None = None
+    #: Mosaic GPU lowering semantics, pinned: "lane" (the default of JAX 0.10.x) or
+    #: "warpgroup" (the default from JAX 0.11.0). Both lower on 0.10.2; the interpreter
+    #: ignores it.
+    semantics: str = "lane"
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.semantics not in ("lane", "warpgroup"):
+            raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
+
+
+def interpret_params():
+    """``InterpretGPUParams()`` of the installed JAX, or None if it has none."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return None
+    return InterpretGPUParams()
+
+
+def reset_interpret_state() -> None:
+    """Reset the Mosaic GPU interpreter after an exception inside a kernel (the
+    interpreter requires it before the next interpreted kernel)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state,
+    )
+    reset_gpu_interpret_mode_state()
+
+
+def _smem_transforms(cols: int, itemsize: int):
+    """Tiling + swizzle for an SMEM tile whose minor dimension has ``cols`` elements:
+    the widest swizzle (<= 128 bytes) that the row width allows."""
+    swizzle = min(128, cols * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _check(q, k, v, block_m: int):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B={b}, Hkv, Skv, D={d}], got k {k.shape}, "
+                         f"v {v.shape}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q, k, v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if d not in (64, 128):
+        raise ValueError(f"head dim D must be 64 or 128, got {d}")
+    if hq % k.shape[1]:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={k.shape[1]}")
+    if sq % block_m:
+        raise ValueError(f"Sq={sq} must be a multiple of block_m={block_m} (prototype)")
+    if k.shape[2] % schedule.BLOCK_N or k.shape[2] == 0:
+        raise ValueError(f"Skv={k.shape[2]} must be a positive multiple of "
+                         f"BLOCK_N={schedule.BLOCK_N} (prototype)")
+
+
+def _rows(x, shape):
+    """``x[:, None]`` broadcast to ``shape`` in one step (Mosaic GPU cannot hold the
+    ``[M, 1]`` intermediate of ``x[..., None]``: "Tiling ... does not apply to shape
+    (M, 1)")."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def finalize_rows(acc, m, l):
+    """:func:`jaxattn.merge.finalize` for ``[M, D]`` tiles, with the same floating-point
+    operations; only the row broadcasts are spelled for Mosaic GPU. Equal in bits to
+    ``finalize`` under XLA (tests/test_mosaic_probe.py checks it)."""
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = jnp.where(_rows(empty, acc.shape), 0.0, acc / _rows(l_safe, acc.shape))
+    lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
+    return out, lse
+
+
+def merge_rows(out_left, lse_left, out_right, lse_right):
+    """:func:`jaxattn.merge.merge` for ``[M, D]`` tiles, with the same floating-point
+    operations in the same order (see :func:`finalize_rows`)."""
+    shape = out_left.shape
+    m = jnp.maximum(lse_left, lse_right)
+    m_safe = jnp.where(m == NEG_INF, 0.0, m)
+    w_left = jnp.exp(lse_left - m_safe)
+    w_right = jnp.exp(lse_right - m_safe)
+    total = w_left + w_right
+    total_safe = jnp.where(total == 0.0, 1.0, total)
+    lse = m_safe + jnp.log(total_safe)
+    a_left = _rows(w_left / total_safe, shape)
+    a_right = _rows(w_right / total_safe, shape)
+    out = out_left * a_left + out_right * a_right
+    left_empty = lse_left == NEG_INF
+    right_empty = lse_right == NEG_INF
+    out = jnp.where(_rows(right_empty, shape), out_left,
+                    jnp.where(_rows(left_empty, shape), out_right, out))
+    lse = jnp.where(right_empty, lse_left, jnp.where(left_empty, lse_right, lse))
+    return out, lse
+
+
+def _visited_blocks(q0, *, block_m: int, q_len: int, kv_len: int, causal: bool):
+    """Key blocks [0, hi) that any row of the tile starting at query ``q0`` sees."""
+    bn = schedule.BLOCK_N
+    total = kv_len // bn
+    if not causal:
+        return jnp.int32(total)
+    # Last row's limit: key j is visible to query i iff j <= i + (Skv - Sq).
+    last = q0 + (block_m - 1) + (kv_len - q_len)
+    # last // bn + 1 for last >= -bn, 0 below; divide non-negative values only.
+    return lax.min(lax.div(lax.max(last + bn, 0), bn), jnp.int32(total))
+
+
+def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
+           gpu_operands: bool, interpret):
+    bn = schedule.BLOCK_N
+    bm, stages = cfg.block_m, cfg.stages
+    group = hq // hkv
+    itemsize = jnp.dtype(dtype).itemsize
+    base2 = schedule.SOFTMAX_EXP_BASE == "2"
+    exp = jnp.exp2 if base2 else jnp.exp
+    s_scale = scale * _LOG2E if base2 else scale
+    # All-ones B operand of the row-sum wgmma. With P in registers its width only has
+    # to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in SMEM
+    # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
+    ones_cols = 16 if gpu_operands else bn
+    use_mma_rowsum = schedule.ROWSUM == "mma"
+
+    # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
+    layout_hints = interpret is None
+
+    def layout(x, lay):
+        return plgpu.layout_cast(x, lay) if layout_hints else x
+
+    wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def compute_wg(q_ref, ones_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, ones_s, lse_s,
+                   k_bar, v_bar, k_free, v_free, misc_bar, qi, h, bi, hi):
+        q0 = qi * bm
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, misc_bar.at[0])
+        plgpu.copy_gmem_to_smem(ones_ref, ones_s, misc_bar.at[1])
+        plgpu.barrier_wait(misc_bar.at[0])
+        plgpu.barrier_wait(misc_bar.at[1])
+        rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
+        # visible iff key <= query + offset, i.e. (cols - rows) <= q0 + offset - j * bn.
+        diag = cols - rows
+
+        def block_step(j, carry):
+            acc, m, l = carry
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
+                      else k_s.at[slot])
+                plgpu.wgmma(acc_ref, q_s, kt)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * s_scale
+            if causal:
+                s = jnp.where(diag <= q0 + (skv - sq) - j * bn, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = exp(m - m_safe)
+            p = exp(s - _rows(m_safe, s.shape)).astype(dtype)
+            if gpu_operands:
+                p_op = p
+            else:
+                p_s[...] = p
+                plgpu.commit_smem()
+                p_op = p_s
+            if use_mma_rowsum:
+                def psum(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, ones_s)
+                    return acc_ref[...]
+
+                rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32)).max(axis=1)
+            else:
+                rs = p.astype(jnp.float32).sum(axis=1)
+            l_new = l * alpha + rs
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                return acc_ref[...]
+
+            pv_out = pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            acc_new = acc * _rows(alpha, acc.shape) + pv_out
+            return acc_new, m_new, l_new
+
+        per_split = schedule.BLOCKS_PER_SPLIT
+        n_splits = lax.div(hi + (per_split - 1), jnp.int32(per_split))
+
+        def split_step(si, state):
+            lo = si * per_split
+            init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
+                    layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
+                    layout(jnp.zeros((bm,), jnp.float32), row_layout))
+            acc, m, l = lax.fori_loop(lo, lax.min(lo + per_split, hi), block_step, init)
+            part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
+            return merge_rows(*state, *part)
+
+        init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
+                layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
+        out, lse = lax.fori_loop(0, n_splits, split_step, init)
+        q_s[...] = out.astype(dtype)  # Q is no longer needed: its SMEM holds O.
+        lse_s[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, o_ref.at[bi, h, pl.ds(q0, bm)])
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def producer_wg(k_ref, v_ref, k_s, v_s, k_bar, v_bar, k_free, v_free, kvh, bi, hi):
+        def load(j, _):
+            slot = lax.rem(j, jnp.int32(stages))
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            ksrc = (k_ref.at[bi, kvh, pl.ds(j * bn, bn)] if gpu_operands
+                    else k_ref.at[bi, kvh, :, pl.ds(j * bn, bn)])
+            plgpu.copy_gmem_to_smem(ksrc, k_s.at[slot], k_bar.at[slot])
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(j * bn, bn)], v_s.at[slot],
+                                    v_bar.at[slot])
+            return None
+
+        lax.fori_loop(0, hi, load, None)
+        # Drain: wait for the consumer's last release of every slot still in flight, so
+        # every barrier arrival is observed before the barriers are freed.
+        def drain(j, _):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return None
+
+        lax.fori_loop(lax.max(hi - stages, 0), hi, drain, None)
+
+    def kernel(q_ref, k_ref, v_ref, ones_ref, o_ref, lse_ref):
+        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+        kvh = lax.div(h, jnp.int32(group))
+        hi = _visited_blocks(qi * bm, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
+        k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
+        scratch = [
+            plgpu.SMEM((bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
+            plgpu.SMEM((stages, bn, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            None if gpu_operands else
+            plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
+            plgpu.SMEM((bn, ones_cols), dtype,
+                       transforms=_smem_transforms(ones_cols, itemsize)),
+            plgpu.SMEM((bm,), jnp.float32),
+        ]
+        barriers = (
+            plgpu.Barrier(num_barriers=stages),  # K slot loaded
+            plgpu.Barrier(num_barriers=stages),  # V slot loaded
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot consumed
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot consumed
+            plgpu.Barrier(num_barriers=2),  # Q tile, ones tile loaded
+        )
+
+        def body(smem, bars):
+            q_s, k_s, v_s, p_s, ones_s, lse_s = smem
+            k_bar, v_bar, k_free, v_free, misc_bar = bars
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == 0)
+            def _():
+                compute_wg(q_ref, ones_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, ones_s,
+                           lse_s, k_bar, v_bar, k_free, v_free, misc_bar, qi, h, bi, hi)
+
+            @pl.when(wg == 1)
+            def _():
+                producer_wg(k_ref, v_ref, k_s, v_s, k_bar, v_bar, k_free, v_free, kvh, bi,
+                            hi)
+
+        pl.run_scoped(body, scratch, barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
+                  jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
+        grid=(sq // bm, hq, b),
+        grid_names=("q", "h", "b"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=False,
+            lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize())),
+        interpret=interpret,
+    ), ones_cols
+
+
+def _prepare(q, k, v, *, causal, scale, interpret, config):
+    cfg = config or MosaicConfig()
+    _check(q, k, v, cfg.block_m)
+    if interpret is True:
+        interpret = interpret_params()
+        if interpret is None:
+            raise NotImplementedError("this JAX has no Mosaic GPU interpret mode")
+    elif interpret is False:
+        interpret = None
+    gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
+    b, hq, sq, d = q.shape
+    _, hkv, skv, _ = k.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype,
+                             causal=causal, scale=scale, cfg=cfg,
+                             gpu_operands=gpu_operands, interpret=interpret)
+    ones = jnp.ones((schedule.BLOCK_N, ones_cols), q.dtype)
+    k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)  # [B, Hkv, D, Skv]
+    return call, (q, k_in, v, ones)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
+            interpret=False, config: MosaicConfig | None = None):
+    """Attention forward ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
+
+    ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
+    CPU, default parameters) or an ``InterpretGPUParams``.
+    """
+    call, args = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                          config=config)
+    return call(*args)
+
+
+def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
+                   config: MosaicConfig | None = None):
+    """Lower (not compile) the GPU kernel for CUDA; works on a machine without a GPU.
+
+    Runs the Pallas -> Mosaic GPU lowering (layouts, wgmma operand constraints, the
+    SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
+    """
+    def f(q, k, v):
+        call, args = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
+                              config=config)
+        return call(*args)
+
+    return jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
