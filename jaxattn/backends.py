@@ -1,8 +1,9 @@
 """The backends of ``"attention"``, registered with :mod:`jaxattn.registry`.
 
-GPU priority: ``pallas`` (Triton lowering, sm80+), then ``reference``. CPU: ``reference``
-only; ``backend="pallas"`` on a CPU runs the same kernels in interpret mode (slow; for
-tests).
+GPU priority: ``pallas`` (Triton lowering, sm80+), then ``triton`` (the same schedule in
+raw Triton through jax-triton; an optional dependency), then ``reference``. CPU:
+``reference`` only; ``backend="pallas"`` on a CPU runs the same kernels in interpret mode
+and ``backend="triton"`` runs its kernels in Triton's interpreter (slow; for tests).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import jax
 
 from jaxattn import reference
-from jaxattn.kernels import pallas_triton, pallas_triton_vjp
-from jaxattn.registry import Backend, register
+from jaxattn.kernels import pallas_triton, pallas_triton_vjp, triton_backend
+from jaxattn.registry import Backend, current_platform, register
 from jaxattn.validation import Dims, resolve_scale
 
 
@@ -26,12 +27,11 @@ def _pallas_forward_with_lse(q, k, v, *, causal, scale, key_padding_mask):
                                        resolve_scale(scale, q.shape[-1]), interpret)
 
 
-def _pallas_available() -> str | None:
+def _nvidia_gpu_reason(what: str) -> str | None:
+    """Why this process's GPU cannot run Triton kernels on the canonical schedule."""
     platform = jax.default_backend()
-    if platform == "cpu":
-        return None  # interpret mode
     if platform != "gpu" and platform != "cuda":
-        return f"the Pallas Triton kernels need an NVIDIA GPU, the platform is {platform!r}"
+        return f"{what} need an NVIDIA GPU, the platform is {platform!r}"
     cc = getattr(jax.devices()[0], "compute_capability", None)
     try:
         major = int(str(cc).split(".")[0])
@@ -42,8 +42,33 @@ def _pallas_available() -> str | None:
     return None
 
 
+def _pallas_available() -> str | None:
+    if jax.default_backend() == "cpu":
+        return None  # interpret mode
+    return _nvidia_gpu_reason("the Pallas Triton kernels")
+
+
 def _pallas_unsupported(dims: Dims) -> str | None:
     return pallas_triton.check_supported(dims.head_dim)
+
+
+def _triton_forward_with_lse(q, k, v, *, causal, scale, key_padding_mask):
+    return triton_backend.attention(q, k, v, key_padding_mask, bool(causal),
+                                    resolve_scale(scale, q.shape[-1]))
+
+
+def _triton_available() -> str | None:
+    platform = current_platform()
+    if platform not in ("cpu", "gpu"):
+        return f"the raw Triton kernels run on a GPU or a CPU, the platform is {platform!r}"
+    reason = triton_backend.unavailable_reason(platform)
+    if reason is None and platform == "gpu":
+        reason = _nvidia_gpu_reason("the raw Triton kernels")
+    return reason
+
+
+def _triton_unsupported(dims: Dims) -> str | None:
+    return triton_backend.check_supported(dims.head_dim)
 
 
 register("attention", Backend(
@@ -62,4 +87,15 @@ register("attention", Backend(
     available=_pallas_available,
     unsupported=_pallas_unsupported,
     description="Pallas kernels (Triton lowering) on the canonical schedule",
+))
+
+register("attention", Backend(
+    name="triton",
+    platforms=("gpu", "cpu"),
+    priority={"gpu": 20},  # after pallas: chosen automatically only where pallas is not
+    forward_with_lse=_triton_forward_with_lse,
+    available=_triton_available,
+    unsupported=_triton_unsupported,
+    description="raw Triton kernels (jax-triton; Triton's interpreter on a CPU) on the "
+                "canonical schedule",
 ))

@@ -2,8 +2,10 @@
 
 A backend gets the whole battery by being listed in BACKENDS with its capabilities:
 ``follows_schedule`` backends promise every row of the invariance matrix (DESIGN.md 7);
-the others promise the first two. On a CPU the Pallas kernels run in interpret mode,
-on a GPU natively: the same tests, both places.
+the others promise the first two. On a CPU the Pallas kernels run in interpret mode
+and the raw Triton kernels in Triton's interpreter, on a GPU natively: the same tests,
+both places. A backend whose optional dependencies are missing is skipped with the
+reason its ``available()`` gives.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxattn
-from jaxattn import invariance, reference
+from jaxattn import invariance, reference, registry
 from jaxattn.invariance import bits_equal
 
 
@@ -28,18 +30,30 @@ class BackendSpec:
     name: str
     follows_schedule: bool
     head_dims: tuple[int, ...]
+    #: ``jaxattn.cp`` has a backend of this name (CP over this backend's partial states).
+    cp: bool = True
 
 
 BACKENDS = [
     BackendSpec("reference", follows_schedule=False, head_dims=(16, 24, 64, 128, 256)),
     BackendSpec("pallas", follows_schedule=True, head_dims=(16, 64, 128, 256)),
+    BackendSpec("triton", follows_schedule=True, head_dims=(16, 64, 128, 256), cp=False),
 ]
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
 
 
+def _unavailable(spec) -> str | None:
+    """Why ``spec``'s backend cannot run in this process (e.g. an optional dependency is
+    missing), or None."""
+    return registry._backends("attention")[spec.name].available()
+
+
 @pytest.fixture(params=BACKENDS, ids=lambda s: s.name)
 def spec(request) -> BackendSpec:
+    reason = _unavailable(request.param)
+    if reason is not None:
+        pytest.skip(f"backend {request.param.name!r} is unavailable: {reason}")
     return request.param
 
 
@@ -263,6 +277,8 @@ def test_cp_degrees_in_the_matrix(spec):
     keys so aligned shards stay small; restored afterwards)."""
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
+    if not spec.cp:
+        pytest.skip(f"jaxattn.cp has no {spec.name!r} backend (no CP over its partial states)")
     from jaxattn import schedule
     old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
     schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
@@ -275,6 +291,15 @@ def test_cp_degrees_in_the_matrix(spec):
     finally:
         schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
         jax.clear_caches()
+
+
+def test_paged_kv_equals_contiguous(spec):
+    """The matrix's paged row: decode and chunks against a paged cache (any page table)
+    equal contiguous KV in bits (pallas reads pages in place; triton gathers them)."""
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    p = dataclasses.replace(PROBLEM, batch=2, seq_len=150)
+    _assert_all(invariance.check_paged(_op(spec), p, [64, 128], steps=[0, 63, 64, 149]))
 
 
 def test_decode_past_one_split_with_padding_mask(spec):
@@ -307,6 +332,8 @@ def test_property_against_reference(b, hkv, g, sq, extra, causal, dtype, masked,
     if masked:
         mask = jax.random.uniform(jax.random.PRNGKey(seed + 1), (b, skv)) > 0.3
     for spec in BACKENDS:
+        if _unavailable(spec) is not None:
+            continue
         out, lse = _fwd(spec, causal=causal)(q, k, v, mask)
         ref, ref_lse = np_attention(q, k, v, causal=causal,
                                     mask=None if mask is None else np.asarray(mask))
