@@ -11,8 +11,10 @@ With the Pallas backend the kernels read the pages directly (no gather into a
 contiguous copy), one ``BLOCK_N`` block at a time, so the result equals contiguous KV in
 bits for any page table whenever ``page_size`` is a multiple of ``BLOCK_N`` (64). Other
 page sizes would split a block across two pages; the Pallas backend refuses them with a
-ValueError rather than change the reduction order. The reference backend gathers the
-pages and accepts any page size.
+ValueError rather than change the reduction order. The triton and reference backends
+gather the pages into contiguous K and V first (a copy, off the Pallas hot path) and
+accept any page size; the triton backend's result then equals its contiguous call in
+bits. Any other backend raises (no silent fallback to another backend).
 """
 
 from __future__ import annotations
@@ -112,15 +114,28 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
         out, lse = pt.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                     causal=bool(causal), scale=sc,
                                     interpret=jax.default_backend() == "cpu")
-    else:
+    elif be in ("triton", "reference"):
+        # Not read in place: the pages are gathered into contiguous K, V first (a copy).
         k, v = gather(k_pages, block_table), gather(v_pages, block_table)
         cap, sq = k.shape[2], q.shape[2]
         keep = jnp.arange(cap)[None, :] < seq_lens[:, None]
-        q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None, :]
-        k_pos = jnp.broadcast_to(jnp.arange(cap), keep.shape)
-        out, lse = reference.forward_with_lse(q, k, v, causal=causal, scale=sc,
-                                              key_padding_mask=keep, query_positions=q_pos,
-                                              key_positions=k_pos)
+        if be == "triton":
+            from jaxattn.kernels import triton_backend
+            reason = triton_backend.check_supported(q.shape[-1])
+            if reason:
+                raise ValueError(f"backend 'triton' cannot serve this call: {reason}")
+            out, lse = triton_backend.forward(q, k, v, keep, seq_lens - sq,
+                                              causal=bool(causal), scale=sc)
+        else:
+            q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None, :]
+            k_pos = jnp.broadcast_to(jnp.arange(cap), keep.shape)
+            out, lse = reference.forward_with_lse(q, k, v, causal=causal, scale=sc,
+                                                  key_padding_mask=keep,
+                                                  query_positions=q_pos,
+                                                  key_positions=k_pos)
+    else:
+        raise ValueError(f"backend {be!r} has no paged KV path (pallas reads pages in "
+                         f"place; triton and reference gather them)")
     return (out, lse) if return_lse else out
 
 

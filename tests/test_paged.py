@@ -95,6 +95,16 @@ def test_errors():
         paged.attention(q.astype(jnp.bfloat16), kp, kp, table, lens)
     with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
         paged.attention(q, jnp.zeros((5, 3, 64, 64)), jnp.zeros((5, 3, 64, 64)), table, lens)
+    # A backend with no paged path raises instead of handing the call to another backend.
+    from jaxattn import registry
+    registry.register("attention", registry.Backend(
+        name="no_paged", platforms=("cpu", "gpu"), priority={},
+        forward_with_lse=jaxattn.reference.forward_with_lse))
+    try:
+        with pytest.raises(ValueError, match="'no_paged' has no paged KV path"):
+            paged.attention(q, kp, kp, table, lens, backend="no_paged")
+    finally:
+        del registry._REGISTRY["attention"]["no_paged"]
     # An unused table entry may hold anything (here -1): only used pages are checked.
     out = paged.attention(q, kp + 1.0, kp + 1.0, table.at[1, 1].set(-1), lens)
     assert not np.isnan(np.asarray(out)).any()
