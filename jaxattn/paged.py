@@ -28,6 +28,9 @@ from jaxattn.kernels import pallas_triton as pt
 from jaxattn.registry import resolve
 from jaxattn.validation import SUPPORTED_DTYPES, resolve_scale
 
+#: The backends with a paged path: pallas reads pages in place, the others gather them.
+BACKENDS = ("pallas", "triton", "reference")
+
 
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
@@ -114,7 +117,7 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
         out, lse = pt.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                     causal=bool(causal), scale=sc,
                                     interpret=jax.default_backend() == "cpu")
-    elif be in ("triton", "reference"):
+    elif be in BACKENDS:
         # Not read in place: the pages are gathered into contiguous K, V first (a copy).
         k, v = gather(k_pages, block_table), gather(v_pages, block_table)
         cap, sq = k.shape[2], q.shape[2]
