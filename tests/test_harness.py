@@ -37,7 +37,16 @@ def test_rope_matches_float64(rd):
     pos = jnp.array([np.arange(9) + 5, np.arange(9) * 100])
     got = rope.forward_fp32(x, pos, rotary_dim=rd)
     want = _np_rope(x, pos, rope.DEFAULT_THETA, rd or 64)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+    # fp32 angles carry an absolute error of a few ulps of position * inv_freq, so the
+    # bound grows with the position: 2 * pos * eps32 * max|x| (plus rounding); 200 random
+    # draws stayed under 11% of it.
+    eps = np.finfo(np.float32).eps
+    bound = 2 * np.asarray(pos, np.float64)[:, None, :, None] * eps * np.abs(x).max() + 2e-6
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.isfinite(np.asarray(got)).all()
+    assert (err <= bound).all(), float((err - bound).max())
+    # Small positions (the first sequence: 5..13) hold to a tight tolerance.
+    np.testing.assert_allclose(np.asarray(got)[0], want[0], rtol=1e-5, atol=2e-5)
     if rd:
         assert np.array_equal(np.asarray(got)[..., rd:], np.asarray(x)[..., rd:])
     # [S] positions broadcast over the batch; the cast point is the output.
