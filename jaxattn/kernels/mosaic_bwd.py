@@ -1,0 +1,614 @@
+"""Prototype Pallas Mosaic GPU (Hopper: wgmma + TMA) attention backward.
+
+NOT a registered backend: nothing in the library imports this module. It is the
+backward companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU machine in
+Mosaic GPU interpret mode and checked there by lowering for CUDA (no GPU). See
+docs/mosaic.md, "Backward prototype".
+
+It follows the canonical backward order of :mod:`jaxattn.kernels.pallas_triton_vjp`
+(DESIGN.md section 4) with the same tiles (``block_q = block_kv = 64``, the Triton
+``backward_config`` for D <= 128) and the same floating-point operations per tile, so
+that the two backends can be compared op for op:
+
+* :func:`delta`: ``rowsum(dO * O) - dlse`` per query row (fp32 ``[B, Hq, Sq]``), by
+  default in a small Mosaic GPU kernel (one warpgroup per 64-row tile; the row sum is a
+  vector reduction, as in ``pallas_triton_vjp._delta_kernel``: on the GPU its order
+  follows the register layout, so its bits vs Triton's are a GPU question).
+  ``BwdConfig(delta="triton")`` calls ``pallas_triton_vjp.delta`` instead (the Triton
+  kernel, bit for bit the Triton backend's delta).
+* :func:`dkdv`: one CTA per (KV block of 64 keys, KV head, batch). The compute
+  warpgroup loads K and V once, then walks the GQA group's query heads in ascending
+  order and, for each, the query blocks of 64 rows in ascending order (from the first
+  block with a row that sees the KV block), in transposed space ``[keys, queries]``:
+  ``s^T = K Q^T * scale``, causal ``where``, ``p^T = exp(s^T - lse_safe)``,
+  ``dV += p^T dO``, ``dp^T = V dO^T``, ``ds^T = p^T (dp^T - delta)``, ``dK += ds^T Q``.
+  The producer warpgroup streams (Q, dO, lse, delta) tiles through a ring of
+  ``stages`` SMEM slots. dK is scaled at the end; both go out by TMA in k's dtype.
+* :func:`dq_accumulate`: one CTA per (query block of 64 rows, query head, batch),
+  walking KV blocks in ascending order: ``s = Q K^T * scale``, ``p = exp(s - lse_safe)``,
+  ``dp = dO V^T``, ``ds = p (dp - delta)``, ``dQ += ds K``. The producer streams K/V.
+  Output: the unscaled fp32 accumulator, as ``pallas_triton_vjp.dq_accumulate``;
+  :func:`backward` scales and casts it in XLA exactly as ``pallas_triton_vjp.backward``.
+
+Every accumulation (``dV``, ``dK``, ``dQ``) is ``acc + (fresh wgmma product)``, the
+Triton source's ``acc + dot(...)``: the wgmma accumulates into a *fresh* accumulator
+that is added to the running value in registers. No atomics; the order never depends
+on the shapes. Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
+and ``p = 0`` exactly: zero gradients.
+
+Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
+
+* True (the Hopper path): ``Q^T``, ``dO^T``, ``K^T``, ``V^T`` are transposed SMEM views
+  (``plgpu.transpose_ref``) and ``p^T``/``ds^T``/``ds`` are wgmma A operands from
+  registers.
+* False (the interpret-mode subset, JAX 0.10.2 interpreter): XLA transposes q, dO, k, v
+  to ``[..., D, S]`` and TMA loads ``[D, 64]`` tiles, and the A operands are staged
+  through SMEM (``commit_smem`` before the wgmma).
+
+Restrictions (prototype): bf16/fp16, D in {64, 128}, ``Sq`` and ``Skv`` positive
+multiples of 64 (ValueError otherwise), no key padding mask, no per-sequence causal
+offsets, no dQ continuation (``acc``) across key ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxattn import schedule
+from jaxattn.kernels import pallas_triton_vjp
+from jaxattn.kernels.mosaic_fwd import _smem_transforms, interpret_params, reset_interpret_state
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+#: Query rows per tile (dK/dV: the inner loop's step; dQ: the CTA's rows). Equal to
+#: ``pallas_triton_vjp.backward_config(D).block_q`` for D <= 128: it sets the
+#: accumulation order of dK/dV, so it must match the Triton backend's.
+BLOCK_Q = 64
+#: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
+BLOCK_KV = schedule.BLOCK_N
+
+__all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "delta", "dkdv", "dq_accumulate",
+           "interpret_params", "lower_for_cuda", "reset_interpret_state"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Launch parameters of the backward prototype; none of them changes the bits."""
+
+    #: SMEM ring slots of the streamed operands (TMA prefetch depth).
+    stages: int = 2
+    #: None: the Hopper operand path unless interpreting (see the module docstring).
+    gpu_operands: bool | None = None
+    #: Mosaic GPU lowering semantics, pinned as in ``mosaic_fwd.MosaicConfig``: "lane"
+    #: (the default of JAX 0.10.x) or "warpgroup" (the default from JAX 0.11.0).
+    semantics: str = "lane"
+    #: "mosaic": the Mosaic GPU delta kernel of this module; "triton":
+    #: ``pallas_triton_vjp.delta`` (the Triton backend's kernel).
+    delta: str = "mosaic"
+
+    def __post_init__(self):
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.semantics not in ("lane", "warpgroup"):
+            raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
+        if self.delta not in ("mosaic", "triton"):
+            raise ValueError(f"delta must be 'mosaic' or 'triton', got {self.delta!r}")
+
+
+assert BLOCK_Q == pallas_triton_vjp.backward_config(128).block_q
+assert BLOCK_KV == pallas_triton_vjp.backward_config(128).block_kv
+
+
+def _check(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B={b}, Hkv, Skv, D={d}], got k {k.shape}, "
+                         f"v {v.shape}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"q, k, v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if d not in (64, 128):
+        raise ValueError(f"head dim D must be 64 or 128, got {d}")
+    if hq % k.shape[1]:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={k.shape[1]}")
+    if sq % BLOCK_Q or sq == 0:
+        raise ValueError(f"Sq={sq} must be a positive multiple of {BLOCK_Q} (prototype)")
+    if k.shape[2] % BLOCK_KV or k.shape[2] == 0:
+        raise ValueError(f"Skv={k.shape[2]} must be a positive multiple of {BLOCK_KV} "
+                         f"(prototype)")
+
+
+def _check_rows(name, x, shape, dtype=None):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+
+
+def _resolve_interpret(interpret):
+    """False -> None (compile for the GPU); True -> default ``InterpretGPUParams``."""
+    if interpret is True:
+        params = interpret_params()
+        if params is None:
+            raise NotImplementedError("this JAX has no Mosaic GPU interpret mode")
+        return params
+    if interpret is False or interpret is None:
+        return None
+    return interpret
+
+
+def _compiler_params(cfg: BwdConfig):
+    return plgpu.CompilerParams(
+        approx_math=False,
+        lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize()))
+
+
+class _Layouts:
+    """Layout hints, emitted only when compiling for the GPU (the interpreter has no CPU
+    rule for ``layout_cast`` or ``load(..., layout=)``; the lowering needs them)."""
+
+    def __init__(self, interpret):
+        self.hints = interpret is None
+
+    def zeros(self, shape):
+        x = jnp.zeros(shape, jnp.float32)
+        return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if self.hints else x
+
+    def iota(self, shape, dim):
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim,
+                                      layout=plgpu.Layout.WGMMA if self.hints else None)
+
+    def tile(self, ref):
+        """A 2-D SMEM tile as a WGMMA-layout array."""
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA) if self.hints else ref[...]
+
+    def vec(self, ref, reduced_axis):
+        """A row vector of a ``[M, N]`` WGMMA tile: ``reduced_axis=1`` indexes rows,
+        ``0`` indexes columns."""
+        if self.hints:
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(reduced_axis))
+        return ref[...]
+
+
+def _wgmma(a, b, shape):
+    """``a @ b`` on wgmma into a fresh fp32 accumulator of ``shape``."""
+    def f(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+
+def _a_operand(x, smem, gpu_operands):
+    """A wgmma A operand: the array itself (registers) or staged through ``smem``."""
+    if gpu_operands:
+        return x
+    smem[...] = x
+    plgpu.commit_smem()
+    return smem
+
+
+def _t(ref):
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+# ----------------------------------------------------------------------------- delta
+
+
+def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret):
+    bm = BLOCK_Q
+    lay = _Layouts(interpret)
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def kernel(o_ref, do_ref, dlse_ref, delta_ref):
+        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+        rows = pl.ds(qi * bm, bm)
+
+        def body(smem, bars):
+            o_s, do_s, dl_s, out_s = smem
+            plgpu.copy_gmem_to_smem(o_ref.at[bi, h, rows], o_s, bars.at[0])
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, h, rows], do_s, bars.at[1])
+            plgpu.copy_gmem_to_smem(dlse_ref.at[bi, h, rows], dl_s, bars.at[2])
+            for i in range(3):
+                plgpu.barrier_wait(bars.at[i])
+            o = lay.tile(o_s).astype(jnp.float32)
+            do = lay.tile(do_s).astype(jnp.float32)
+            # pallas_triton_vjp._delta_kernel: jnp.sum(o * do, axis=1) - dlse.
+            out_s[...] = jnp.sum(o * do, axis=1) - lay.vec(dl_s, 1)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s, delta_ref.at[bi, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        tile = plgpu.SMEM((bm, d), dtype, transforms=_smem_transforms(d, itemsize))
+        pl.run_scoped(body, [tile, tile, plgpu.SMEM((bm,), jnp.float32),
+                             plgpu.SMEM((bm,), jnp.float32)],
+                      plgpu.Barrier(num_barriers=3))
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+        grid=(sq // bm, hq, b), grid_names=("q", "h", "b"),
+        compiler_params=_compiler_params(cfg), interpret=interpret)
+
+
+# ------------------------------------------------------------------------------ dK dV
+
+
+def _first_qblock(start, *, causal, offset, n_q):
+    """First query block with a row that sees key ``start`` (pallas_triton_vjp's
+    ``first``): key j is visible to query i iff j <= i + offset."""
+    if not causal:
+        return jnp.int32(0)
+    first_row = start - offset
+    first = lax.div(lax.max(first_row, jnp.int32(0)), jnp.int32(BLOCK_Q))
+    return lax.min(first, jnp.int32(n_q))
+
+
+def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
+                interpret):
+    bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
+    group, n_q, offset = hq // hkv, sq // BLOCK_Q, skv - sq
+    itemsize = jnp.dtype(dtype).itemsize
+    lay = _Layouts(interpret)
+    tr = functools.partial(_smem_transforms, itemsize=itemsize)
+
+    def compute_wg(k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n, total):
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, kvh, pl.ds(start, bkv)], sm["k"],
+                                bars["misc"].at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(start, bkv)], sm["v"],
+                                bars["misc"].at[1])
+        plgpu.barrier_wait(bars["misc"].at[0])
+        plgpu.barrier_wait(bars["misc"].at[1])
+        # [keys, queries]: visible iff start + r <= q0 + c + offset.
+        diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
+
+        def step(t, carry):
+            dk, dv = carry
+            slot = lax.rem(t, jnp.int32(stages))
+            q0 = (first + lax.rem(t, n)) * bq
+            for name in ("lse", "delta", "q", "do") + (() if gpu_operands else ("qt", "dot")):
+                plgpu.barrier_wait(bars[name].at[slot])
+            lse = lay.vec(sm["lse"].at[slot], 0)
+            dlt = lay.vec(sm["delta"].at[slot], 0)
+            q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+            qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
+            dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
+            # pallas_triton_vjp._dkdv_kernel.q_body, op for op.
+            s_t = _wgmma(sm["k"], qt, (bkv, bq)) * scale
+            if causal:
+                s_t = jnp.where(diag <= q0 + offset - start, s_t, NEG_INF)
+            lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
+            p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
+            p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
+            dv = dv + _wgmma(p_op, do_s, (bkv, d))
+            dp_t = _wgmma(sm["v"], dot_, (bkv, bq))
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
+            ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
+            dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+            plgpu.barrier_arrive(bars["free"].at[slot])
+            return dk, dv
+
+        zeros = lay.zeros((bkv, d))
+        dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+        sm["k"][...] = (dk * scale).astype(dtype)  # K and V are no longer needed.
+        sm["v"][...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["k"], dk_ref.at[bi, kvh, pl.ds(start, bkv)])
+        plgpu.copy_smem_to_gmem(sm["v"], dv_ref.at[bi, kvh, pl.ds(start, bkv)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def producer_wg(srcs, sm, bars, bi, kvh, first, n, total):
+        def load(t, _):
+            slot = lax.rem(t, jnp.int32(stages))
+            h = kvh * group + lax.div(t, n)
+            rows = pl.ds((first + lax.rem(t, n)) * bq, bq)
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(bars["free"].at[slot])
+
+            for name, ref in srcs.items():
+                src = ref.at[bi, h, :, rows] if name in ("qt", "dot") else ref.at[bi, h, rows]
+                plgpu.copy_gmem_to_smem(src, sm[name].at[slot], bars[name].at[slot])
+            return None
+
+        lax.fori_loop(0, total, load, None)
+
+        def drain(t, _):
+            plgpu.barrier_wait(bars["free"].at[lax.rem(t, jnp.int32(stages))])
+            return None
+
+        lax.fori_loop(lax.max(total - stages, 0), total, drain, None)
+
+    names = ["q", "do", "lse", "delta"] + ([] if gpu_operands else ["qt", "dot"])
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        *t_refs, dk_ref, dv_ref = rest
+        kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+        start = kb * bkv
+        first = _first_qblock(start, causal=causal, offset=offset, n_q=n_q)
+        n = jnp.int32(n_q) - first
+        total = n * group
+        n = lax.max(n, jnp.int32(1))  # a divisor; total == 0 when no block is visible
+        srcs = dict(q=q_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
+        if not gpu_operands:
+            srcs.update(qt=t_refs[0], dot=t_refs[1])
+        spec = {
+            "k": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
+            "v": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
+            "q": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
+            "do": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
+            "lse": plgpu.SMEM((stages, bq), jnp.float32),
+            "delta": plgpu.SMEM((stages, bq), jnp.float32),
+        }
+        if not gpu_operands:
+            spec.update(
+                qt=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
+                dot=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
+                p=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)),
+                ds=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)))
+        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
+        bar_spec["free"] = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=2)
+
+        def body(sm, bars):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == 0)
+            def _():
+                compute_wg(k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
+                           total)
+
+            @pl.when(wg == 1)
+            def _():
+                producer_wg(srcs, sm, bars, bi, kvh, first, n, total)
+
+        pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((b, hkv, skv, d), dtype),
+                  jax.ShapeDtypeStruct((b, hkv, skv, d), dtype)),
+        grid=(skv // bkv, hkv, b), grid_names=("kv", "h", "b"),
+        num_threads=2, thread_name="wg",
+        compiler_params=_compiler_params(cfg), interpret=interpret)
+
+
+# --------------------------------------------------------------------------------- dQ
+
+
+def _last_kvblock(q0, *, causal, offset, n_kv):
+    """KV blocks [0, hi) that a row of the tile at ``q0`` sees (pallas_triton_vjp's
+    ``hi``)."""
+    if not causal:
+        return jnp.int32(n_kv)
+    last = q0 + (BLOCK_Q - 1) + offset
+    return lax.min(lax.div(lax.max(last + BLOCK_KV, 0), jnp.int32(BLOCK_KV)),
+                   jnp.int32(n_kv))
+
+
+def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
+              interpret):
+    bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
+    group, n_kv, offset = hq // hkv, skv // BLOCK_KV, skv - sq
+    itemsize = jnp.dtype(dtype).itemsize
+    lay = _Layouts(interpret)
+    tr = functools.partial(_smem_transforms, itemsize=itemsize)
+    names = ["k", "v"] if gpu_operands else ["k", "kt", "vt"]
+
+    def compute_wg(q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, q0, hi):
+        rows_sl = pl.ds(q0, bq)
+        for i, (name, ref) in enumerate(
+                (("q", q_ref), ("do", do_ref), ("lse", lse_ref), ("delta", delta_ref))):
+            plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], sm[name], bars["misc"].at[i])
+        for i in range(4):
+            plgpu.barrier_wait(bars["misc"].at[i])
+        lse = lay.vec(sm["lse"], 1)
+        dlt = lay.vec(sm["delta"], 1)
+        lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
+        # [queries, keys]: visible iff j * bkv + c <= q0 + r + offset.
+        diag = lay.iota((bq, bkv), 1) - lay.iota((bq, bkv), 0)
+
+        def step(j, dq):
+            slot = lax.rem(j, jnp.int32(stages))
+            for name in names:
+                plgpu.barrier_wait(bars[name].at[slot])
+            k_s = sm["k"].at[slot]
+            kt = _t(k_s) if gpu_operands else sm["kt"].at[slot]
+            vt = _t(sm["v"].at[slot]) if gpu_operands else sm["vt"].at[slot]
+            # pallas_triton_vjp._dq_kernel.body, op for op.
+            s = _wgmma(sm["q"], kt, (bq, bkv)) * scale
+            if causal:
+                s = jnp.where(diag <= q0 + offset - j * bkv, s, NEG_INF)
+            p = jnp.exp(s - lax.broadcast_in_dim(lse_safe, (bq, bkv), [0]))
+            dp = _wgmma(sm["do"], vt, (bq, bkv))
+            ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
+            ds_op = _a_operand(ds.astype(dtype), sm.get("ds"), gpu_operands)
+            dq = dq + _wgmma(ds_op, k_s, (bq, d))
+            plgpu.barrier_arrive(bars["free"].at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, hi, step, lay.zeros((bq, d)))
+        sm["out"][...] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["out"], acc_ref.at[bi, h, rows_sl])
+        plgpu.wait_smem_to_gmem(0)
+
+    def producer_wg(srcs, sm, bars, bi, kvh, hi):
+        def load(j, _):
+            slot = lax.rem(j, jnp.int32(stages))
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(bars["free"].at[slot])
+
+            cols = pl.ds(j * bkv, bkv)
+            for name, ref in srcs.items():
+                src = ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
+                plgpu.copy_gmem_to_smem(src, sm[name].at[slot], bars[name].at[slot])
+            return None
+
+        lax.fori_loop(0, hi, load, None)
+
+        def drain(j, _):
+            plgpu.barrier_wait(bars["free"].at[lax.rem(j, jnp.int32(stages))])
+            return None
+
+        lax.fori_loop(lax.max(hi - stages, 0), hi, drain, None)
+
+    def kernel(q_ref, do_ref, lse_ref, delta_ref, *rest):
+        *kv_refs, acc_ref = rest
+        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+        kvh = lax.div(h, jnp.int32(group))
+        q0 = qi * bq
+        hi = _last_kvblock(q0, causal=causal, offset=offset, n_kv=n_kv)
+        srcs = dict(zip(names, kv_refs, strict=True))
+        spec = {
+            "q": plgpu.SMEM((bq, d), dtype, transforms=tr(d)),
+            "do": plgpu.SMEM((bq, d), dtype, transforms=tr(d)),
+            "lse": plgpu.SMEM((bq,), jnp.float32),
+            "delta": plgpu.SMEM((bq,), jnp.float32),
+            "out": plgpu.SMEM((bq, d), jnp.float32,
+                              transforms=_smem_transforms(d, 4)),
+            "k": plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d)),
+        }
+        if gpu_operands:
+            spec["v"] = plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d))
+        else:
+            spec.update(
+                kt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
+                vt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
+                ds=plgpu.SMEM((bq, bkv), dtype, transforms=tr(bkv)))
+        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
+        bar_spec["free"] = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=4)
+
+        def body(sm, bars):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == 0)
+            def _():
+                compute_wg(q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, q0, hi)
+
+            @pl.when(wg == 1)
+            def _():
+                producer_wg(srcs, sm, bars, bi, kvh, hi)
+
+        pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),
+        grid=(sq // bq, hq, b), grid_names=("q", "h", "b"),
+        num_threads=2, thread_name="wg",
+        compiler_params=_compiler_params(cfg), interpret=interpret)
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def _setup(q, k, v, interpret, config):
+    _check(q, k, v)
+    cfg = config or BwdConfig()
+    interp = _resolve_interpret(interpret)
+    gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interp is None
+    b, hq, sq, d = q.shape
+    _, hkv, skv, _ = k.shape
+    dims = dict(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype)
+    return cfg, interp, gpu_operands, dims
+
+
+def _t_in(x):
+    return jnp.swapaxes(x, 2, 3)  # [B, H, S, D] -> [B, H, D, S]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None = None):
+    """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]`` (see the module
+    docstring for the two implementations)."""
+    cfg = config or BwdConfig()
+    b, hq, sq, d = out.shape
+    d_lse = (jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None
+             else d_lse.astype(jnp.float32))
+    if cfg.delta == "triton":
+        return pallas_triton_vjp.delta(out, d_out, d_lse, interpret=bool(interpret))
+    if out.dtype not in (jnp.bfloat16, jnp.float16) or d not in (64, 128):
+        raise ValueError(f"out must be bf16/fp16 with D in (64, 128), got {out.dtype} {d}")
+    if sq % BLOCK_Q or sq == 0:
+        raise ValueError(f"Sq={sq} must be a positive multiple of {BLOCK_Q} (prototype)")
+    _check_rows("d_out", d_out, out.shape)
+    _check_rows("d_lse", d_lse, (b, hq, sq))
+    call = _build_delta(b=b, hq=hq, sq=sq, d=d, dtype=out.dtype, cfg=cfg,
+                        interpret=_resolve_interpret(interpret))
+    return call(out, d_out.astype(out.dtype), d_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=False,
+         config: BwdConfig | None = None):
+    """dK, dV ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype, given the final lse
+    and delta of every query row (``pallas_triton_vjp.dkdv``'s contract)."""
+    cfg, interp, gpu_operands, dims = _setup(q, k, v, interpret, config)
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, q.shape[:3], jnp.float32)
+    _check_rows("delta", delta_, q.shape[:3], jnp.float32)
+    call = _build_dkdv(**dims, causal=causal, scale=float(scale), cfg=cfg,
+                       gpu_operands=gpu_operands, interpret=interp)
+    d_out = d_out.astype(q.dtype)
+    extra = () if gpu_operands else (_t_in(q), _t_in(d_out))
+    return call(q, k, v, d_out, lse, delta_, *extra)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
+                  interpret=False, config: BwdConfig | None = None):
+    """The unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]`` over all keys
+    (``pallas_triton_vjp.dq_accumulate`` without ``acc``)."""
+    cfg, interp, gpu_operands, dims = _setup(q, k, v, interpret, config)
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, q.shape[:3], jnp.float32)
+    _check_rows("delta", delta_, q.shape[:3], jnp.float32)
+    call = _build_dq(**dims, causal=causal, scale=float(scale), cfg=cfg,
+                     gpu_operands=gpu_operands, interpret=interp)
+    kv = (k, v) if gpu_operands else (k, _t_in(k), _t_in(v))
+    return call(q, d_out.astype(q.dtype), lse, delta_, *kv)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
+             scale: float | None = None, interpret=False, config: BwdConfig | None = None):
+    """Gradients ``(dq, dk, dv)`` of attention given the forward's ``(out, lse)`` and the
+    cotangents ``d_out`` (and optionally ``d_lse``); ``pallas_triton_vjp.backward``'s
+    order and final scaling. ``interpret``: False (GPU), True or an
+    ``InterpretGPUParams`` (Mosaic GPU interpret mode on the CPU)."""
+    _check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kw = dict(causal=causal, scale=scale, interpret=interpret, config=config)
+    dl = delta(out, d_out.astype(out.dtype), d_lse, interpret=interpret, config=config)
+    dk, dv = dkdv(q, k, v, d_out, lse, dl, **kw)
+    acc = dq_accumulate(q, k, v, d_out, lse, dl, **kw)
+    return (acc * scale).astype(q.dtype), dk, dv
+
+
+def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
+                   config: BwdConfig | None = None):
+    """Lower (not compile) the whole GPU backward (delta, dK/dV, dQ) for CUDA on a
+    machine without a GPU; ``q``/``k``/``v`` may be ``jax.ShapeDtypeStruct``. Returns the
+    ``jax.stages.Lowered``."""
+    b, hq, sq, _ = q.shape
+
+    def f(q, k, v, out, lse, d_out):
+        return backward(q, k, v, out, lse, d_out, causal=causal, scale=scale,
+                        interpret=False, config=config)
+
+    lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
+    return jax.jit(f).trace(q, k, v, q, lse, q).lower(lowering_platforms=("cuda",))

@@ -1,0 +1,304 @@
+"""The Mosaic GPU (Hopper) backward prototype, jaxattn/kernels/mosaic_bwd.py.
+
+On a CPU: the kernels (delta, dK/dV, dQ) run in Mosaic GPU interpret mode and are
+lowered for CUDA without a GPU. Gradients are checked against ``jax.vjp`` of
+``reference.forward_fp32`` and against the Pallas Triton backend (``backend="pallas"``,
+interpret mode). Everything skips, with the reason, when the installed JAX lacks the
+interpret mode or an API the prototype needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import reference
+
+
+def _missing_api() -> str | None:
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # pragma: no cover - depends on the JAX version
+        return f"no jax.experimental.pallas.mosaic_gpu: {e}"
+    needed = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "barrier_wait",
+              "barrier_arrive", "transpose_ref", "layout_cast", "broadcasted_iota", "ACC",
+              "SMEM", "Barrier", "TilingTransform", "SwizzleTransform", "commit_smem",
+              "wait_smem_to_gmem", "LoweringSemantics", "load", "Layout")
+    absent = [n for n in needed if not hasattr(plgpu, n)]
+    if absent:
+        return f"jax {jax.__version__}: plgpu lacks {absent}"
+    if "interpret" not in inspect.signature(plgpu.kernel).parameters:
+        return f"jax {jax.__version__}: plgpu.kernel has no interpret= argument"
+    return None
+
+
+def _missing_interpret() -> str | None:
+    if (why := _missing_api()) is not None:
+        return why
+    from jaxattn.kernels import mosaic_bwd
+    if mosaic_bwd.interpret_params() is None:
+        return f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams)"
+    return None
+
+
+def _missing_callbacks() -> str | None:
+    if (why := _missing_interpret()) is not None:
+        return why
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    except ImportError as e:  # pragma: no cover - depends on the JAX version
+        return f"no Mosaic GPU interpreter callbacks module: {e}"
+    if "np.matmul(a, b" not in inspect.getsource(gpu_callbacks.wgmma):
+        return ("the interpreter's wgmma no longer calls np.matmul (the Triton substitute "
+                "would not match it)")
+    return None
+
+
+def _async_dispatch() -> bool:
+    """JAX 0.10.2's Mosaic GPU interpreter runs each warpgroup as a nested XLA:CPU
+    computation whose barrier waits block inside host callbacks; with asynchronous CPU
+    dispatch (the default) and 2 cores, XLA's thread pool can be exhausted and the
+    kernel deadlocks (observed in 2 of 2 runs of 10 interpreted backwards; none in 26
+    with ``jax_cpu_enable_async_dispatch=False``). The flag only takes effect when the
+    CPU client is created, so the interpret tests then run in a subprocess."""
+    return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
+
+
+needs_api = pytest.mark.skipif(_missing_api() is not None, reason=str(_missing_api()))
+needs_interpret = pytest.mark.skipif(_missing_interpret() is not None,
+                                     reason=str(_missing_interpret()))
+needs_callbacks = pytest.mark.skipif(_missing_callbacks() is not None,
+                                     reason=str(_missing_callbacks()))
+_SUBPROCESS = "interpret tests run in test_interpret_tests_in_subprocess (async CPU dispatch)"
+needs_sync = pytest.mark.skipif(_async_dispatch(), reason=_SUBPROCESS)
+
+
+@pytest.fixture
+def mosaic_bwd():
+    from jaxattn.kernels import mosaic_bwd
+    try:
+        yield mosaic_bwd
+    finally:
+        # After an exception inside an interpreted kernel the interpreter must be reset
+        # before the next one; harmless otherwise.
+        try:
+            mosaic_bwd.reset_interpret_state()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _inputs(b, hq, hkv, sq, skv, d, dtype=jnp.bfloat16):
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, hq, sq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, hkv, skv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, hkv, skv, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, hq, sq, d), jnp.float32).astype(dtype)
+    for x in (q, k, v, do):
+        assert float(jnp.max(jnp.abs(x.astype(jnp.float32)))) > 0.0
+    return seed, q, k, v, do
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _triton(q, k, v, do, causal):
+    """(out, lse) of the Pallas Triton forward and its gradients (interpret mode)."""
+    out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True, backend="pallas")
+    f = lambda q, k, v: jaxattn.attention(q, k, v, causal=causal, backend="pallas")  # noqa: E731
+    _, vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp(do)
+
+
+def _mosaic(mb, q, k, v, out, lse, do, causal, config=None):
+    return mb.backward(q, k, v, out, lse, do, causal=causal, interpret=True, config=config)
+
+
+# (B, Hq, Hkv, Sq, Skv, D, causal): GQA (2 query heads per KV head) with two query and
+# two KV blocks across the diagonal; Sq > Skv (the first 64 rows see no key: zero dq,
+# and they must add nothing to dk/dv) with D=128; a chunk of 64 queries against 192
+# keys (causal offset 128); non-causal, two batches.
+_CASES = [
+    (1, 2, 1, 128, 128, 64, True),
+    (1, 1, 1, 128, 64, 128, True),
+    (1, 1, 1, 64, 192, 128, True),
+    (2, 1, 1, 64, 128, 64, False),
+]
+_ids = lambda c: "B{}-Hq{}-Hkv{}-Sq{}-Skv{}-D{}-c{}".format(*c)  # noqa: E731
+
+
+@needs_sync
+@needs_interpret
+@pytest.mark.parametrize("case", _CASES, ids=_ids)
+def test_interpret_backward_accuracy(mosaic_bwd, case):
+    b, hq, hkv, sq, skv, d, causal = case
+    seed, q, k, v, do = _inputs(b, hq, hkv, sq, skv, d)
+    out, lse, grads_t = _triton(q, k, v, do, causal)
+    grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal)
+    f = lambda q, k, v: reference.forward_fp32(q, k, v, causal=causal)  # noqa: E731
+    _, vjp = jax.vjp(f, q, k, v)
+    grads_ref = vjp(do.astype(jnp.float32))
+    for name, g, gt, gr, x in zip("qkv", grads, grads_t, grads_ref, (q, k, v), strict=True):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        g32 = np.asarray(g.astype(jnp.float32))
+        gr = np.asarray(gr)
+        assert not np.isnan(g32).any(), f"d{name}: NaN (seed {seed})"
+        err = np.max(np.abs(g32 - gr)) / np.max(np.abs(gr))
+        assert err < 2e-2, f"d{name}: max|g-ref|/max|ref| = {err:.3g} (seed {seed})"
+        # The interpreter's wgmma is np.matmul, the Triton interpreter's dot is XLA's:
+        # their fp32 sums round differently, so a few bf16 elements may differ by about
+        # one ulp of the tensor's scale (see test_bits_equal_triton_with_same_products).
+        gt32 = np.asarray(gt.astype(jnp.float32))
+        diff = np.max(np.abs(g32 - gt32)) / np.max(np.abs(gt32))
+        assert diff < 1e-2, f"d{name}: max|g-triton|/max|triton| = {diff:.3g} (seed {seed})"
+    if causal and sq > skv:
+        empty = sq - skv  # rows i < Sq - Skv see no key
+        assert np.all(np.asarray(grads[0])[:, :, :empty] == 0), f"seed {seed}"
+        assert np.all(np.asarray(lse)[:, :, :empty] == -np.inf)
+
+
+@pytest.fixture
+def triton_numpy_dot():
+    """Make the Triton backward's tile products (``pallas_triton_vjp.dot``) run as
+    ``np.matmul`` on the host, as the Mosaic GPU interpreter's wgmma does; restored
+    afterwards. (The other way round, XLA's dot inside the interpreter's wgmma callback,
+    can deadlock XLA:CPU's thread pool: an XLA computation launched from a callback while
+    the warpgroup threads block in barrier callbacks.)"""
+    from jaxattn.kernels import pallas_triton_vjp
+
+    def numpy_dot(a, b, *, trans_b=False, precision=None):
+        del precision  # bf16 inputs only here
+        shape = (a.shape[0], b.shape[0] if trans_b else b.shape[1])
+
+        def host(a, b):
+            b = np.asarray(b)
+            return np.matmul(np.asarray(a), b.T if trans_b else b, dtype=np.float32)
+
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32), a, b)
+
+    saved = pallas_triton_vjp.dot
+    pallas_triton_vjp.dot = numpy_dot
+    jax.clear_caches()  # retrace the jitted Triton backward with the substitute
+    try:
+        yield
+    finally:
+        pallas_triton_vjp.dot = saved
+        jax.clear_caches()
+
+
+@needs_sync
+@needs_callbacks
+@pytest.mark.parametrize("case", _CASES[:2], ids=_ids)
+def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case):
+    """With the Triton backward's tile products computed as the Mosaic GPU interpreter
+    computes wgmma (``np.matmul``), dq, dk, dv, the dQ accumulator and delta equal the
+    Triton backend's bit for bit: the prototype performs the same operations in the
+    same order (tiles, ascending loops, GQA head order, masking, scaling)."""
+    b, hq, hkv, sq, skv, d, causal = case
+    seed, q, k, v, do = _inputs(b, hq, hkv, sq, skv, d)
+    out, lse, grads_t = _triton(q, k, v, do, causal)
+    grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal)
+    for name, g, gt in zip("qkv", grads, grads_t, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(gt), err_msg=f"d{name} (seed {seed})")
+    from jaxattn.kernels import pallas_triton_vjp
+    dl = mosaic_bwd.delta(out, do, interpret=True)
+    np.testing.assert_array_equal(_bits(dl), _bits(pallas_triton_vjp.delta(out, do, None,
+                                                                            interpret=True)))
+    scale = 1.0 / math.sqrt(d)
+    acc = mosaic_bwd.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
+                                   interpret=True)
+    acc_t = pallas_triton_vjp.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
+                                            interpret=True)
+    np.testing.assert_array_equal(_bits(acc), _bits(acc_t), err_msg=f"seed {seed}")
+
+
+@needs_sync
+@needs_interpret
+def test_delta_triton_option_and_dlse(mosaic_bwd):
+    """``BwdConfig(delta="triton")`` is the Triton kernel; the Mosaic delta kernel gives
+    the same bits in interpret mode, with a cotangent of lse."""
+    seed, q, _, _, do = _inputs(1, 2, 1, 128, 64, 64)
+    out = q  # any bf16 tile
+    dlse = jax.random.normal(jax.random.key(seed + 1), (1, 2, 128), jnp.float32)
+    a = mosaic_bwd.delta(out, do, dlse, interpret=True)
+    b = mosaic_bwd.delta(out, do, dlse, interpret=True,
+                         config=mosaic_bwd.BwdConfig(delta="triton"))
+    ref = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
+    np.testing.assert_allclose(np.asarray(a), np.asarray(ref), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"seed {seed}")
+
+
+@needs_interpret
+def test_interpret_tests_in_subprocess():
+    """Run the interpret tests of this file in a child process whose CPU client uses
+    synchronous dispatch (see :func:`_async_dispatch`)."""
+    if not _async_dispatch():
+        pytest.skip("synchronous CPU dispatch: the interpret tests run in this process")
+    code = ("import sys, jax; jax.config.update('jax_cpu_enable_async_dispatch', False); "
+            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", __file__, "-k",
+           "interpret_backward or bits_equal or delta_triton"]
+    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Synchronous dispatch makes the interpreter's deadlock rare but, on 2 cores, not
+    # impossible (1 hang in ~10 runs of this suite): a hung child is retried once.
+    for attempt in range(2):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt:
+                pytest.skip("the Mosaic GPU interpreter deadlocked twice (JAX 0.10.2's "
+                            "interpreter on few cores, docs/mosaic.md); a hang is not a "
+                            "wrong result, so this is a skip, not a pass")
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+
+
+@needs_api
+@pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("gpu_operands", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
+    """delta, dK/dV and dQ, both operand paths (True: transposed SMEM views and register
+    A operands; False: the one run in interpret mode), go through the Pallas -> Mosaic
+    GPU lowering for CUDA on a CPU-only machine (layouts, wgmma operands, SMEM)."""
+    q = jax.ShapeDtypeStruct((1, 4, 256, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 512, d), jnp.bfloat16)
+    cfg = mosaic_bwd.BwdConfig(gpu_operands=gpu_operands, semantics=semantics)
+    text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
+@needs_api
+def test_lowering_reports_smem_overflow(mosaic_bwd):
+    q = jax.ShapeDtypeStruct((1, 1, 128, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1, 512, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic_bwd.lower_for_cuda(q, k, k, config=mosaic_bwd.BwdConfig(stages=8))
+
+
+@needs_api
+@pytest.mark.parametrize("shapes", [
+    ((1, 1, 96, 64), (1, 1, 128, 64)),   # Sq not a multiple of 64
+    ((1, 1, 64, 64), (1, 1, 100, 64)),   # Skv not a multiple of 64
+    ((1, 1, 64, 32), (1, 1, 64, 32)),    # D not 64/128
+    ((1, 3, 64, 64), (1, 2, 64, 64)),    # Hq % Hkv
+])
+def test_rejects_unsupported_shapes(mosaic_bwd, shapes):
+    qs, ks = shapes
+    q = jnp.ones(qs, jnp.bfloat16)
+    k = jnp.ones(ks, jnp.bfloat16)
+    lse = jnp.zeros(qs[:3], jnp.float32)
+    with pytest.raises(ValueError):
+        mosaic_bwd.backward(q, k, k, q, lse, q, causal=True, interpret=True)
