@@ -13,7 +13,8 @@
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
 # to 128k; each part under its own timeout, results kept as they come); variants: the
 # exp2 / row-sum schedule candidates (benchmarks/tune.py); cp: distributed CP on every GPU
-# of a multi-GPU host (benchmarks/cp_bench.py); e2e: the Qwen3 rollout /
+# of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
+# GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -92,6 +93,15 @@ if has cp; then
   # Multi-GPU hosts only (nvidia-h200-x2/x4/x8): shard_map CP vs one GPU, tokens/s, bytes.
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 timeout ${CP_TIMEOUT:-540} $PY -m benchmarks.cp_bench \
       --out_dir="$OUT/cp" ${CP_ARGS:-} 2>&1 | tee "$OUT/cp.txt" | tail -14
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has mosaic; then
+  # The Mosaic GPU prototypes (docs/mosaic.md): lowering/interpret tests on this JAX, then
+  # the first real run (accuracy, hangs, bits across configs and against Pallas).
+  $PY -m pytest -q -p no:cacheprovider tests/test_mosaic_probe.py tests/test_mosaic_bwd_probe.py \
+      2>&1 | tee "$OUT/mosaic-pytest.txt" | tail -5
+  timeout ${MOSAIC_TIMEOUT:-300} $PY -m benchmarks.mosaic_gpu_check --out_dir="$OUT/mosaic" \
+      2>&1 | tee "$OUT/mosaic.txt" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has variants; then

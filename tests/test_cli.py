@@ -123,3 +123,11 @@ def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     assert all(r["fwd_bits_equal"] and r["bwd_bits_equal"] for r in rows), rows
     assert all(r["fwd_gather_MB"] < r["bwd_gather_MB"] for r in rows)
     assert set(report["meta"]["allgather_GBps"]) == {"2", "4", "8"}
+
+
+def test_gpu_only_binaries_parse_their_flags():
+    """The GPU-only diagnostic binaries import and parse flags on the CPU (no rot)."""
+    for mod in ("benchmarks.mosaic_gpu_check", "benchmarks.tune"):
+        proc = subprocess.run([sys.executable, "-m", mod, "--helpshort"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, (mod, proc.stderr[-2000:])
