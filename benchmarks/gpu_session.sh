@@ -26,6 +26,11 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX and torch may share the GPU; never let JAX grab 75% up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Compiled executables persist between the calls of one lease (the machine stays warm
+# between calls): later stages reuse what the tests compiled.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxattn-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
+export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=${JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES:-0}
 PY=${PY:-python3}
 # Wheels carried from benchmarks/fetch_wheels.sh (the device has no registry).
 if compgen -G ".whl/*.whl" > /dev/null; then
