@@ -115,7 +115,8 @@ if has variants; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has e2e; then
-  timeout ${E2E_TIMEOUT:-300} $PY -m examples.qwen3_rollout_parity --size=qwen3-8b 2>&1 \
+  timeout ${E2E_TIMEOUT:-420} $PY -m examples.qwen3_rollout_parity --size=qwen3-8b \
+      --measure_cost --cost_batch=${E2E_COST_BATCH:-2} --cost_seq_len=${E2E_COST_SEQ:-2048} 2>&1 \
       | tee "$OUT/e2e.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi

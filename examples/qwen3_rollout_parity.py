@@ -35,6 +35,9 @@ import jaxattn
 from jaxattn import paged, rope
 
 ROWS = 16  # tokens per fixed chunk of the token-wise computations
+#: False: token-wise layers run as plain matmuls over all rows (the usual, faster, not
+#: batch-invariant way); only the cost measurement turns it off.
+ROWWISE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,8 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
 def rowwise(fn, *xs):
     """Apply ``fn`` to fixed chunks of ``ROWS`` rows of ``xs`` (leading dims equal), so the
     compiled per-chunk computation is the same for every call, whatever the row count."""
+    if not ROWWISE:
+        return fn(*xs)
     n = xs[0].shape[0]
     chunks = max(2, -(-n // ROWS))
     pad = chunks * ROWS - n
@@ -147,6 +152,18 @@ def _from_bhsd(x):
 # ------------------------------------------------------------------------ training
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
+def _train_attention(cfg: Config, q, k, v, keep, lengths):
+    """The trainer's attention: jaxattn's backend, or (cost measurement only: "cudnn" /
+    "xla") ``jax.nn.dot_product_attention``, the usual non-invariant choice."""
+    if cfg.backend in ("cudnn", "xla"):
+        sw = lambda x: jnp.swapaxes(x, 1, 2)
+        out = jax.nn.dot_product_attention(sw(q), sw(k), sw(v), is_causal=True,
+                                           key_value_seq_lengths=lengths.astype(jnp.int32),
+                                           implementation=cfg.backend)
+        return sw(out)
+    return jaxattn.attention(q, k, v, key_padding_mask=keep, backend=cfg.backend)
+
+
 def train_logprobs(cfg: Config, params, tokens, lengths):
     """Full forward over a tail-padded batch ``tokens [B, S]``: log-prob of token t+1 at
     every position t (``[B, S-1]``), as a trainer computes it."""
@@ -156,8 +173,8 @@ def train_logprobs(cfg: Config, params, tokens, lengths):
     h = params["embed"][tokens.reshape(-1)]
     for lp in params["layers"]:
         q, k, v = rowwise(functools.partial(_pre_attention, cfg, lp), h, pos)
-        attn = jaxattn.attention(_to_bhsd(q, b, s), _to_bhsd(k, b, s), _to_bhsd(v, b, s),
-                                 key_padding_mask=keep, backend=cfg.backend)
+        attn = _train_attention(cfg, _to_bhsd(q, b, s), _to_bhsd(k, b, s),
+                                _to_bhsd(v, b, s), keep, lengths)
         h = rowwise(functools.partial(_post_attention, cfg, lp), h, _from_bhsd(attn))
     targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).reshape(-1)
     logp, _ = rowwise(functools.partial(_logp, cfg, params), h, targets)
@@ -291,6 +308,51 @@ def run(cfg: Config, prompt_lens=(37, 100, 64, 5), new_tokens: int = 12, seed: i
     return rollout_logp, train_logp, generated
 
 
+def measure_cost(cfg: Config, batch: int, seq_len: int, iters: int = 5,
+                 peer: str | None = None) -> list[dict]:
+    """What bitwise parity costs the trainer: forward and forward+backward (gradients of
+    the summed log-probs with respect to every weight) of :func:`train_logprobs` over a
+    tail-padded batch, with the parity setup (rowwise layers + jaxattn) beside plain
+    matmuls + jaxattn and plain matmuls + ``peer`` attention (cuDNN on a GPU, XLA on a
+    CPU). Median seconds of ``iters`` synchronised calls after a warm-up."""
+    import statistics
+    import time
+
+    global ROWWISE
+    peer = peer or ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    params = init_params(cfg, 0)
+    rng = np.random.default_rng(1)
+    lengths = jnp.asarray(rng.integers(seq_len // 2, seq_len + 1, batch).astype(np.int32))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab, (batch, seq_len)).astype(np.int32))
+
+    def timed(fn, *args):
+        jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    rows = []
+    for label, rowwise_on, backend in (("parity: rowwise + jaxattn", True, cfg.backend),
+                                       ("plain matmuls + jaxattn", False, cfg.backend),
+                                       (f"plain matmuls + {peer}", False, peer)):
+        ROWWISE = rowwise_on
+        try:
+            c = dataclasses.replace(cfg, backend=backend)
+            fwd = jax.jit(lambda p, c=c: train_logprobs(c, p, tokens, lengths))
+            grad = jax.jit(jax.grad(lambda p, c=c: train_logprobs(c, p, tokens, lengths)
+                                    .astype(jnp.float32).sum()))
+            rows.append({"setup": label, "fwd_ms": timed(fwd, params) * 1e3,
+                         "fwdbwd_ms": timed(grad, params) * 1e3})
+        except Exception as e:  # e.g. a peer that cannot run on this platform
+            rows.append({"setup": label, "error": f"{type(e).__name__}: {e}"[:200]})
+        finally:
+            ROWWISE = True
+    return rows
+
+
 FLAGS = flags.FLAGS
 
 
@@ -300,6 +362,10 @@ def _define_flags() -> None:
     flags.DEFINE_integer("new_tokens", 12, "Tokens generated per sequence.")
     flags.DEFINE_integer("seed", 0, "Seed of weights and prompts.")
     flags.DEFINE_enum("backend", "pallas", ["pallas", "reference"], "jaxattn backend.")
+    flags.DEFINE_bool("measure_cost", False, "Also time the trainer's forward and "
+                      "forward+backward with and without the parity setup.")
+    flags.DEFINE_integer("cost_batch", 4, "Batch of the cost measurement.")
+    flags.DEFINE_integer("cost_seq_len", 256, "Padded length of the cost measurement.")
 
 
 def main(argv):
@@ -313,6 +379,15 @@ def main(argv):
     print("per-token |rollout logp - training logp|, max per sequence:",
           [float(d.max()) for d in diff])
     print("bitwise equal:", bool(np.array_equal(roll.view(np.uint32), train.view(np.uint32))))
+    if FLAGS.measure_cost:
+        print(f"trainer cost, B={FLAGS.cost_batch}, S={FLAGS.cost_seq_len} (tail-padded), "
+              f"model {FLAGS.size}, {cfg.dtype}:")
+        for r in measure_cost(cfg, FLAGS.cost_batch, FLAGS.cost_seq_len):
+            if "error" in r:
+                print(f"  {r['setup']:<32} {r['error']}")
+            else:
+                print(f"  {r['setup']:<32} forward {r['fwd_ms']:9.2f} ms   "
+                      f"forward+backward {r['fwdbwd_ms']:9.2f} ms")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,30 @@ def test_example_runs_as_a_program():
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "examples.qwen3_rollout_parity",
-                           "--new_tokens=2"], capture_output=True, text=True, timeout=600)
+                           "--new_tokens=2", "--measure_cost", "--cost_batch=2",
+                           "--cost_seq_len=32"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bitwise equal: True" in proc.stdout
+    # The cost table: three setups, each timed (no error row).
+    cost = proc.stdout.split("trainer cost")[1].strip().splitlines()[1:]
+    assert [line.split("  forward")[0].strip() for line in cost] == [
+        "parity: rowwise + jaxattn", "plain matmuls + jaxattn", "plain matmuls + xla"]
+    assert all("forward+backward" in line and " ms" in line for line in cost), cost
+
+
+def test_rowwise_switch_turns_chunking_off_and_back_on():
+    """The cost measurement's switch really turns rowwise off (and is restored)."""
+    import jax
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 48))
+    x = jax.random.normal(jax.random.PRNGKey(1), (40, 64))
+    fn = lambda a: a @ w
+    calls = []
+    demo.ROWWISE = False
+    try:
+        out = demo.rowwise(lambda a: calls.append(a.shape) or fn(a), x)
+    finally:
+        demo.ROWWISE = True
+    assert calls == [(40, 64)] and out.shape == (40, 48)
+    demo.rowwise(lambda a: calls.append(a.shape) or fn(a), x)
+    assert calls[1] == (demo.ROWS, 64)  # mapped per fixed chunk again
