@@ -41,6 +41,9 @@ def _missing_api() -> str | None:
 def _missing_interpret() -> str | None:
     if (why := _missing_api()) is not None:
         return why
+    if jax.default_backend() != "cpu":
+        return ("interpret mode is the CPU's stand-in; on a GPU the prototypes run natively "
+                "(benchmarks/mosaic_gpu_check.py)")
     from jaxattn.kernels import mosaic_fwd
     if mosaic_fwd.interpret_params() is None:
         return f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams)"
