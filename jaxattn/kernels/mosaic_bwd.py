@@ -64,7 +64,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
 from jaxattn.kernels import pallas_triton_vjp
-from jaxattn.kernels.mosaic_fwd import _smem_transforms, interpret_params, reset_interpret_state
+from jaxattn.kernels.mosaic_fwd import (
+    _smem_transforms,
+    check_inputs,
+    interpret_params,
+    reset_interpret_state,
+)
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -109,24 +114,38 @@ assert BLOCK_KV == pallas_triton_vjp.backward_config(128).block_kv
 
 
 def _check(q, k, v):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
-    b, hq, sq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B={b}, Hkv, Skv, D={d}], got k {k.shape}, "
-                         f"v {v.shape}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"q, k, v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
-    if d not in (64, 128):
-        raise ValueError(f"head dim D must be 64 or 128, got {d}")
-    if hq % k.shape[1]:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={k.shape[1]}")
-    if sq % BLOCK_Q or sq == 0:
-        raise ValueError(f"Sq={sq} must be a positive multiple of {BLOCK_Q} (prototype)")
-    if k.shape[2] % BLOCK_KV or k.shape[2] == 0:
-        raise ValueError(f"Skv={k.shape[2]} must be a positive multiple of {BLOCK_KV} "
+    """The forward prototype's checks (BLOCK_KV is its BLOCK_N) with BLOCK_Q-row query
+    tiles, and at least one query tile."""
+    check_inputs(q, k, v, BLOCK_Q)
+    if q.shape[2] == 0:
+        raise ValueError(f"Sq={q.shape[2]} must be a positive multiple of {BLOCK_Q} "
                          f"(prototype)")
+
+
+def _produce(srcs, sm, bars, stages: int, total, source):
+    """The producer warpgroup's ring: step t copies ``source(name, ref, t)`` of every
+    source into slot ``t % stages`` (signalling ``bars[name]``) once the consumer has
+    freed that slot (``bars["free"]``), then waits for the last ``stages`` slots to be
+    freed before the kernel ends."""
+    def load(t, _):
+        slot = lax.rem(t, jnp.int32(stages))
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(bars["free"].at[slot])
+
+        for name, ref in srcs.items():
+            plgpu.copy_gmem_to_smem(source(name, ref, t), sm[name].at[slot],
+                                    bars[name].at[slot])
+        return None
+
+    lax.fori_loop(0, total, load, None)
+
+    def drain(t, _):
+        plgpu.barrier_wait(bars["free"].at[lax.rem(t, jnp.int32(stages))])
+        return None
+
+    lax.fori_loop(lax.max(total - stages, 0), total, drain, None)
 
 
 def _check_rows(name, x, shape, dtype=None):
@@ -308,27 +327,12 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(srcs, sm, bars, bi, kvh, first, n, total):
-        def load(t, _):
-            slot = lax.rem(t, jnp.int32(stages))
+        def source(name, ref, t):
             h = kvh * group + lax.div(t, n)
             rows = pl.ds((first + lax.rem(t, n)) * bq, bq)
+            return ref.at[bi, h, :, rows] if name in ("qt", "dot") else ref.at[bi, h, rows]
 
-            @pl.when(t >= stages)
-            def _():
-                plgpu.barrier_wait(bars["free"].at[slot])
-
-            for name, ref in srcs.items():
-                src = ref.at[bi, h, :, rows] if name in ("qt", "dot") else ref.at[bi, h, rows]
-                plgpu.copy_gmem_to_smem(src, sm[name].at[slot], bars[name].at[slot])
-            return None
-
-        lax.fori_loop(0, total, load, None)
-
-        def drain(t, _):
-            plgpu.barrier_wait(bars["free"].at[lax.rem(t, jnp.int32(stages))])
-            return None
-
-        lax.fori_loop(lax.max(total - stages, 0), total, drain, None)
+        _produce(srcs, sm, bars, stages, total, source)
 
     names = ["q", "do", "lse", "delta"] + ([] if gpu_operands else ["qt", "dot"])
 
@@ -445,26 +449,11 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(srcs, sm, bars, bi, kvh, hi):
-        def load(j, _):
-            slot = lax.rem(j, jnp.int32(stages))
-
-            @pl.when(j >= stages)
-            def _():
-                plgpu.barrier_wait(bars["free"].at[slot])
-
+        def source(name, ref, j):
             cols = pl.ds(j * bkv, bkv)
-            for name, ref in srcs.items():
-                src = ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
-                plgpu.copy_gmem_to_smem(src, sm[name].at[slot], bars[name].at[slot])
-            return None
+            return ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
 
-        lax.fori_loop(0, hi, load, None)
-
-        def drain(j, _):
-            plgpu.barrier_wait(bars["free"].at[lax.rem(j, jnp.int32(stages))])
-            return None
-
-        lax.fori_loop(lax.max(hi - stages, 0), hi, drain, None)
+        _produce(srcs, sm, bars, stages, hi, source)
 
     def kernel(q_ref, do_ref, lse_ref, delta_ref, *rest):
         *kv_refs, acc_ref = rest

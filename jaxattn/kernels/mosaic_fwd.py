@@ -111,7 +111,8 @@ def _smem_transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _check(q, k, v, block_m: int):
+def check_inputs(q, k, v, block_m: int):
+    """The prototype's shape and dtype limits (ValueError / TypeError naming them)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
     b, hq, sq, d = q.shape
@@ -376,7 +377,7 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
 def _prepare(q, k, v, *, causal, scale, interpret, config):
     cfg = config or MosaicConfig()
-    _check(q, k, v, cfg.block_m)
+    check_inputs(q, k, v, cfg.block_m)
     if interpret is True:
         interpret = interpret_params()
         if interpret is None:
