@@ -34,7 +34,7 @@ from jax import lax
 from jaxattn import reference, schedule
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
-from jaxattn.merge import merge
+from jaxattn.merge import fold
 from jaxattn.registry import Backend, register, resolve
 from jaxattn.validation import Dims, resolve_scale, validate_inputs
 
@@ -72,7 +72,8 @@ class PartialState:
 
 
 def merge_partial_states(states: Sequence[PartialState]) -> PartialState:
-    """Fold partial states in ascending key order with ``lax.scan`` and :func:`merge`.
+    """Fold partial states in ascending key order (:func:`jaxattn.merge.fold`: ``lax.scan``
+    over :func:`jaxattn.merge.merge`).
 
     The states may come in any order; they must tile one contiguous key range with no
     gap and no overlap (empty ranges are allowed anywhere inside it).
@@ -101,10 +102,7 @@ def merge_partial_states(states: Sequence[PartialState]) -> PartialState:
     end = nonempty[-1].end if nonempty else ordered[0].end
     if not nonempty:
         return ordered[0]
-    outs = jnp.stack([s.out for s in nonempty])
-    lses = jnp.stack([s.lse for s in nonempty])
-    init = (jnp.zeros_like(outs[0]), jnp.full_like(lses[0], _NEG_INF))
-    (out, lse), _ = lax.scan(lambda acc, x: (merge(*acc, *x), None), init, (outs, lses))
+    out, lse = fold(jnp.stack([s.out for s in nonempty]), jnp.stack([s.lse for s in nonempty]))
     return PartialState(out, lse, start, end)
 
 

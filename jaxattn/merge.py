@@ -69,3 +69,12 @@ def finalize(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax
     out = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
     lse = jnp.where(empty, _NEG_INF, m + jnp.log(l_safe))
     return out, lse
+
+
+def fold(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Fold partial states stacked on the leading axis (in that order, ascending key
+    ranges) into one, left to right with ``lax.scan`` over :func:`merge`, starting from
+    the empty state."""
+    init = (jnp.zeros_like(outs[0]), jnp.full_like(lses[0], _NEG_INF))
+    state, _ = jax.lax.scan(lambda acc, x: (merge(*acc, *x), None), init, (outs, lses))
+    return state

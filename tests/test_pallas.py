@@ -16,7 +16,7 @@ from jaxattn import reference, schedule
 from jaxattn.invariance import bits_equal
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
-from jaxattn.merge import merge
+from jaxattn.merge import fold
 from jaxattn.registry import get_op as jaxattn_get_op
 
 INTERPRET = not ON_GPU
@@ -108,14 +108,7 @@ def test_in_kernel_merge_equals_xla_fold_of_the_split_states():
                                            interpret=INTERPRET)
     assert o_parts.shape[2] == 4
 
-    @jax.jit
-    def fold(o_parts, lse_parts):
-        init = (jnp.zeros_like(o_parts[:, :, 0]), jnp.full_like(lse_parts[:, :, 0], -jnp.inf))
-        xs = (jnp.moveaxis(o_parts, 2, 0), jnp.moveaxis(lse_parts, 2, 0))
-        state, _ = jax.lax.scan(lambda s, x: (merge(*s, *x), None), init, xs)
-        return state
-
-    o_xla, lse_xla = fold(o_parts, lse_parts)
+    o_xla, lse_xla = jax.jit(fold)(jnp.moveaxis(o_parts, 2, 0), jnp.moveaxis(lse_parts, 2, 0))
     out, lse = _forward(q, k, v, path="split")
     b, hq, sq, d = q.shape
     assert bits_equal(lse_xla.reshape(b, hq, sq), lse)

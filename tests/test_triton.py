@@ -28,7 +28,7 @@ from jaxattn.invariance import bits_equal
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
 from jaxattn.kernels import triton_backend as tb
-from jaxattn.merge import merge
+from jaxattn.merge import fold
 
 UNAVAILABLE = registry._backends("attention")["triton"].available()
 needs_triton = pytest.mark.skipif(UNAVAILABLE is not None,
@@ -240,14 +240,7 @@ def test_in_kernel_merge_against_an_xla_fold_of_the_split_states():
     o_parts, lse_parts = tb.split_partials(q, k, v, causal=True, scale=1 / 8)
     assert o_parts.shape[2] == 4
 
-    @jax.jit
-    def fold(o_parts, lse_parts):
-        init = (jnp.zeros_like(o_parts[:, :, 0]), jnp.full_like(lse_parts[:, :, 0], -jnp.inf))
-        xs = (jnp.moveaxis(o_parts, 2, 0), jnp.moveaxis(lse_parts, 2, 0))
-        state, _ = jax.lax.scan(lambda s, x: (merge(*s, *x), None), init, xs)
-        return state
-
-    o_xla, lse_xla = fold(o_parts, lse_parts)
+    o_xla, lse_xla = jax.jit(fold)(jnp.moveaxis(o_parts, 2, 0), jnp.moveaxis(lse_parts, 2, 0))
     out, lse = tb.forward(q, k, v, causal=True, scale=1 / 8, path="split")
     o_xla, lse_xla = o_xla.reshape(q.shape), lse_xla.reshape(lse.shape)
     print(f"in-kernel merge vs XLA fold: out {_verdict(o_xla, out)}; "
