@@ -29,9 +29,7 @@ chosen per point so that a sample lasts about ``--sample_ms`` (at most ``--reps`
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -42,7 +40,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import jaxattn
-from benchmarks import systems
+from benchmarks import report, systems
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 2, "Batch for fwd / fwdbwd / chunked (unless --tokens).")
@@ -266,8 +264,7 @@ def main(argv):
         except Exception as e:  # a peer that cannot run this shape is reported, not fatal
             row = {**base, "error": f"{type(e).__name__}: {e}"[:300]}
         rows.append(row)
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-              flush=True)
+        report.print_row(row)
 
     for mode in ("fwd", "fwdbwd", "chunked"):
         if mode not in FLAGS.modes:
@@ -287,12 +284,7 @@ def main(argv):
                 record(name, "decode", b=dec_b, sq=1, skv=s, causal=True, **heads)
     md = to_markdown(rows, meta)
     print(md)
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-        with open(os.path.join(FLAGS.out_dir, "results.md"), "w") as f:
-            f.write(md)
+    report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ is reported.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 
 import jax
 from absl import app, flags
+
+from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("iters", 10, "Samples per point.")
@@ -107,12 +108,7 @@ def main(argv):
            f"{r['D']} | {r['mode']} | {r['jax_ms']:.3f} | {r['bridge_ms']:.3f} | "
            f"{r['overhead_ms']:.3f} |" for r in rows]
     print("\n".join(md))
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=2)
-        with open(os.path.join(FLAGS.out_dir, "results.md"), "w") as fh:
-            fh.write("\n".join(md) + "\n")
+    report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, "\n".join(md) + "\n")
 
 if __name__ == "__main__":
     app.run(main)

@@ -22,7 +22,6 @@ unset, before JAX starts, and records them.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxattn  # noqa: E402
+from benchmarks import report  # noqa: E402
 from jaxattn import cp  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -184,16 +184,10 @@ def main(argv):
             except Exception as e:  # an OOM at one length is reported; the rest goes on
                 row = {"n": n, "S": s, "error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-                  flush=True)
+            report.print_row(row)
     md = to_markdown(rows, meta)
     print(md)
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-        with open(os.path.join(FLAGS.out_dir, "results.md"), "w") as f:
-            f.write(md)
+    report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, md)
     if any(r.get("fwd_bits_equal") is False or r.get("bwd_bits_equal") is False
            for r in rows):
         sys.exit(1)

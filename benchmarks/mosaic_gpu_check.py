@@ -15,14 +15,14 @@ goes on. Prints a line per result; writes results.json.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Write results.json here.")
@@ -128,10 +128,7 @@ def main(argv):
     check_forward(results)
     if FLAGS.backward:
         check_backward(results)
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2, default=str)
+    report.write(FLAGS.out_dir, results, default=str)
 
 
 if __name__ == "__main__":

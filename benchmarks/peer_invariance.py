@@ -28,8 +28,6 @@ and CP have no counterpart in the peers' APIs; jaxattn's own rows for them are i
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
@@ -39,6 +37,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import systems
+from benchmarks.report import write as write_results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("backends", ["jaxattn", "cudnn", "xla", "pallas_mha", "torch_flash",
@@ -297,12 +296,7 @@ def main(argv):
         report["systems"][name] = check_system(Runner(system), q, k, v, do, p, progress)
     md = to_markdown(report)
     print(md)
-    if FLAGS.out_dir:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        with open(os.path.join(FLAGS.out_dir, "results.md"), "w") as f:
-            f.write(md)
+    write_results(FLAGS.out_dir, report, md)
 
 
 if __name__ == "__main__":
