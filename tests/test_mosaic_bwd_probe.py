@@ -11,46 +11,28 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mosaic_support import (
+    missing_api,
+    missing_interpret,
+    needs_sync,
+    run_interpret_tests_in_subprocess,
+)
 
 import jaxattn
 from jaxattn import reference
 
 
 def _missing_api() -> str | None:
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # pragma: no cover - depends on the JAX version
-        return f"no jax.experimental.pallas.mosaic_gpu: {e}"
-    needed = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "barrier_wait",
-              "barrier_arrive", "transpose_ref", "layout_cast", "broadcasted_iota", "ACC",
-              "SMEM", "Barrier", "TilingTransform", "SwizzleTransform", "commit_smem",
-              "wait_smem_to_gmem", "LoweringSemantics", "load", "Layout")
-    absent = [n for n in needed if not hasattr(plgpu, n)]
-    if absent:
-        return f"jax {jax.__version__}: plgpu lacks {absent}"
-    if "interpret" not in inspect.signature(plgpu.kernel).parameters:
-        return f"jax {jax.__version__}: plgpu.kernel has no interpret= argument"
-    return None
+    return missing_api(("load", "Layout"))
 
 
 def _missing_interpret() -> str | None:
-    if (why := _missing_api()) is not None:
-        return why
-    if jax.default_backend() != "cpu":
-        return ("interpret mode is the CPU's stand-in; on a GPU the prototypes run natively "
-                "(benchmarks/mosaic_gpu_check.py)")
-    from jaxattn.kernels import mosaic_bwd
-    if mosaic_bwd.interpret_params() is None:
-        return f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams)"
-    return None
+    return missing_interpret(("load", "Layout"))
 
 
 def _missing_callbacks() -> str | None:
@@ -66,23 +48,11 @@ def _missing_callbacks() -> str | None:
     return None
 
 
-def _async_dispatch() -> bool:
-    """JAX 0.10.2's Mosaic GPU interpreter runs each warpgroup as a nested XLA:CPU
-    computation whose barrier waits block inside host callbacks; with asynchronous CPU
-    dispatch (the default) and 2 cores, XLA's thread pool can be exhausted and the
-    kernel deadlocks (observed in 2 of 2 runs of 10 interpreted backwards; none in 26
-    with ``jax_cpu_enable_async_dispatch=False``). The flag only takes effect when the
-    CPU client is created, so the interpret tests then run in a subprocess."""
-    return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
-
-
 needs_api = pytest.mark.skipif(_missing_api() is not None, reason=str(_missing_api()))
 needs_interpret = pytest.mark.skipif(_missing_interpret() is not None,
                                      reason=str(_missing_interpret()))
 needs_callbacks = pytest.mark.skipif(_missing_callbacks() is not None,
                                      reason=str(_missing_callbacks()))
-_SUBPROCESS = "interpret tests run in test_interpret_tests_in_subprocess (async CPU dispatch)"
-needs_sync = pytest.mark.skipif(_async_dispatch(), reason=_SUBPROCESS)
 
 
 @pytest.fixture
@@ -245,27 +215,10 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """Run the interpret tests of this file in a child process whose CPU client uses
-    synchronous dispatch (see :func:`_async_dispatch`)."""
-    if not _async_dispatch():
-        pytest.skip("synchronous CPU dispatch: the interpret tests run in this process")
-    code = ("import sys, jax; jax.config.update('jax_cpu_enable_async_dispatch', False); "
-            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", __file__, "-k",
-           "interpret_backward or bits_equal or delta_triton"]
-    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # Synchronous dispatch makes the interpreter's deadlock rare but, on 2 cores, not
-    # impossible (1 hang in ~10 runs of this suite): a hung child is retried once.
-    for attempt in range(2):
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
-            break
-        except subprocess.TimeoutExpired:
-            if attempt:
-                pytest.skip("the Mosaic GPU interpreter deadlocked twice (JAX 0.10.2's "
-                            "interpreter on few cores, docs/mosaic.md); a hang is not a "
-                            "wrong result, so this is a skip, not a pass")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
+    out = run_interpret_tests_in_subprocess(
+        __file__, "interpret_backward or bits_equal or delta_triton")
+    assert " passed" in out, out[-3000:]
 
 
 @needs_api

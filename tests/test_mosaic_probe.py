@@ -7,61 +7,23 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 
 from __future__ import annotations
 
-import inspect
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mosaic_support import (
+    missing_api,
+    missing_interpret,
+    needs_sync,
+    run_interpret_tests_in_subprocess,
+)
 
 from jaxattn import reference, schedule
 from jaxattn.merge import finalize, merge
 
-
-def _missing_api() -> str | None:
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # pragma: no cover - depends on the JAX version
-        return f"no jax.experimental.pallas.mosaic_gpu: {e}"
-    needed = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "barrier_wait",
-              "barrier_arrive", "transpose_ref", "layout_cast", "broadcasted_iota", "ACC",
-              "SMEM", "Barrier", "TilingTransform", "SwizzleTransform", "commit_smem",
-              "wait_smem_to_gmem", "LoweringSemantics")
-    absent = [n for n in needed if not hasattr(plgpu, n)]
-    if absent:
-        return f"jax {jax.__version__}: plgpu lacks {absent}"
-    if "interpret" not in inspect.signature(plgpu.kernel).parameters:
-        return f"jax {jax.__version__}: plgpu.kernel has no interpret= argument"
-    return None
-
-
-def _missing_interpret() -> str | None:
-    if (why := _missing_api()) is not None:
-        return why
-    if jax.default_backend() != "cpu":
-        return ("interpret mode is the CPU's stand-in; on a GPU the prototypes run natively "
-                "(benchmarks/mosaic_gpu_check.py)")
-    from jaxattn.kernels import mosaic_fwd
-    if mosaic_fwd.interpret_params() is None:
-        return f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams)"
-    return None
-
-
-def _async_dispatch() -> bool:
-    """JAX 0.10.2's Mosaic GPU interpreter can deadlock with asynchronous CPU dispatch on
-    few cores (docs/mosaic.md, backward prototype); the interpret tests then run in a
-    child process with synchronous dispatch (the flag only acts when the client starts)."""
-    return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
-
-
-needs_sync = pytest.mark.skipif(_async_dispatch(), reason="interpret tests run in "
-                                "test_interpret_tests_in_subprocess (async CPU dispatch)")
-needs_api = pytest.mark.skipif(_missing_api() is not None, reason=str(_missing_api()))
-needs_interpret = pytest.mark.skipif(_missing_interpret() is not None,
-                                     reason=str(_missing_interpret()))
+needs_api = pytest.mark.skipif(missing_api() is not None, reason=str(missing_api()))
+needs_interpret = pytest.mark.skipif(missing_interpret() is not None,
+                                     reason=str(missing_interpret()))
 
 
 @pytest.fixture
@@ -166,23 +128,8 @@ def test_interpret_tests_in_subprocess():
     """The interpret cases above, in a child process with synchronous CPU dispatch; a
     hung child is retried once, and a second hang is a skip (a hang is not a wrong
     result; a wrong result fails)."""
-    if not _async_dispatch():
-        pytest.skip("synchronous CPU dispatch: the interpret tests run in this process")
-    code = ("import sys, jax; jax.config.update('jax_cpu_enable_async_dispatch', False); "
-            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", __file__, "-k",
-           "interpret_forward"]
-    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for attempt in range(2):
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
-            break
-        except subprocess.TimeoutExpired:
-            if attempt:
-                pytest.skip("the Mosaic GPU interpreter deadlocked twice (JAX 0.10.2's "
-                            "interpreter on few cores, docs/mosaic.md)")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "4 passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    out = run_interpret_tests_in_subprocess(__file__, "interpret_forward")
+    assert "4 passed" in out, out[-3000:]
 
 
 @needs_api
