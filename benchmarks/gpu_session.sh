@@ -11,7 +11,8 @@
 # torch bridge's overhead (benchmarks/bridge_bench.py); peers: the invariance matrix of
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
-# to 128k; each part under its own timeout, results kept as they come); variants: the
+# to 128k; each part under its own timeout, results kept as they come; SWEEP_SELECT=a,b
+# runs only the parts named); variants: the
 # exp2 / row-sum schedule candidates (benchmarks/tune.py); cp: distributed CP on every GPU
 # of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
 # GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); e2e: the Qwen3 rollout /
@@ -33,7 +34,10 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COM
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=${JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES:-0}
 PY=${PY:-python3}
 # Wheels carried from benchmarks/fetch_wheels.sh (the device has no registry).
-if compgen -G ".whl/*.whl" > /dev/null; then
+# (gpu_lanes.sh installs them once before its lanes start; a lane only adds the path.)
+if [[ -n "${JAXATTN_WHEELS_INSTALLED:-}" ]]; then
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+elif compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
@@ -87,6 +91,7 @@ chunked|90|--modes=chunked --chunk_size=2048 --seq_lens=4096,16384,32768 --batch
 decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,65536,131072 --backends=jaxattn,cudnn,xla,torch_flash,torch_cudnn,torch_efficient"}
   while IFS='|' read -r name limit args; do
     [[ -z "$name" ]] && continue
+    if [[ -n "${SWEEP_SELECT:-}" && ",$SWEEP_SELECT," != *",$name,"* ]]; then continue; fi
     echo "== sweep $name ($limit s): $args"
     timeout "$limit" $PY -m benchmarks.attention_bench --iters=${SWEEP_ITERS:-5} \
         --sample_ms=30 --out_dir="$OUT/sweep/$name" $args > "$OUT/sweep-$name.txt" 2>&1
