@@ -159,3 +159,33 @@ def test_schedule_variants_are_accurate_and_keep_decode_bits(base, rowsum):
     finally:
         schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = old
         jax.clear_caches()
+
+
+@pytest.mark.parametrize("sq", [1, 40])
+def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
+    """The compiled (not interpreted) Pallas path, lowered for CUDA on any machine:
+    forward with mask and per-sequence offsets on both launch paths, the paged kernels
+    (their page arithmetic once failed to lower inside nested loops: "AssertionError:
+    ('i32', 'i1')" from jnp's remainder), and the backward."""
+    bf = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((2, 4, sq, 64), bf)
+    kv = jax.ShapeDtypeStruct((2, 2, 1100, 64), bf)
+    mask = jax.ShapeDtypeStruct((2, 1100), jnp.bool_)
+    offs = jax.ShapeDtypeStruct((2,), jnp.int32)
+    pages = jax.ShapeDtypeStruct((20, 2, 128, 64), bf)
+    table = jax.ShapeDtypeStruct((2, 9), jnp.int32)
+    kw = dict(causal=True, scale=0.125, interpret=False)
+
+    def fwd_bwd(q, k, v, m, o):
+        outs = [pt.forward(q, k, v, m, o, path=p, **kw) for p in ("prefill", "split")]
+        grads = pv.backward(q, k, v, m, *outs[0], outs[0][0], outs[0][1], o, **kw)
+        return outs, grads
+
+    def paged_fwd(q, kp, vp, t, lens):
+        return [pt.paged_forward(q, kp, vp, t, lens, path=p, **kw)
+                for p in ("prefill", "split")]
+
+    for fn, args in ((fwd_bwd, (q, kv, kv, mask, offs)),
+                     (paged_fwd, (q, pages, pages, table, offs))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") >= 2, text[:1000]

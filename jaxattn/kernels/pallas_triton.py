@@ -116,8 +116,13 @@ def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int |
     def view(ref, start):
         # page_size is a multiple of BLOCK_N, so a block never straddles two pages; the
         # clip only keeps a bad table entry from reading outside the cache.
-        page = jnp.clip(table_ref[b, start // page_size], 0, num_pages - 1)
-        return ref.at[page, h, pl.ds(start % page_size, bn), :]
+        # lax.div / lax.rem, not // and %: start >= 0, and jnp's floor/remainder wrappers
+        # (a select on the divisor) fail to lower inside nested loops on JAX 0.11's
+        # Triton lowering ("AssertionError: ('i32', 'i1')", seen on the H200).
+        start = jnp.asarray(start, jnp.int32)
+        size = jnp.int32(page_size)
+        page = jnp.clip(table_ref[b, jax.lax.div(start, size)], 0, num_pages - 1)
+        return ref.at[page, h, pl.ds(jax.lax.rem(start, size), bn), :]
 
     return _KV(k_ref, v_ref, None, lens_ref[b], view)
 
