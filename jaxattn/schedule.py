@@ -26,11 +26,14 @@ SPLIT: Final[int] = 1024
 #: Blocks per split.
 BLOCKS_PER_SPLIT: Final[int] = SPLIT // BLOCK_N
 
-#: Exponential of the in-kernel online softmax: "e" (``exp``, the same instruction XLA
-#: uses) or "2" (``exp2`` of scores pre-scaled by log2(e): the GPU's fast approximate
-#: instruction; every kernel path would use it alike). The merge of partial states always
-#: uses exp/log. "2" is a candidate for speed, not yet measured for invariance on the GPU.
-SOFTMAX_EXP_BASE: Final[str] = "e"
+#: Exponential of the in-kernel online softmax: "2" (``exp2`` of scores pre-scaled by
+#: log2(e): the GPU's fast approximate instruction, used alike by every kernel path) or
+#: "e" (``exp``, the instruction XLA uses). The merge of partial states and the backward's
+#: recomputed probabilities always use exp/log. On the H200 (2026-11-29, JAX 0.11.2,
+#: ``python -m benchmarks.tune --what=variants``, B=2 Hq=32 Hkv=8 S=4096 D=128 causal
+#: bf16) "2" ran the forward at 305.5 TFLOP/s against 271.8 for "e", with decode rows,
+#: chunked prefill and every tile height still equal in bits (docs/benchmarks.md).
+SOFTMAX_EXP_BASE: Final[str] = "2"
 
 #: Row sum of a block's probabilities: "mma" (on the matrix unit: the same bits for
 #: every tile height, by the measurement in DESIGN.md section 4) or "reduce" (a vector
