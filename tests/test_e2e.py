@@ -19,6 +19,23 @@ def test_rollout_and_training_logprobs_equal_in_bits():
     assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
 
 
+def test_bf16_model_keeps_its_dtype_and_parity():
+    """The Qwen3-8B preset is bf16: activations stay bf16 (no float64 numpy scalar
+    promoting them to fp32 against bf16 KV pages) and parity holds."""
+    cfg = dataclasses.replace(demo.SIZES["small"], layers=1, dtype="bfloat16")
+    params = demo.init_params(cfg)
+    assert {str(x.dtype) for x in jax_leaves(params)} == {"bfloat16"}
+    roll, train, _ = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=3, chunk=48)
+    assert np.isfinite(roll).all()
+    assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
 def test_rowwise_gives_the_same_bits_for_a_row_whatever_the_row_count():
     import jax
     import jax.numpy as jnp
@@ -39,13 +56,18 @@ def test_example_runs_as_a_program():
 
     proc = subprocess.run([sys.executable, "-m", "examples.qwen3_rollout_parity",
                            "--new_tokens=2", "--measure_cost", "--cost_batch=2",
-                           "--cost_seq_len=32"], capture_output=True, text=True, timeout=600)
+                           "--cost_seq_len=32", "--cost_layers=1"], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bitwise equal: True" in proc.stdout
+    assert "with 1 of its 2 layers" in proc.stdout
     # The cost table: three setups, each timed (no error row).
     cost = proc.stdout.split("trainer cost")[1].strip().splitlines()[1:]
+    import jax
+
+    peer = "cudnn" if jax.default_backend() == "gpu" else "xla"
     assert [line.split("  forward")[0].strip() for line in cost] == [
-        "parity: rowwise + jaxattn", "plain matmuls + jaxattn", "plain matmuls + xla"]
+        "parity: rowwise + jaxattn", "plain matmuls + jaxattn", f"plain matmuls + {peer}"]
     assert all("forward+backward" in line and " ms" in line for line in cost), cost
 
 
