@@ -21,7 +21,8 @@ A cell reads ``equal`` (every bit), ``differs`` (bits differ, values within the 
 tolerance: the reduction order changed), ``wrong`` (beyond tolerance: the experiment
 does not hold for that system, e.g. a mask it ignores), ``unsupported`` or ``error``.
 
-A case a system cannot express is reported as unsupported, with the reason. Paged KV
+A case a system cannot express, or whose shape the system itself refuses with
+``NotImplementedError``, is reported as unsupported, with the reason. Paged KV
 and CP have no counterpart in the peers' APIs; jaxattn's own rows for them are in
 ``python -m jaxattn.check``.
 """
@@ -142,8 +143,11 @@ def check_system(r: Runner, q, k, v, do, p: dict, progress) -> dict:
             results[f"{case}|{kind}"] = {
                 "result": "equal" if eq else ("wrong" if wrong else "differs"),
                 "detail": detail, "max_rel_diff": _DRIFT["max"]}
-        except systems.Unsupported as e:
-            results[f"{case}|{kind}"] = {"result": "unsupported", "detail": str(e)[:200]}
+        except (systems.Unsupported, NotImplementedError) as e:
+            # NotImplementedError: the peer refuses the shape itself (cuDNN's backward
+            # on the H200: "Unsupported sequence length Q 2011, KV 2011").
+            results[f"{case}|{kind}"] = {"result": "unsupported",
+                                         "detail": f"{type(e).__name__}: {e}"[:200]}
         except Exception as e:  # reported per cell; the matrix goes on
             results[f"{case}|{kind}"] = {"result": "error",
                                          "detail": f"{type(e).__name__}: {e}"[:300]}

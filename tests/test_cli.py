@@ -85,9 +85,12 @@ def test_benchmark_smoke(tmp_path):
 def test_peer_invariance_smoke(tmp_path):
     """The peers' invariance matrix runs on the CPU; jaxattn's column is all equal; no
     system's cell is an error or beyond tolerance (which would mean a broken experiment)."""
+    # The smoke mode is the CPU's (tiny shapes some GPU peers refuse); on a GPU host the
+    # published matrix comes from the full binary (gpu_session.sh, stage peers).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.peer_invariance", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     ours = report["systems"]["jaxattn:pallas"]
@@ -112,7 +115,8 @@ def test_bridge_benchmark_smoke(tmp_path):
 def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     """The multi-device CP binary (the multi-GPU issue's) runs on 8 virtual CPU devices:
     degrees 2, 4, 8, bits equal to one device forward and backward."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_bench", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
                           timeout=600, env=env)
