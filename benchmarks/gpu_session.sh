@@ -15,7 +15,8 @@
 # runs only the parts named); variants: the
 # exp2 / row-sum schedule candidates (benchmarks/tune.py); cp: distributed CP on every GPU
 # of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
-# GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); e2e: the Qwen3 rollout /
+# GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); mosaicspeed:
+# their TFLOP/s beside the Pallas backend; e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -55,7 +56,7 @@ if has tests; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has check; then
-  $PY -m jaxattn.check --backends=pallas,reference --batch=${CHECK_BATCH:-4} \
+  $PY -m jaxattn.check --backends=${CHECK_BACKENDS:-pallas,reference} --batch=${CHECK_BATCH:-4} \
       --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
       --chunk_sizes=64,100,1000 --json_out="$OUT/check.json" 2>&1 | tee "$OUT/check.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
@@ -114,14 +115,21 @@ if has mosaic; then
       2>&1 | tee "$OUT/mosaic.txt" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
 fi
+if has mosaicspeed; then
+  # The prototypes' forward / backward TFLOP/s beside the Pallas backend (no checks).
+  timeout ${MOSAIC_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
+      --out_dir="$OUT/mosaic-speed" 2>&1 | tee "$OUT/mosaic-speed.txt" | tail -4
+  status=$((status | ${PIPESTATUS[0]}))
+fi
 if has variants; then
   timeout ${VARIANTS_TIMEOUT:-240} $PY -m benchmarks.tune --what=variants 2>&1 \
       | tee "$OUT/variants.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has e2e; then
+  # E2E_ARGS e.g. "--norollout --measure_cost --cost_layers=4": the cost alone.
   timeout ${E2E_TIMEOUT:-420} $PY -m examples.qwen3_rollout_parity --size=qwen3-8b \
-      --measure_cost --cost_batch=${E2E_COST_BATCH:-2} --cost_seq_len=${E2E_COST_SEQ:-2048} 2>&1 \
+      ${E2E_ARGS:---measure_cost --cost_batch=2 --cost_seq_len=2048} 2>&1 \
       | tee "$OUT/e2e.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi

@@ -27,6 +27,13 @@ from benchmarks import report
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Write results.json here.")
 flags.DEFINE_bool("backward", True, "Also check the backward prototype.")
+flags.DEFINE_bool("checks", True, "Run the accuracy / bits checks.")
+flags.DEFINE_bool("speed", False, "Time forward and backward against the Pallas backend "
+                  "at SPEED_SHAPE (the Mosaic issue's bar is in TFLOP/s).")
+flags.DEFINE_integer("iters", 10, "Timed calls (median) for --speed.")
+
+#: (B, Hq, Hkv, S, D), causal, bf16: the shape of the forward-speed bar in docs/.
+SPEED_SHAPE = (8, 32, 8, 4096, 128)
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
               (1, 4, 4, 256, 128, 64)]
@@ -121,13 +128,61 @@ def check_backward(results: list) -> None:
             print(row, flush=True)
 
 
+def _median_ms(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(FLAGS.iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
+def time_speed(results: list) -> None:
+    """Forward and backward TFLOP/s of the prototypes (their default configs) beside the
+    Pallas backend's, causal bf16 at SPEED_SHAPE; one synchronised call per sample."""
+    from jaxattn.kernels import mosaic_bwd as mb
+    from jaxattn.kernels import mosaic_fwd as mf
+    from jaxattn.kernels import pallas_triton as pt
+    from jaxattn.kernels import pallas_triton_vjp as pv
+    b, hq, hkv, s, d = SPEED_SHAPE
+    q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
+    scale = 1 / np.sqrt(d)
+    fwd_flops = 4 * b * hq * s * s * d / 2  # causal: half the score matrix
+    systems = {
+        "mosaic": (jax.jit(lambda q, k, v: mf.forward(q, k, v, causal=True, scale=scale)),
+                   lambda q, k, v, o, l, do: mb.backward(q, k, v, o, l, do, causal=True,
+                                                         scale=scale)),
+        "pallas": (jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
+                                                      interpret=False)),
+                   lambda q, k, v, o, l, do: pv.backward(q, k, v, None, o, l, do, None,
+                                                         causal=True, scale=scale,
+                                                         interpret=False)),
+    }
+    for name, (fwd, bwd) in systems.items():
+        row = {"kind": "speed", "system": name, "shape": SPEED_SHAPE, "causal": True}
+        try:
+            ms = _median_ms(fwd, q, k, v)
+            o, lse = fwd(q, k, v)
+            bms = _median_ms(jax.jit(bwd), q, k, v, o, lse, do)
+            row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9, bwd_ms=bms,
+                       bwd_tflops=2.5 * fwd_flops / bms / 1e9)
+        except Exception as e:  # a prototype failing here is a result too
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        results.append(row)
+        print(row, flush=True)
+
+
 def main(argv):
     del argv
     results = [{"jax": jax.__version__, "device": jax.devices()[0].device_kind}]
     print(results[0], flush=True)
-    check_forward(results)
-    if FLAGS.backward:
-        check_backward(results)
+    if FLAGS.checks:
+        check_forward(results)
+        if FLAGS.backward:
+            check_backward(results)
+    if FLAGS.speed:
+        time_speed(results)
     report.write(FLAGS.out_dir, results, default=str)
 
 
