@@ -368,20 +368,27 @@ def _define_flags() -> None:
                       "forward+backward with and without the parity setup.")
     flags.DEFINE_integer("cost_batch", 4, "Batch of the cost measurement.")
     flags.DEFINE_integer("cost_seq_len", 256, "Padded length of the cost measurement.")
+    flags.DEFINE_integer("rows", ROWS, "Tokens per fixed chunk of the token-wise layers "
+                         "(rollout and training share it, so any value keeps parity; "
+                         "larger chunks use a GPU's matrix units better).")
     flags.DEFINE_integer("cost_layers", 0, "Decoder layers of the cost measurement (0: "
                          "all of --size). Each layer is the same work, so a few layers "
                          "give the same ratios with far shorter compiles.")
 
 
 def main(argv):
+    global ROWS
     del argv
+    if FLAGS.rows < 1:
+        raise app.UsageError(f"--rows must be >= 1, got {FLAGS.rows}")
+    ROWS = FLAGS.rows
     cfg = dataclasses.replace(SIZES[FLAGS.size], backend=FLAGS.backend)
     if FLAGS.rollout:
         roll, train, gen = run(cfg, new_tokens=FLAGS.new_tokens, seed=FLAGS.seed)
         diff = np.abs(roll.astype(np.float64) - train.astype(np.float64))
         print(f"{jax.devices()[0].device_kind}, attention backend "
               f"{cfg.backend}, model {FLAGS.size}: {gen.shape[0]} sequences x "
-              f"{gen.shape[1]} generated tokens")
+              f"{gen.shape[1]} generated tokens, token-wise chunks of {ROWS} rows")
         print("per-token |rollout logp - training logp|, max per sequence:",
               [float(d.max()) for d in diff])
         print("bitwise equal:",

@@ -19,6 +19,15 @@ def test_rollout_and_training_logprobs_equal_in_bits():
     assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
 
 
+def test_parity_holds_for_another_chunk_size(monkeypatch):
+    """Any ROWS works as long as rollout and training share it (the example's --rows)."""
+    monkeypatch.setattr(demo, "ROWS", 40)
+    cfg = dataclasses.replace(demo.SIZES["small"], layers=1)
+    roll, train, _ = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=3, chunk=48)
+    assert np.isfinite(roll).all()
+    assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
+
+
 def test_bf16_model_keeps_its_dtype_and_parity():
     """The Qwen3-8B preset is bf16: activations stay bf16 (no float64 numpy scalar
     promoting them to fp32 against bf16 KV pages) and parity holds."""
