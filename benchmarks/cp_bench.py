@@ -23,7 +23,6 @@ unset, before JAX starts, and records them.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -58,16 +57,6 @@ flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes (8 virtual CPU devices).")
 
 
-def _time(fn, args, iters) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def gather_bytes(b, hq, hkv, s, d, itemsize, n) -> dict:
     """Bytes each device receives in the all-gathers (docs/cp.md)."""
     frac = (n - 1) / n
@@ -83,7 +72,7 @@ def allgather_bandwidth(mesh, nbytes: int, iters: int) -> float:
     x = jax.device_put(jnp.ones((n * per,), jnp.bfloat16), NamedSharding(mesh, P("sp")))
     f = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "sp", tiled=True), mesh=mesh,
                               in_specs=P("sp"), out_specs=P(None), check_vma=False))
-    sec = _time(f, (x,), iters)
+    sec = report.median_seconds(f, (x,), iters)
     return per * 2 * (n - 1) / sec / 1e9
 
 
@@ -112,8 +101,8 @@ def run_point(devices, n, s, p) -> dict:
                                                  q, k, v)[1](do))
     row = {"n": n, "B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s,
            "load_balance": p["load_balance"]}
-    t_f = _time(fwd, (qs, kss, vs), p["iters"])
-    t_fb = _time(fwdbwd, (qs, kss, vs, dos), p["iters"])
+    t_f = report.median_seconds(fwd, (qs, kss, vs), p["iters"])
+    t_fb = report.median_seconds(fwdbwd, (qs, kss, vs, dos), p["iters"])
     row.update({"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
                 "fwd_tokens_per_s": b * s / t_f, "fwdbwd_tokens_per_s": b * s / t_fb})
     row.update(gather_bytes(b, hq, hkv, s, d, jnp.dtype(p["dtype"]).itemsize, n))

@@ -128,16 +128,6 @@ def check_backward(results: list) -> None:
             print(row, flush=True)
 
 
-def _median_ms(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(FLAGS.iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e3
-
-
 def time_speed(results: list) -> None:
     """Forward and backward TFLOP/s of the prototypes (their default configs) beside the
     Pallas backend's, causal bf16 at SPEED_SHAPE; one synchronised call per sample."""
@@ -162,9 +152,9 @@ def time_speed(results: list) -> None:
     for name, (fwd, bwd) in systems.items():
         row = {"kind": "speed", "system": name, "shape": SPEED_SHAPE, "causal": True}
         try:
-            ms = _median_ms(fwd, q, k, v)
+            ms = report.median_seconds(fwd, (q, k, v), FLAGS.iters) * 1e3
             o, lse = fwd(q, k, v)
-            bms = _median_ms(jax.jit(bwd), q, k, v, o, lse, do)
+            bms = report.median_seconds(jax.jit(bwd), (q, k, v, o, lse, do), FLAGS.iters) * 1e3
             row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9, bwd_ms=bms,
                        bwd_tflops=2.5 * fwd_flops / bms / 1e9)
         except Exception as e:  # a prototype failing here is a result too

@@ -1,10 +1,13 @@
-"""Where every benchmark binary puts its results: ``results.json`` and ``results.md``
-under ``--out_dir``, and one progress line per measured row."""
+"""Shared by the benchmark binaries: where results go (``results.json`` and
+``results.md`` under ``--out_dir``), one progress line per measured row, and the
+synchronous per-call timer."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 from typing import Any
 
 
@@ -25,3 +28,17 @@ def print_row(row: dict) -> None:
     """One measured row, floats to 3 decimals, flushed (long runs show progress)."""
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
           flush=True)
+
+
+def median_seconds(fn, args, iters: int) -> float:
+    """Median wall time of ``iters`` calls of ``fn(*args)``, each waited for, after one
+    untimed call (compilation, first-touch)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
