@@ -17,10 +17,7 @@ TAG=${TAG:-lanes}
 RES=/tmp/jaxattn-lanes/$TAG
 LANE_TIMEOUT=${LANE_TIMEOUT:-560}
 rm -rf "$RES"; mkdir -p "$RES" "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export JAXATTN_WHEELS_INSTALLED=1
-fi
+source benchmarks/wheels.sh && install_wheels  # once, before the lanes start
 i=0
 pids=()
 IFS=';' read -r -a lanes <<< "${LANES:?set LANES}"

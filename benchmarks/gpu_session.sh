@@ -35,13 +35,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COM
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=${JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES:-0}
 PY=${PY:-python3}
 # Wheels carried from benchmarks/fetch_wheels.sh (the device has no registry).
-# (gpu_lanes.sh installs them once before its lanes start; a lane only adds the path.)
-if [[ -n "${JAXATTN_WHEELS_INSTALLED:-}" ]]; then
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-elif compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+source benchmarks/wheels.sh && install_wheels
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
