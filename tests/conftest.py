@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def cpu_env(**extra: str) -> dict:
+    """The environment of a child process that must run JAX on the CPU also on a GPU host
+    (CPU smoke modes, virtual CPU devices), plus ``extra``."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
+
+
 _counter = iter(range(10**9))
 
 

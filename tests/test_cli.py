@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import pytest
 from absl import flags
+from conftest import cpu_env
 
 from jaxattn import check, reference, registry
 
@@ -87,7 +87,7 @@ def test_peer_invariance_smoke(tmp_path):
     system's cell is an error or beyond tolerance (which would mean a broken experiment)."""
     # The smoke mode is the CPU's (tiny shapes some GPU peers refuse); on a GPU host the
     # published matrix comes from the full binary (gpu_session.sh, stage peers).
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    env = cpu_env(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.peer_invariance", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
                           timeout=600, env=env)
@@ -115,8 +115,7 @@ def test_bridge_benchmark_smoke(tmp_path):
 def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     """The multi-device CP binary (the multi-GPU issue's) runs on 8 virtual CPU devices:
     degrees 2, 4, 8, bits equal to one device forward and backward."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_bench", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
                           timeout=600, env=env)

@@ -3,7 +3,6 @@ device and over a mesh of 8 CPU devices."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import np_attention, rand, rand_qkv, rel_err
+from conftest import cpu_env, np_attention, rand, rand_qkv, rel_err
 
 import jaxattn
 from jaxattn import cp, schedule
@@ -214,9 +213,8 @@ def test_sharded_attention_on_8_cpu_devices_equals_one_device():
         print("SHARDED OK")
     """)
     # Eight virtual CPU devices also on a GPU host (the multi-GPU run is benchmarks/cp_bench).
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=900, env=env)
+                          timeout=900, env=cpu_env())
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util as importlib_util
 import math
-import os
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, np_attention, rand, rand_qkv, rel_err
+from conftest import ON_GPU, cpu_env, np_attention, rand, rand_qkv, rel_err
 
 import jaxattn
 from jaxattn import invariance, reference, registry, schedule
@@ -70,7 +69,7 @@ def test_package_imports_without_triton_and_jax_triton():
             "print(registry._backends('attention')['triton'].available())\n"
             "print(jaxattn.get_op('attention', backend='reference').backend)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          timeout=300, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs the triton package" in proc.stdout and "reference" in proc.stdout
 
