@@ -82,3 +82,38 @@ def np_attention(q, k, v, *, causal=True, scale=None, mask=None, q_pos=None, k_p
                 out[bi, h, i] = p @ vh[idx] / p.sum()
                 lse[bi, h, i] = m + np.log(p.sum())
     return out, lse
+
+
+# ------------------------------------------- launch options of a kernel backend keep bits
+# ``forward(q, k, v, mask=None, causal=True, path=..., config=...)``: a backend's forward
+# with its scale bound (the Pallas and the raw Triton tests share these checks).
+
+def assert_paths_agree(forward, q, k, v, mask, causal):
+    """The prefill and split-parallel launch paths give the same bits, and are accurate."""
+    from jaxattn import reference
+    from jaxattn.invariance import bits_equal
+
+    a = forward(q, k, v, mask, causal, path="prefill")
+    b = forward(q, k, v, mask, causal, path="split")
+    assert bits_equal(a[0], b[0]) and bits_equal(a[1], b[1])
+    assert rel_err(a[0], reference.forward_fp32(q, k, v, causal=causal,
+                                                key_padding_mask=mask)) < 3e-2
+
+
+def assert_configs_keep_bits(forward, q, k, v, configs):
+    """Every launch config, on both paths, gives the bits of the default prefill launch."""
+    from jaxattn.invariance import bits_equal
+
+    base = forward(q, k, v, path="prefill")
+    for config in configs:
+        for path in ("prefill", "split"):
+            got = forward(q, k, v, path=path, config=config)
+            assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (path, config)
+
+
+def warps_stages_config(warps: int, stages: int):
+    """A forward config with ``warps`` and ``stages`` on both launch paths."""
+    from jaxattn.kernels import pallas_triton as pt
+
+    return pt.ForwardConfig(num_warps=warps, num_stages=stages, decode_num_warps=warps,
+                            decode_num_stages=stages)

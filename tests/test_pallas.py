@@ -10,7 +10,15 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ON_GPU, rand, rand_qkv, rel_err
+from conftest import (
+    ON_GPU,
+    assert_configs_keep_bits,
+    assert_paths_agree,
+    rand,
+    rand_qkv,
+    rel_err,
+    warps_stages_config,
+)
 
 from jaxattn import reference, schedule
 from jaxattn.invariance import bits_equal
@@ -34,33 +42,21 @@ def test_split_parallel_and_prefill_paths_agree_in_bits(sq, skv, causal):
     q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16)
     mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, skv)) > 0.2
     for m in (None, mask):
-        a = _forward(q, k, v, m, causal, path="prefill")
-        b = _forward(q, k, v, m, causal, path="split")
-        assert bits_equal(a[0], b[0]) and bits_equal(a[1], b[1])
-        assert rel_err(a[0], reference.forward_fp32(q, k, v, causal=causal,
-                                                    key_padding_mask=m)) < 3e-2
+        assert_paths_agree(_forward, q, k, v, m, causal)
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_tile_height_does_not_change_bits(block_m):
     """A row's bits do not depend on which other rows share its tile."""
     q, k, v = rand_qkv(1, 8, 2, 100, 1200, 64, jnp.bfloat16, seed=11)
-    base = _forward(q, k, v, path="prefill")
-    for path in ("prefill", "split"):
-        got = _forward(q, k, v, path=path, config=pt.ForwardConfig(block_m=block_m))
-        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), path
+    assert_configs_keep_bits(_forward, q, k, v, [pt.ForwardConfig(block_m=block_m)])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3), (4, 3)])
 def test_warps_and_stages_do_not_change_bits(warps, stages):
     q, k, v = rand_qkv(2, 32, 8, 600, 2100, 128, jnp.bfloat16, seed=12)
-    base = _forward(q, k, v, path="prefill")
-    cfg = pt.ForwardConfig(num_warps=warps, num_stages=stages, decode_num_warps=warps,
-                           decode_num_stages=stages)
-    for path in ("prefill", "split"):
-        got = _forward(q, k, v, path=path, config=cfg)
-        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (path, warps)
+    assert_configs_keep_bits(_forward, q, k, v, [warps_stages_config(warps, stages)])
 
 
 def test_whole_block_steps_compute_the_same_values():
