@@ -10,39 +10,39 @@ import numpy as np
 from examples import qwen3_rollout_parity as demo
 
 
-def test_rollout_and_training_logprobs_equal_in_bits():
-    cfg = dataclasses.replace(demo.SIZES["small"], layers=2)
-    roll, train, gen = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=6, chunk=48)
-    assert gen.shape == (4, 6)
-    assert np.isfinite(roll).all() and (roll <= 0).all()
-    assert roll.dtype == train.dtype == np.float32
+def _rollout_and_training(cfg, new_tokens):
+    """Roll out four mixed-length prompts, recompute as a trainer; the log-probs must be
+    finite and equal in bits. Returns (rollout logp, training logp, generated tokens)."""
+    roll, train, gen = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=new_tokens,
+                                chunk=48)
+    assert np.isfinite(roll).all()
     assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
+    return roll, train, gen
+
+
+def test_rollout_and_training_logprobs_equal_in_bits():
+    roll, train, gen = _rollout_and_training(
+        dataclasses.replace(demo.SIZES["small"], layers=2), new_tokens=6)
+    assert gen.shape == (4, 6)
+    assert (roll <= 0).all()
+    assert roll.dtype == train.dtype == np.float32
 
 
 def test_parity_holds_for_another_chunk_size(monkeypatch):
     """Any ROWS works as long as rollout and training share it (the example's --rows)."""
     monkeypatch.setattr(demo, "ROWS", 40)
-    cfg = dataclasses.replace(demo.SIZES["small"], layers=1)
-    roll, train, _ = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=3, chunk=48)
-    assert np.isfinite(roll).all()
-    assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
+    _rollout_and_training(dataclasses.replace(demo.SIZES["small"], layers=1), new_tokens=3)
 
 
 def test_bf16_model_keeps_its_dtype_and_parity():
     """The Qwen3-8B preset is bf16: activations stay bf16 (no float64 numpy scalar
     promoting them to fp32 against bf16 KV pages) and parity holds."""
-    cfg = dataclasses.replace(demo.SIZES["small"], layers=1, dtype="bfloat16")
-    params = demo.init_params(cfg)
-    assert {str(x.dtype) for x in jax_leaves(params)} == {"bfloat16"}
-    roll, train, _ = demo.run(cfg, prompt_lens=(37, 100, 64, 5), new_tokens=3, chunk=48)
-    assert np.isfinite(roll).all()
-    assert np.array_equal(roll.view(np.uint32), train.view(np.uint32)), np.abs(roll - train).max()
-
-
-def jax_leaves(tree):
     import jax
 
-    return jax.tree_util.tree_leaves(tree)
+    cfg = dataclasses.replace(demo.SIZES["small"], layers=1, dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(demo.init_params(cfg))
+    assert {str(x.dtype) for x in leaves} == {"bfloat16"}
+    _rollout_and_training(cfg, new_tokens=3)
 
 
 def test_rowwise_gives_the_same_bits_for_a_row_whatever_the_row_count():
