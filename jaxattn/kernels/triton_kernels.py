@@ -205,6 +205,15 @@ def _merge(out_l, lse_l, out_r, lse_r, INTERPRET: tl.constexpr):
 # --------------------------------------------------------------------------- forward
 
 @triton.jit
+def _key_ok(mask_base, cols, kv_len, HAS_MASK: tl.constexpr):
+    """Keys ``cols`` that exist (``< kv_len``) and that the padding mask keeps."""
+    ok = cols < kv_len
+    if HAS_MASK:
+        ok = ok & (tl.load(mask_base + cols, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
 def _softmax_step(acc, m, l, q, k_base, v_base, mask_base, start, kv_len, limit, scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXP2: tl.constexpr,
@@ -215,9 +224,7 @@ def _softmax_step(acc, m, l, q, k_base, v_base, mask_base, start, kv_len, limit,
     cols = start + tl.arange(0, BLOCK_N)
     offs = cols[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     if MASKED:
-        ok = cols < kv_len
-        if HAS_MASK:
-            ok = ok & (tl.load(mask_base + cols, mask=ok, other=0) != 0)
+        ok = _key_ok(mask_base, cols, kv_len, HAS_MASK)
         # Keys not kept load as zeros: NaN or inf in padding cannot leak through 0 * x.
         k = tl.load(k_base + offs, mask=ok[:, None], other=0.0)
         v = tl.load(v_base + offs, mask=ok[:, None], other=0.0)
@@ -405,14 +412,6 @@ def bwd_delta_kernel(o_ptr, do_ptr, dlse_ptr, q_len, delta_ptr,
     do = _f32(tl.load(do_ptr + offs, mask=ok[:, None], other=0.0), INTERPRET)
     dlse = tl.load(dlse_ptr + bh * q_len + rows, mask=ok, other=0.0)
     tl.store(delta_ptr + bh * q_len + rows, _rsum(o * do, 1) - dlse, mask=ok)
-
-
-@triton.jit
-def _key_ok(mask_base, cols, kv_len, HAS_MASK: tl.constexpr):
-    ok = cols < kv_len
-    if HAS_MASK:
-        ok = ok & (tl.load(mask_base + cols, mask=ok, other=0) != 0)
-    return ok
 
 
 @triton.jit
