@@ -13,7 +13,8 @@
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
 # to 128k; each part under its own timeout, results kept as they come; SWEEP_SELECT=a,b
 # runs only the parts named); variants: the
-# exp2 / row-sum schedule candidates (benchmarks/tune.py); cp: distributed CP on every GPU
+# exp2 / row-sum schedule candidates (benchmarks/tune.py); launch: the prefill forward's
+# launch options (unroll, flat split loop, heavy-first order) beside Pallas mha; cp: distributed CP on every GPU
 # of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
 # GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); mosaicspeed:
 # their TFLOP/s beside the Pallas backend; e2e: the Qwen3 rollout /
@@ -118,6 +119,12 @@ fi
 if has variants; then
   timeout ${VARIANTS_TIMEOUT:-240} $PY -m benchmarks.tune --what=variants 2>&1 \
       | tee "$OUT/variants.txt" | tail -12
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has launch; then
+  # The prefill forward's launch options beside Pallas mha (benchmarks/tune.py).
+  timeout ${LAUNCH_TIMEOUT:-300} $PY -m benchmarks.tune --what=launch ${LAUNCH_ARGS:-} 2>&1 \
+      | grep -v 'Unable to initialize backend' | tee "$OUT/launch.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has e2e; then

@@ -23,7 +23,11 @@ from jaxattn.kernels import pallas_triton_vjp as pv
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep; 'variants' times "
-                  "and checks the schedule variants of --variants.")
+                  "and checks the schedule variants of --variants; 'launch' times the "
+                  "prefill forward's launch options (unroll, heavy_first, stages) beside "
+                  "JAX's Pallas mha at --launch_shapes, checking each option's bits.")
+flags.DEFINE_list("launch_shapes", ["2x4096", "8x4096", "2x16384"],
+                  "BxS shapes of --what=launch (causal, Hq=32, Hkv=8, bf16).")
 flags.DEFINE_list("variants", ["e:mma", "2:mma", "e:reduce", "2:reduce"],
                   "SOFTMAX_EXP_BASE:ROWSUM pairs for --what=variants.")
 flags.DEFINE_list("block_n", ["64"], "BLOCK_N values to try.")
@@ -111,7 +115,55 @@ def main(argv):
                           f"{t * 1e6:.1f} us {gbs:.0f} GB/s", flush=True)
     if "variants" in FLAGS.what:
         _variants(q, k, v, scale, flops)
+    if "launch" in FLAGS.what:
+        _launch(hq, hkv, d)
     set_schedule(64, 1024)
+
+
+def _launch(hq, hkv, d):
+    """Prefill launch options (none changes the bits; checked here on the GPU) against
+    JAX's Pallas mha on the same shapes, in one process."""
+    from jax.experimental.pallas.ops.gpu import attention as mha_lib
+
+    from jaxattn.invariance import bits_equal
+
+    scale = 1 / math.sqrt(d)
+    for shape in FLAGS.launch_shapes:
+        b, s = (int(x) for x in shape.split("x"))
+        ks = jax.random.split(jax.random.PRNGKey(s + b), 3)
+        q = jax.random.normal(ks[0], (b, hq, s, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, hkv, s, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, hkv, s, d), jnp.bfloat16)
+        flops = 4 * b * hq * s * s * d / 2
+        # mha: [B, S, H, D], no GQA (K and V repeated outside the timed call).
+        qm = jnp.swapaxes(q, 1, 2)
+        km, vm = (jnp.swapaxes(jnp.repeat(x, hq // hkv, axis=1), 1, 2) for x in (k, v))
+        mha = jax.jit(lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=scale, causal=True))
+        t = timeit(mha, (qm, km, vm), FLAGS.reps)
+        print(f"launch B={b} S={s} pallas_mha: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} "
+              f"TFLOP/s", flush=True)
+        base = None
+        # (stages, unroll, flat_splits, heavy_first); 128 rows, 8 warps throughout.
+        options = [(3, 1, False, False), (3, 1, False, True), (3, 2, False, False),
+                   (3, 2, False, True), (3, 1, True, False), (3, 1, True, True),
+                   (2, 2, False, True), (2, 1, True, True)]
+        for st, unroll, flat, heavy in options:
+            cfg = pt.ForwardConfig(block_m=128, num_warps=8, num_stages=st, unroll=unroll,
+                                   flat_splits=flat, heavy_first=heavy)
+            fn = jax.jit(lambda q, k, v, cfg=cfg: pt.forward(
+                q, k, v, causal=True, scale=scale, interpret=False, path="prefill",
+                config=cfg))
+            name = (f"launch B={b} S={s} stages={st} unroll={unroll} flat_splits={flat} "
+                    f"heavy_first={heavy}")
+            try:
+                t = timeit(fn, (q, k, v), FLAGS.reps)
+                got = fn(q, k, v)
+                base = base or got
+                same = bits_equal(got[0], base[0]) and bits_equal(got[1], base[1])
+                print(f"{name}: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TFLOP/s "
+                      f"bits={'same' if same else 'DIFF'}", flush=True)
+            except Exception as e:  # noqa: BLE001 -- a config that fails is a row
+                print(f"{name}: {type(e).__name__} {str(e)[:120]}", flush=True)
 
 
 def _variants(q, k, v, scale, flops):
@@ -122,6 +174,7 @@ def _variants(q, k, v, scale, flops):
 
     p = invariance.Problem(batch=2, num_q_heads=32, num_kv_heads=8, seq_len=2048,
                            head_dim=FLAGS.head_dim)
+    default = schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM
     for variant in FLAGS.variants:
         base, rowsum = variant.split(":")
         schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = base, rowsum
@@ -142,7 +195,7 @@ def _variants(q, k, v, scale, flops):
         print(f"variant exp={base} rowsum={rowsum}: fwd {t * 1e3:.3f} ms "
               f"{flops / t / 1e12:.1f} TFLOP/s; {verdicts} tiles={'ok' if tiles_ok else 'DIFF'}",
               flush=True)
-    schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = "e", "mma"
+    schedule.SOFTMAX_EXP_BASE, schedule.ROWSUM = default
     jax.clear_caches()
 
 

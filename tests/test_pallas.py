@@ -52,6 +52,35 @@ def test_tile_height_does_not_change_bits(block_m):
     assert_configs_keep_bits(_forward, q, k, v, [pt.ForwardConfig(block_m=block_m)])
 
 
+@pytest.mark.parametrize("sq", [100, 128, 40])
+def test_heavy_first_launch_order_does_not_change_bits(sq):
+    """The heavy-first grid maps every program to its own tile: tiles within one head
+    (Sq a multiple of the tile), straddling heads, and shorter than a tile."""
+    q, k, v = rand_qkv(2, 8, 2, sq, 300, 64, jnp.bfloat16, seed=sq)
+    mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, 300)) > 0.2
+    for m in (None, mask):
+        base = _forward(q, k, v, m, True, path="prefill")
+        for bm in (16, 32):
+            got = _forward(q, k, v, m, True, path="prefill",
+                           config=pt.ForwardConfig(block_m=bm, heavy_first=True))
+            assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), bm
+
+
+def test_flat_split_loop_gives_the_bits_of_a_loop_per_split():
+    """Three splits (one ragged), causal with Skv > Sq, a padding mask, and a tile whose
+    rows see no key at all (offset below -Sq)."""
+    q, k, v = rand_qkv(2, 4, 2, 40, 2 * schedule.SPLIT + 70, 32, jnp.bfloat16, seed=21)
+    skv = k.shape[2]
+    mask = jax.random.uniform(jax.random.PRNGKey(21), (2, skv)) > 0.2
+    offsets = jnp.array([skv - 40, -50], jnp.int32)
+    flat = pt.ForwardConfig(block_m=32, flat_splits=True)
+    for causal, m, offs in ((True, None, None), (False, mask, None), (True, mask, offsets)):
+        base = _forward(q, k, v, m, causal, causal_offsets=offs, path="prefill")
+        got = _forward(q, k, v, m, causal, causal_offsets=offs, path="prefill", config=flat)
+        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (causal, offs)
+        assert not jnp.isnan(got[0].astype(jnp.float32)).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3), (4, 3)])
 def test_warps_and_stages_do_not_change_bits(warps, stages):
@@ -64,10 +93,12 @@ def test_whole_block_steps_compute_the_same_values():
     for causal, sq, skv in [(True, 150, 150), (True, 70, 200), (False, 64, 64),
                             (True, 200, 130)]:
         q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16)
-        cf = pt.ForwardConfig(block_m=32, whole_blocks=True)
-        out, lse = _forward(q, k, v, causal=causal, config=cf)
         ref, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
-        assert rel_err(out, ref) < 3e-2
+        for unroll, flat in ((1, False), (2, False), (1, True)):
+            cf = pt.ForwardConfig(block_m=32, whole_blocks=True, unroll=unroll,
+                                  flat_splits=flat)
+            out, lse = _forward(q, k, v, causal=causal, config=cf)
+            assert rel_err(out, ref) < 3e-2
         do = rand(q.shape, jnp.bfloat16)
         cb = pv.BackwardConfig(block_q=32, block_kv=32, whole_blocks=True)
         got = pv.backward(q, k, v, None, out, lse, do, None, causal=causal,
@@ -87,6 +118,11 @@ def test_whole_block_steps_give_the_masked_bits_on_gpu():
         fast = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=True))
         slow = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=False))
         assert bits_equal(fast[0], slow[0]) and bits_equal(fast[1], slow[1])
+        for cfg in (pt.ForwardConfig(whole_blocks=True, unroll=2, heavy_first=True),
+                    pt.ForwardConfig(whole_blocks=True, unroll=2, heavy_first=False),
+                    pt.ForwardConfig(whole_blocks=True, flat_splits=True, heavy_first=True)):
+            other = _forward(q, k, v, causal=causal, path="prefill", config=cfg)
+            assert bits_equal(other[0], slow[0]) and bits_equal(other[1], slow[1]), cfg
         grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal,
                              scale=1 / math.sqrt(128), interpret=False,
                              config=dataclasses.replace(pv.backward_config(128), whole_blocks=w))
@@ -131,6 +167,8 @@ def test_backward_config_is_validated():
         pv.BackwardConfig(block_q=48)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         pt.ForwardConfig(block_m=8)
+    with pytest.raises(ValueError, match="unroll must be 1 or 2"):
+        pt.ForwardConfig(unroll=3)
 
 
 @pytest.mark.parametrize("base,rowsum", [("2", "mma"), ("e", "reduce"), ("2", "reduce")])
@@ -174,12 +212,18 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
 
     def fwd_bwd(q, k, v, m, o):
         outs = [pt.forward(q, k, v, m, o, path=p, **kw) for p in ("prefill", "split")]
+        for cfg in (pt.ForwardConfig(unroll=2, heavy_first=True),
+                    pt.ForwardConfig(flat_splits=True, heavy_first=True),
+                    pt.ForwardConfig(unroll=1, heavy_first=False)):
+            outs.append(pt.forward(q, k, v, None, o, path="prefill", config=cfg, **kw))
         grads = pv.backward(q, k, v, m, *outs[0], outs[0][0], outs[0][1], o, **kw)
         return outs, grads
 
     def paged_fwd(q, kp, vp, t, lens):
-        return [pt.paged_forward(q, kp, vp, t, lens, path=p, **kw)
-                for p in ("prefill", "split")]
+        return [pt.paged_forward(q, kp, vp, t, lens, path=p, config=cfg, **kw)
+                for p in ("prefill", "split")
+                for cfg in (pt.ForwardConfig(unroll=2, heavy_first=True),
+                            pt.ForwardConfig(flat_splits=True), None)]
 
     for fn, args in ((fwd_bwd, (q, kv, kv, mask, offs)),
                      (paged_fwd, (q, pages, pages, table, offs))):

@@ -62,6 +62,19 @@ class ForwardConfig:
     #: split, the split-parallel path is used.
     split_parallel_below: int = 264
 
+    #: Whole blocks folded per loop iteration of the prefill's unmasked loop (1 or 2):
+    #: the same steps in the same order, unrolled so that the compiler can overlap one
+    #: block's softmax with the next block's matrix products.
+    unroll: int = 1
+    #: Causal prefill: launch the row tiles with the most keys first (every head's last
+    #: tile, then every head's second to last, ...), so that the short tiles fill the
+    #: tail of the grid instead of the long ones.
+    heavy_first: bool = False
+    #: Prefill: one loop over the whole blocks of every split and one over the masked
+    #: blocks, closing each split under a branch (see ``_fold_flat``), instead of a loop
+    #: per split; ``unroll`` applies to the per-split loops only.
+    flat_splits: bool = False
+
     #: Send blocks that every row sees whole through the unmasked step. None: on the
     #: GPU, not in interpret mode (XLA:CPU would change a dot's summation order between
     #: the two steps; Triton does not). True in interpret mode checks its values only.
@@ -70,6 +83,8 @@ class ForwardConfig:
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+        if self.unroll not in (1, 2):
+            raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
 
 
 def forward_config(head_dim: int) -> ForwardConfig:
@@ -104,13 +119,14 @@ class _KV(NamedTuple):
     view: Callable
 
 
-def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int | None) -> _KV:
+def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int | None,
+               b, h) -> _KV:
+    """``b``, ``h``: this program's sequence and KV head."""
     bn = schedule.BLOCK_N
     if page_size is None:
         return _KV(k_ref, v_ref, mask_ref, kv_len,
                    lambda ref, start: ref.at[pl.ds(start, bn), :])
     table_ref, lens_ref = paged_refs
-    b, h = pl.program_id(1), pl.program_id(2)
     num_pages = k_ref.shape[0]
 
     def view(ref, start):
@@ -127,10 +143,29 @@ def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int |
     return _KV(k_ref, v_ref, None, lens_ref[b], view)
 
 
-def _causal_offset(off_ref, q_len: int, kv_len: int):
+def _causal_offset(off_ref, q_len: int, kv_len: int, b):
     """Position of query 0 minus position of key 0: ``Skv - Sq`` unless given per
     sequence (context parallelism: global positions of a shard)."""
-    return kv_len - q_len if off_ref is None else off_ref[pl.program_id(1)]
+    return kv_len - q_len if off_ref is None else off_ref[b]
+
+
+def _prefill_program(heavy_first: bool, n_tiles: int, tiles_per_head: int | None,
+                     group: int):
+    """(row tile, sequence, KV head) of this prefill program.
+
+    The usual grid is ``(tile, b, h)``. With ``heavy_first`` it is ``(b, h, rank)``:
+    the rank is the slowest launch axis, and rank r is tile ``T - 1 - r // g`` of query
+    head ``r % g`` of the KV head (``T`` tiles per head), so every head's longest causal
+    tiles are launched first; when tiles straddle heads, simply the tiles in reverse.
+    """
+    if not heavy_first:
+        return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rank = pl.program_id(2)
+    if tiles_per_head is None:
+        tile = n_tiles - 1 - rank
+    else:
+        tile = (rank % group) * tiles_per_head + (tiles_per_head - 1 - rank // group)
+    return tile, pl.program_id(0), pl.program_id(1)
 
 
 def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, offset):
@@ -158,17 +193,11 @@ def _block_bounds(row_ok, limit, *, causal: bool, kv_len, has_mask: bool):
     return full.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
-                 whole_blocks):
-    """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
-    seen whole by every row); returns the split's partial state.
-
-    ``whole_blocks=False`` sends every block through the masked step. Interpret mode
-    uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
-    dot's summation order between the two steps, which Triton on the GPU does not.
-    """
+def _block_steps(q, kv: _KV, limit, *, causal, scale, precision):
+    """``(whole, masked)``: fold key block ``j`` into ``(acc, m, l)``; ``whole`` for a
+    block that every row of the tile sees whole, ``masked`` for any block."""
     bn = schedule.BLOCK_N
-    m_rows, head_dim = q.shape
+    m_rows = q.shape[0]
     mask_ref, kv_len = kv.mask_ref, kv.kv_len
 
     def whole(j, carry):
@@ -191,27 +220,101 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
         return online_softmax_step(*carry, q, k, v, visible, scale=scale,
                                    precision=precision)
 
-    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+    return whole, masked
+
+
+def _empty_state(q):
+    m_rows, head_dim = q.shape
+    return (jnp.zeros((m_rows, head_dim), jnp.float32),
             jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    # (A static length below BLOCK_N has no whole block; its loop is not even traced.)
-    if whole_blocks and mask_ref is None and not (isinstance(kv_len, int) and kv_len < bn):
+
+
+def _has_whole_blocks(whole_blocks, kv: _KV) -> bool:
+    """Whether the unmasked loop is traced at all (a static length below BLOCK_N has no
+    whole block; a padding mask makes every block masked)."""
+    kv_len = kv.kv_len
+    return bool(whole_blocks and kv.mask_ref is None
+                and not (isinstance(kv_len, int) and kv_len < schedule.BLOCK_N))
+
+
+def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
+                 whole_blocks, unroll=1):
+    """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
+    seen whole by every row); returns the split's partial state.
+
+    ``whole_blocks=False`` sends every block through the masked step. Interpret mode
+    uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
+    dot's summation order between the two steps, which Triton on the GPU does not.
+    """
+    whole, masked = _block_steps(q, kv, limit, causal=causal, scale=scale,
+                                 precision=precision)
+    init = _empty_state(q)
+    if _has_whole_blocks(whole_blocks, kv):
         mid = jnp.clip(mid, lo, hi)
-        carry = jax.lax.fori_loop(lo, mid, whole, init)
+        if unroll > 1:  # groups of `unroll` whole blocks, then the rest one by one
+            def group(i, carry):
+                for u in range(unroll):
+                    carry = whole(lo + i * unroll + u, carry)
+                return carry
+
+            n_groups = (mid - lo) // unroll
+            carry = jax.lax.fori_loop(0, n_groups, group, init)
+            carry = jax.lax.fori_loop(lo + n_groups * unroll, mid, whole, carry)
+        else:
+            carry = jax.lax.fori_loop(lo, mid, whole, init)
     else:
         mid, carry = lo, init
     acc, m, l = jax.lax.fori_loop(mid, hi, masked, carry)
     return finalize(acc, natural_max(m), l)
 
 
+def _fold_flat(full, hi, q, kv: _KV, limit, *, causal, scale, precision, whole_blocks):
+    """:func:`_fold_blocks` over every split and :func:`merge` of the splits, as one
+    loop over whole blocks and one over masked blocks (not one loop per split): the same
+    operations in the same order, with the split's close (finalize, merge, reset) under
+    a branch at the split's last block, so the loads pipeline across split boundaries."""
+    whole, masked = _block_steps(q, kv, limit, causal=causal, scale=scale,
+                                 precision=precision)
+    per_split = schedule.BLOCKS_PER_SPLIT
+    empty = _empty_state(q)
+
+    def close(state, out, lse):
+        return (*empty, *merge(out, lse, *finalize(state[0], natural_max(state[1]),
+                                                   state[2])))
+
+    def closing(step):
+        def body(j, carry):
+            state = step(j, carry[:3])
+            # lax.rem, not %: see _kv_source.
+            last = (jax.lax.rem(j + 1, jnp.int32(per_split)) == 0) | (j + 1 == hi)
+            return jax.lax.cond(last, lambda: close(state, *carry[3:]),
+                                lambda: (*state, *carry[3:]))
+        return body
+
+    carry = (*empty, jnp.zeros(q.shape, jnp.float32),
+             jnp.full((q.shape[0],), NEG_INF, jnp.float32))
+    if _has_whole_blocks(whole_blocks, kv):
+        mid = jnp.clip(full, 0, hi)
+        carry = jax.lax.fori_loop(0, mid, closing(whole), carry)
+    else:
+        mid = 0
+    carry = jax.lax.fori_loop(mid, hi, closing(masked), carry)
+    return carry[3:]
+
+
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                    kv_len, rows, block_m, precision, whole_blocks, page_size):
+                    kv_len, rows, block_m, precision, whole_blocks, page_size, unroll,
+                    heavy_first, flat):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
-    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size)
+    n_tiles = pl.cdiv(rows, block_m)
+    tile, b, h = _prefill_program(heavy_first, n_tiles,
+                                  q_len // block_m if q_len % block_m == 0 else None,
+                                  rows // q_len)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h)
     o_ref, lse_ref = refs[-2:]
-    tile = pl.program_id(0)
     row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
-                                 _causal_offset(off_ref, q_len, kv.kv_len))
+                                 _causal_offset(off_ref, q_len, kv.kv_len, b))
     full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv.kv_len,
                              has_mask=has_mask)
     per_split = schedule.BLOCKS_PER_SPLIT
@@ -221,11 +324,15 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, s
         lo = si * per_split
         part = _fold_blocks(lo, full, jnp.minimum(lo + per_split, hi), q, kv, limit,
                             causal=causal, scale=scale, precision=precision,
-                            whole_blocks=whole_blocks)
+                            whole_blocks=whole_blocks, unroll=unroll)
         return merge(*state, *part)
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
-    out, lse = jax.lax.fori_loop(0, n_splits, split_body, init)
+    if flat:
+        out, lse = _fold_flat(full, hi, q, kv, limit, causal=causal, scale=scale,
+                              precision=precision, whole_blocks=whole_blocks)
+    else:
+        init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
+        out, lse = jax.lax.fori_loop(0, n_splits, split_body, init)
     sl = pl.ds(tile * block_m, block_m)
     plgpu.store(o_ref.at[sl, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[sl], lse, mask=row_ok)
@@ -234,13 +341,14 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, s
 def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
                   kv_len, rows, block_m, n_splits, precision, whole_blocks, page_size):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
-    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size)
+    b, h = pl.program_id(1), pl.program_id(2)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h)
     o_ref, lse_ref = refs[-2:]
     pid = pl.program_id(0)
     tile = pid // n_splits
     si = pid % n_splits
     row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
-                                 _causal_offset(off_ref, q_len, kv.kv_len))
+                                 _causal_offset(off_ref, q_len, kv.kv_len, b))
     full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv.kv_len,
                              has_mask=has_mask)
     lo = si * schedule.BLOCKS_PER_SPLIT
@@ -338,6 +446,13 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, s
                     paged=(block_table, seq_lens))
 
 
+def _heavy_first_spec(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """``spec`` for the ``(b, h, rank)`` grid of the heavy-first prefill (no spec here
+    depends on the row tile: each program reads its KV head's whole rows)."""
+    index_map = spec.index_map
+    return pl.BlockSpec(spec.block_shape, lambda bi, hi, _: index_map(0, bi, hi))
+
+
 def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interpret, path,
              config, partials, paged=None):
     b, hq, sq, d = q.shape
@@ -395,11 +510,20 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
 
     if path == "prefill":
         bm = cfg.block_m
+        heavy_first = cfg.heavy_first and causal
+        grid = (pl.cdiv(rows, bm), b, hkv)
+        if heavy_first:  # the grid is (b, h, rank); the index maps take (tile, b, h)
+            grid = (b, hkv, grid[0])
+            in_specs = [_heavy_first_spec(spec) for spec in in_specs]
+        out_specs = [per_head((rows, d)), lse_spec]
+        if heavy_first:
+            out_specs = [_heavy_first_spec(spec) for spec in out_specs]
         out, lse = pl.pallas_call(
-            functools.partial(_prefill_kernel, block_m=bm, **static),
-            grid=(pl.cdiv(rows, bm), b, hkv),
+            functools.partial(_prefill_kernel, block_m=bm, unroll=cfg.unroll,
+                              heavy_first=heavy_first, flat=cfg.flat_splits, **static),
+            grid=grid,
             in_specs=in_specs,
-            out_specs=[per_head((rows, d)), lse_spec],
+            out_specs=out_specs,
             out_shape=out_shapes,
             compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,

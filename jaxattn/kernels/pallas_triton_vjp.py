@@ -108,7 +108,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mas
     k = plgpu.load(k_ref.at[ksl, :], mask=ok[:, None], other=0.0)
     v = plgpu.load(v_ref.at[ksl, :], mask=ok[:, None], other=0.0)
     head_dim = k.shape[1]
-    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len)
+    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len, pl.program_id(1))
     n_qblocks = pl.cdiv(q_len, block_q)
     # Query blocks [first, n) hold a row that sees this KV block; those in [mid, last)
     # see it whole (every row valid and past the diagonal, every key kept).
@@ -183,7 +183,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, has_mask,
     do = plgpu.load(do_ref.at[qsl, :], mask=row_ok[:, None], other=0.0)
     lse = plgpu.load(lse_ref.at[qsl], mask=row_ok, other=NEG_INF)
     delta = plgpu.load(delta_ref.at[qsl], mask=row_ok, other=0.0)
-    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len)
+    offset = pallas_triton._causal_offset(off_ref, q_len, kv_len, pl.program_id(1))
     limit = rows + offset
     n_kv = pl.cdiv(kv_len, block_kv)
     full = 0 if (has_mask or not whole_blocks) else kv_len // block_kv
