@@ -14,7 +14,8 @@
 # to 128k; each part under its own timeout, results kept as they come; SWEEP_SELECT=a,b
 # runs only the parts named); variants: the
 # exp2 / row-sum schedule candidates (benchmarks/tune.py); launch: the prefill forward's
-# launch options (unroll, flat split loop, heavy-first order) beside Pallas mha; cp: distributed CP on every GPU
+# launch options (unroll, flat split loop, tile order, BLOCK_N) beside Pallas mha; cp:
+# distributed CP on every GPU
 # of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
 # GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); mosaicspeed:
 # their TFLOP/s beside the Pallas backend; e2e: the Qwen3 rollout /

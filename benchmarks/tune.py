@@ -24,13 +24,24 @@ from jaxattn.kernels import pallas_triton_vjp as pv
 FLAGS = flags.FLAGS
 flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep; 'variants' times "
                   "and checks the schedule variants of --variants; 'launch' times the "
-                  "prefill forward's launch options (unroll, heavy_first, stages) beside "
+                  "prefill forward's launch options (--launch_options) beside "
                   "JAX's Pallas mha at --launch_shapes, checking each option's bits.")
 flags.DEFINE_list("launch_shapes", ["2x4096", "8x4096", "2x16384"],
                   "BxS shapes of --what=launch (causal, Hq=32, Hkv=8, bf16).")
 flags.DEFINE_list("variants", ["e:mma", "2:mma", "e:reduce", "2:reduce"],
                   "SOFTMAX_EXP_BASE:ROWSUM pairs for --what=variants.")
+flags.DEFINE_list("launch_options", [],
+                  "BLOCK_N:ROWSUM:block_m:warps:stages:unroll:{loop,flat}:tile_order items "
+                  "for --what=launch (default: _LAUNCH_OPTIONS).")
 flags.DEFINE_list("block_n", ["64"], "BLOCK_N values to try.")
+
+_LAUNCH_OPTIONS = [
+    "64:mma:128:8:3:1:loop:ascending", "64:mma:128:8:3:1:loop:descending",
+    "64:mma:128:8:3:1:loop:heavy_first", "64:mma:64:4:3:1:loop:descending",
+    "64:reduce32:128:8:3:1:loop:descending", "64:reduce:128:8:3:1:loop:descending",
+    "128:mma:128:8:2:1:loop:descending", "128:mma:64:4:2:1:loop:descending",
+    "128:mma:128:8:2:1:loop:heavy_first", "128:reduce32:128:8:2:1:loop:descending",
+]
 flags.DEFINE_list("split", ["1024"], "SPLIT values to try (decode).")
 flags.DEFINE_integer("seq_len", 4096, "Prefill length.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
@@ -128,6 +139,7 @@ def _launch(hq, hkv, d):
     from jaxattn.invariance import bits_equal
 
     scale = 1 / math.sqrt(d)
+    default = schedule.BLOCK_N, schedule.ROWSUM
     for shape in FLAGS.launch_shapes:
         b, s = (int(x) for x in shape.split("x"))
         ks = jax.random.split(jax.random.PRNGKey(s + b), 3)
@@ -143,18 +155,22 @@ def _launch(hq, hkv, d):
         print(f"launch B={b} S={s} pallas_mha: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} "
               f"TFLOP/s", flush=True)
         base = None
-        # (stages, unroll, flat_splits, heavy_first); 128 rows, 8 warps throughout.
-        options = [(3, 1, False, False), (3, 1, False, True), (3, 2, False, False),
-                   (3, 2, False, True), (3, 1, True, False), (3, 1, True, True),
-                   (2, 2, False, True), (2, 1, True, True)]
-        for st, unroll, flat, heavy in options:
-            cfg = pt.ForwardConfig(block_m=128, num_warps=8, num_stages=st, unroll=unroll,
-                                   flat_splits=flat, heavy_first=heavy)
+        # (BLOCK_N, ROWSUM, block_m, warps, stages, unroll, flat_splits, tile_order):
+        # FLAGS.launch_options, or the grid below.
+        for opt in FLAGS.launch_options or _LAUNCH_OPTIONS:
+            bn, rowsum, bm, w, st, unroll, flat, order = opt.split(":")
+            if (int(bn), rowsum) != (schedule.BLOCK_N, schedule.ROWSUM):
+                set_schedule(int(bn), 1024)
+                schedule.ROWSUM = rowsum
+                jax.clear_caches()
+                base = None  # bits are compared within one schedule only
+            cfg = pt.ForwardConfig(block_m=int(bm), num_warps=int(w), num_stages=int(st),
+                                   unroll=int(unroll), flat_splits=flat == "flat",
+                                   tile_order=order)
             fn = jax.jit(lambda q, k, v, cfg=cfg: pt.forward(
                 q, k, v, causal=True, scale=scale, interpret=False, path="prefill",
                 config=cfg))
-            name = (f"launch B={b} S={s} stages={st} unroll={unroll} flat_splits={flat} "
-                    f"heavy_first={heavy}")
+            name = f"launch B={b} S={s} {opt}"
             try:
                 t = timeit(fn, (q, k, v), FLAGS.reps)
                 got = fn(q, k, v)
@@ -164,6 +180,8 @@ def _launch(hq, hkv, d):
                       f"bits={'same' if same else 'DIFF'}", flush=True)
             except Exception as e:  # noqa: BLE001 -- a config that fails is a row
                 print(f"{name}: {type(e).__name__} {str(e)[:120]}", flush=True)
+    set_schedule(default[0], schedule.SPLIT)
+    schedule.ROWSUM = default[1]
 
 
 def _variants(q, k, v, scale, flops):

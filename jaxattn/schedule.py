@@ -38,11 +38,12 @@ SOFTMAX_EXP_BASE: Final[str] = "2"
 #: Row sum of a block's probabilities: "mma" (on the matrix unit: the same bits for
 #: every tile height, by the measurement in DESIGN.md section 4) or "reduce" (a vector
 #: reduction, whose order follows the register layout; a candidate for speed that must
-#: be shown tile-invariant on the GPU before it is used).
+#: be shown tile-invariant on the GPU before it is used); "reduce32" sums the fp32
+#: probabilities before their cast (a Pallas-only tuning candidate, benchmarks/tune.py).
 ROWSUM: Final[str] = "mma"
 
 assert SPLIT % BLOCK_N == 0, "SPLIT must be a multiple of BLOCK_N"
-assert SOFTMAX_EXP_BASE in ("e", "2") and ROWSUM in ("mma", "reduce")
+assert SOFTMAX_EXP_BASE in ("e", "2") and ROWSUM in ("mma", "reduce", "reduce32")
 
 
 def num_blocks(num_keys: int) -> int:

@@ -5,6 +5,7 @@ memory stays O(B*H*S*D)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -53,17 +54,17 @@ def test_tile_height_does_not_change_bits(block_m):
 
 
 @pytest.mark.parametrize("sq", [100, 128, 40])
-def test_heavy_first_launch_order_does_not_change_bits(sq):
-    """The heavy-first grid maps every program to its own tile: tiles within one head
-    (Sq a multiple of the tile), straddling heads, and shorter than a tile."""
+def test_tile_launch_orders_do_not_change_bits(sq):
+    """Every tile order maps each program to its own tile: tiles within one head (Sq a
+    multiple of the tile), straddling heads, and shorter than a tile."""
     q, k, v = rand_qkv(2, 8, 2, sq, 300, 64, jnp.bfloat16, seed=sq)
     mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, 300)) > 0.2
     for m in (None, mask):
         base = _forward(q, k, v, m, True, path="prefill")
-        for bm in (16, 32):
+        for bm, order in itertools.product((16, 32), ("descending", "heavy_first")):
             got = _forward(q, k, v, m, True, path="prefill",
-                           config=pt.ForwardConfig(block_m=bm, heavy_first=True))
-            assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), bm
+                           config=pt.ForwardConfig(block_m=bm, tile_order=order))
+            assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (bm, order)
 
 
 def test_flat_split_loop_gives_the_bits_of_a_loop_per_split():
@@ -118,9 +119,10 @@ def test_whole_block_steps_give_the_masked_bits_on_gpu():
         fast = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=True))
         slow = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=False))
         assert bits_equal(fast[0], slow[0]) and bits_equal(fast[1], slow[1])
-        for cfg in (pt.ForwardConfig(whole_blocks=True, unroll=2, heavy_first=True),
-                    pt.ForwardConfig(whole_blocks=True, unroll=2, heavy_first=False),
-                    pt.ForwardConfig(whole_blocks=True, flat_splits=True, heavy_first=True)):
+        for cfg in (pt.ForwardConfig(whole_blocks=True, unroll=2, tile_order="heavy_first"),
+                    pt.ForwardConfig(whole_blocks=True, unroll=2, tile_order="ascending"),
+                    pt.ForwardConfig(whole_blocks=True, flat_splits=True,
+                                     tile_order="descending")):
             other = _forward(q, k, v, causal=causal, path="prefill", config=cfg)
             assert bits_equal(other[0], slow[0]) and bits_equal(other[1], slow[1]), cfg
         grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal,
@@ -167,11 +169,14 @@ def test_backward_config_is_validated():
         pv.BackwardConfig(block_q=48)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         pt.ForwardConfig(block_m=8)
+    with pytest.raises(ValueError, match="tile_order must be"):
+        pt.ForwardConfig(tile_order="random")
     with pytest.raises(ValueError, match="unroll must be 1 or 2"):
         pt.ForwardConfig(unroll=3)
 
 
-@pytest.mark.parametrize("base,rowsum", [("2", "mma"), ("e", "reduce"), ("2", "reduce")])
+@pytest.mark.parametrize("base,rowsum", [("2", "mma"), ("e", "reduce"), ("2", "reduce"),
+                                         ("2", "reduce32")])
 def test_schedule_variants_are_accurate_and_keep_decode_bits(base, rowsum):
     """The candidate schedule variants (benchmarks/tune.py --what=variants) stay within
     the accuracy bar and keep decode rows equal to prefill rows here; their invariance on
@@ -212,9 +217,9 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
 
     def fwd_bwd(q, k, v, m, o):
         outs = [pt.forward(q, k, v, m, o, path=p, **kw) for p in ("prefill", "split")]
-        for cfg in (pt.ForwardConfig(unroll=2, heavy_first=True),
-                    pt.ForwardConfig(flat_splits=True, heavy_first=True),
-                    pt.ForwardConfig(unroll=1, heavy_first=False)):
+        for cfg in (pt.ForwardConfig(unroll=2, tile_order="heavy_first"),
+                    pt.ForwardConfig(flat_splits=True, tile_order="descending"),
+                    pt.ForwardConfig(unroll=1, tile_order="ascending")):
             outs.append(pt.forward(q, k, v, None, o, path="prefill", config=cfg, **kw))
         grads = pv.backward(q, k, v, m, *outs[0], outs[0][0], outs[0][1], o, **kw)
         return outs, grads
@@ -222,7 +227,7 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
     def paged_fwd(q, kp, vp, t, lens):
         return [pt.paged_forward(q, kp, vp, t, lens, path=p, config=cfg, **kw)
                 for p in ("prefill", "split")
-                for cfg in (pt.ForwardConfig(unroll=2, heavy_first=True),
+                for cfg in (pt.ForwardConfig(unroll=2, tile_order="heavy_first"),
                             pt.ForwardConfig(flat_splits=True), None)]
 
     for fn, args in ((fwd_bwd, (q, kv, kv, mask, offs)),

@@ -42,7 +42,9 @@ def precision_for(dtype) -> lax.Precision | None:
 
 def rowsum(p: jax.Array, precision: lax.Precision | None) -> jax.Array:
     """Row sums of a ``[M, N]`` tile: on the matrix unit (see ROWSUM_COLS), or as a
-    vector reduction when ``schedule.ROWSUM == "reduce"``."""
+    vector reduction when ``schedule.ROWSUM == "reduce"``. (``"reduce32"``, a tuning
+    candidate of the Pallas kernels only, sums the fp32 probabilities before their cast;
+    :func:`online_softmax_step` takes it.)"""
     if schedule.ROWSUM == "reduce":
         return jnp.sum(p.astype(jnp.float32), axis=1)
     ones = jnp.ones((p.shape[1], ROWSUM_COLS), dtype=p.dtype)
@@ -83,8 +85,13 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
     alpha = exp(m - m_safe)
-    p = exp(s - m_safe[:, None]).astype(v.dtype)
-    l_new = l * alpha + rowsum(p, precision)
+    p = exp(s - m_safe[:, None])
+    if schedule.ROWSUM == "reduce32":  # the fp32 probabilities, before the cast
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        p = p.astype(v.dtype)
+    else:
+        p = p.astype(v.dtype)
+        l_new = l * alpha + rowsum(p, precision)
     acc_new = acc * alpha[:, None] + dot(p, v, precision=precision)
     return acc_new, m_new, l_new
 

@@ -66,10 +66,12 @@ class ForwardConfig:
     #: the same steps in the same order, unrolled so that the compiler can overlap one
     #: block's softmax with the next block's matrix products.
     unroll: int = 1
-    #: Causal prefill: launch the row tiles with the most keys first (every head's last
-    #: tile, then every head's second to last, ...), so that the short tiles fill the
-    #: tail of the grid instead of the long ones.
-    heavy_first: bool = False
+    #: Launch order of the causal prefill's row tiles: "ascending" (the grid is
+    #: ``(tile, b, h)``), "descending" (the same grid, tiles reversed: each KV head's
+    #: longest tiles first) or "heavy_first" (the grid is ``(b, h, rank)``: every head's
+    #: last tile, then every head's second to last, ...), so that short tiles fill the
+    #: tail of the grid instead of long ones.
+    tile_order: str = "ascending"
     #: Prefill: one loop over the whole blocks of every split and one over the masked
     #: blocks, closing each split under a branch (see ``_fold_flat``), instead of a loop
     #: per split; ``unroll`` applies to the per-split loops only.
@@ -83,6 +85,9 @@ class ForwardConfig:
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+        if self.tile_order not in ("ascending", "descending", "heavy_first"):
+            raise ValueError("tile_order must be 'ascending', 'descending' or "
+                             f"'heavy_first', got {self.tile_order!r}")
         if self.unroll not in (1, 2):
             raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
 
@@ -149,17 +154,19 @@ def _causal_offset(off_ref, q_len: int, kv_len: int, b):
     return kv_len - q_len if off_ref is None else off_ref[b]
 
 
-def _prefill_program(heavy_first: bool, n_tiles: int, tiles_per_head: int | None,
-                     group: int):
-    """(row tile, sequence, KV head) of this prefill program.
+def _prefill_program(order: str, n_tiles: int, tiles_per_head: int | None, group: int):
+    """(row tile, sequence, KV head) of this prefill program (``ForwardConfig.tile_order``).
 
-    The usual grid is ``(tile, b, h)``. With ``heavy_first`` it is ``(b, h, rank)``:
-    the rank is the slowest launch axis, and rank r is tile ``T - 1 - r // g`` of query
-    head ``r % g`` of the KV head (``T`` tiles per head), so every head's longest causal
-    tiles are launched first; when tiles straddle heads, simply the tiles in reverse.
+    The grid is ``(tile, b, h)``, the tiles reversed for "descending". For
+    "heavy_first" it is ``(b, h, rank)``: the rank is the slowest launch axis, and rank r
+    is tile ``T - 1 - r // g`` of query head ``r % g`` of the KV head (``T`` tiles per
+    head), so every head's longest causal tiles are launched first; when tiles straddle
+    heads, simply the tiles in reverse.
     """
-    if not heavy_first:
+    if order == "ascending":
         return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if order == "descending":
+        return n_tiles - 1 - pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rank = pl.program_id(2)
     if tiles_per_head is None:
         tile = n_tiles - 1 - rank
@@ -305,10 +312,10 @@ def _fold_flat(full, hi, q, kv: _KV, limit, *, causal, scale, precision, whole_b
 
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
                     kv_len, rows, block_m, precision, whole_blocks, page_size, unroll,
-                    heavy_first, flat):
+                    tile_order, flat):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
     n_tiles = pl.cdiv(rows, block_m)
-    tile, b, h = _prefill_program(heavy_first, n_tiles,
+    tile, b, h = _prefill_program(tile_order, n_tiles,
                                   q_len // block_m if q_len % block_m == 0 else None,
                                   rows // q_len)
     kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h)
@@ -510,7 +517,8 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
 
     if path == "prefill":
         bm = cfg.block_m
-        heavy_first = cfg.heavy_first and causal
+        order = cfg.tile_order if causal else "ascending"
+        heavy_first = order == "heavy_first"
         grid = (pl.cdiv(rows, bm), b, hkv)
         if heavy_first:  # the grid is (b, h, rank); the index maps take (tile, b, h)
             grid = (b, hkv, grid[0])
@@ -520,7 +528,7 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
             out_specs = [_heavy_first_spec(spec) for spec in out_specs]
         out, lse = pl.pallas_call(
             functools.partial(_prefill_kernel, block_m=bm, unroll=cfg.unroll,
-                              heavy_first=heavy_first, flat=cfg.flat_splits, **static),
+                              tile_order=order, flat=cfg.flat_splits, **static),
             grid=grid,
             in_specs=in_specs,
             out_specs=out_specs,
