@@ -61,9 +61,11 @@ def test_tile_launch_orders_do_not_change_bits(sq):
     mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, 300)) > 0.2
     for m in (None, mask):
         base = _forward(q, k, v, m, True, path="prefill")
-        for bm, order in itertools.product((16, 32), ("descending", "heavy_first")):
+        orders = [dict(tile_order=o) for o in ("descending", "heavy_first", "auto")]
+        orders.append(dict(tile_order="auto", heavy_first_max_kv_bytes=0))  # descending
+        for bm, order in itertools.product((16, 32), orders):
             got = _forward(q, k, v, m, True, path="prefill",
-                           config=pt.ForwardConfig(block_m=bm, tile_order=order))
+                           config=pt.ForwardConfig(block_m=bm, **order))
             assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (bm, order)
 
 

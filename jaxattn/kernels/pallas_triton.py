@@ -68,10 +68,16 @@ class ForwardConfig:
     unroll: int = 1
     #: Launch order of the causal prefill's row tiles: "ascending" (the grid is
     #: ``(tile, b, h)``), "descending" (the same grid, tiles reversed: each KV head's
-    #: longest tiles first) or "heavy_first" (the grid is ``(b, h, rank)``: every head's
+    #: longest tiles first), "heavy_first" (the grid is ``(b, h, rank)``: every head's
     #: last tile, then every head's second to last, ...), so that short tiles fill the
-    #: tail of the grid instead of long ones.
-    tile_order: str = "ascending"
+    #: tail of the grid instead of long ones; or "auto": "heavy_first" while the K and V
+    #: of the call fit ``heavy_first_max_kv_bytes`` (heavy-first runs every KV head at
+    #: once, so its keys must stay in L2), else "descending". H200, 2026-11-29, causal
+    #: bf16 Hq=32 Hkv=8 D=128 (``python -m benchmarks.tune --what=launch``, TFLOP/s of
+    #: ascending / descending / heavy_first): B=2 S=4096 300.2 / 302.7 / 322.5; B=8
+    #: S=4096 328.9 / 329.9 / 317.7; B=2 S=16384 360.2 / 363.8 / 362.8.
+    tile_order: str = "auto"
+    heavy_first_max_kv_bytes: int = 48 << 20
     #: Prefill: one loop over the whole blocks of every split and one over the masked
     #: blocks, closing each split under a branch (see ``_fold_flat``), instead of a loop
     #: per split; ``unroll`` applies to the per-split loops only.
@@ -85,8 +91,8 @@ class ForwardConfig:
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
-        if self.tile_order not in ("ascending", "descending", "heavy_first"):
-            raise ValueError("tile_order must be 'ascending', 'descending' or "
+        if self.tile_order not in ("auto", "ascending", "descending", "heavy_first"):
+            raise ValueError("tile_order must be 'auto', 'ascending', 'descending' or "
                              f"'heavy_first', got {self.tile_order!r}")
         if self.unroll not in (1, 2):
             raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
@@ -518,6 +524,10 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
     if path == "prefill":
         bm = cfg.block_m
         order = cfg.tile_order if causal else "ascending"
+        if order == "auto":
+            kv_bytes = 2 * k.size * k.dtype.itemsize
+            order = ("heavy_first" if kv_bytes <= cfg.heavy_first_max_kv_bytes
+                     else "descending")
         heavy_first = order == "heavy_first"
         grid = (pl.cdiv(rows, bm), b, hkv)
         if heavy_first:  # the grid is (b, h, rank); the index maps take (tile, b, h)
