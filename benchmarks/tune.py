@@ -28,19 +28,20 @@ flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep; 'variants
                   "JAX's Pallas mha at --launch_shapes, checking each option's bits.")
 flags.DEFINE_list("launch_shapes", ["2x4096", "8x4096", "2x16384"],
                   "BxS shapes of --what=launch (causal, Hq=32, Hkv=8, bf16).")
-flags.DEFINE_list("variants", ["e:mma", "2:mma", "e:reduce", "2:reduce"],
+flags.DEFINE_list("variants", ["2:mma", "2:reduce32", "2:tree"],
                   "SOFTMAX_EXP_BASE:ROWSUM pairs for --what=variants.")
 flags.DEFINE_list("launch_options", [],
-                  "BLOCK_N:ROWSUM:block_m:warps:stages:unroll:{loop,flat}:tile_order items "
+                  "BLOCK_N:ROWSUM:block_m:warps:stages:tile_order items "
                   "for --what=launch (default: _LAUNCH_OPTIONS).")
 flags.DEFINE_list("block_n", ["64"], "BLOCK_N values to try.")
 
 _LAUNCH_OPTIONS = [
-    "64:mma:128:8:3:1:loop:ascending", "64:mma:128:8:3:1:loop:descending",
-    "64:mma:128:8:3:1:loop:heavy_first", "64:mma:64:4:3:1:loop:descending",
-    "64:reduce32:128:8:3:1:loop:descending", "64:reduce:128:8:3:1:loop:descending",
-    "128:mma:128:8:2:1:loop:descending", "128:mma:64:4:2:1:loop:descending",
-    "128:mma:128:8:2:1:loop:heavy_first", "128:reduce32:128:8:2:1:loop:descending",
+    "64:mma:128:8:3:ascending", "64:mma:128:8:3:descending",
+    "64:mma:128:8:3:heavy_first", "64:mma:64:4:3:descending",
+    "64:reduce32:128:8:3:descending", "64:reduce:128:8:3:descending",
+    "128:mma:128:8:2:descending", "128:mma:64:4:2:descending",
+    "128:mma:128:8:2:heavy_first", "128:reduce32:128:8:2:descending",
+    "64:tree:128:8:3:descending", "64:tree:128:8:3:heavy_first",
 ]
 flags.DEFINE_list("split", ["1024"], "SPLIT values to try (decode).")
 flags.DEFINE_integer("seq_len", 4096, "Prefill length.")
@@ -155,17 +156,16 @@ def _launch(hq, hkv, d):
         print(f"launch B={b} S={s} pallas_mha: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} "
               f"TFLOP/s", flush=True)
         base = None
-        # (BLOCK_N, ROWSUM, block_m, warps, stages, unroll, flat_splits, tile_order):
+        # (BLOCK_N, ROWSUM, block_m, warps, stages, tile_order):
         # FLAGS.launch_options, or the grid below.
         for opt in FLAGS.launch_options or _LAUNCH_OPTIONS:
-            bn, rowsum, bm, w, st, unroll, flat, order = opt.split(":")
+            bn, rowsum, bm, w, st, order = opt.split(":")
             if (int(bn), rowsum) != (schedule.BLOCK_N, schedule.ROWSUM):
                 set_schedule(int(bn), 1024)
                 schedule.ROWSUM = rowsum
                 jax.clear_caches()
                 base = None  # bits are compared within one schedule only
             cfg = pt.ForwardConfig(block_m=int(bm), num_warps=int(w), num_stages=int(st),
-                                   unroll=int(unroll), flat_splits=flat == "flat",
                                    tile_order=order)
             fn = jax.jit(lambda q, k, v, cfg=cfg: pt.forward(
                 q, k, v, causal=True, scale=scale, interpret=False, path="prefill",

@@ -39,11 +39,13 @@ SOFTMAX_EXP_BASE: Final[str] = "2"
 #: every tile height, by the measurement in DESIGN.md section 4) or "reduce" (a vector
 #: reduction, whose order follows the register layout; a candidate for speed that must
 #: be shown tile-invariant on the GPU before it is used); "reduce32" sums the fp32
-#: probabilities before their cast (a Pallas-only tuning candidate, benchmarks/tune.py).
+#: probabilities before their cast (a Pallas-only tuning candidate, benchmarks/tune.py:
+#: faster on the H200, but not tile-invariant there); "tree" sums them by a fixed
+#: pairwise tree (``common.pairwise_rowsum``; a Pallas-only candidate not yet timed).
 ROWSUM: Final[str] = "mma"
 
 assert SPLIT % BLOCK_N == 0, "SPLIT must be a multiple of BLOCK_N"
-assert SOFTMAX_EXP_BASE in ("e", "2") and ROWSUM in ("mma", "reduce", "reduce32")
+assert SOFTMAX_EXP_BASE in ("e", "2") and ROWSUM in ("mma", "reduce", "reduce32", "tree")
 
 
 def num_blocks(num_keys: int) -> int:

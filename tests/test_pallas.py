@@ -5,11 +5,13 @@ memory stays O(B*H*S*D)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import (
     ON_GPU,
@@ -69,21 +71,6 @@ def test_tile_launch_orders_do_not_change_bits(sq):
             assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (bm, order)
 
 
-def test_flat_split_loop_gives_the_bits_of_a_loop_per_split():
-    """Three splits (one ragged), causal with Skv > Sq, a padding mask, and a tile whose
-    rows see no key at all (offset below -Sq)."""
-    q, k, v = rand_qkv(2, 4, 2, 40, 2 * schedule.SPLIT + 70, 32, jnp.bfloat16, seed=21)
-    skv = k.shape[2]
-    mask = jax.random.uniform(jax.random.PRNGKey(21), (2, skv)) > 0.2
-    offsets = jnp.array([skv - 40, -50], jnp.int32)
-    flat = pt.ForwardConfig(block_m=32, flat_splits=True)
-    for causal, m, offs in ((True, None, None), (False, mask, None), (True, mask, offsets)):
-        base = _forward(q, k, v, m, causal, causal_offsets=offs, path="prefill")
-        got = _forward(q, k, v, m, causal, causal_offsets=offs, path="prefill", config=flat)
-        assert bits_equal(got[0], base[0]) and bits_equal(got[1], base[1]), (causal, offs)
-        assert not jnp.isnan(got[0].astype(jnp.float32)).any()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3), (4, 3)])
 def test_warps_and_stages_do_not_change_bits(warps, stages):
@@ -97,11 +84,9 @@ def test_whole_block_steps_compute_the_same_values():
                             (True, 200, 130)]:
         q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16)
         ref, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
-        for unroll, flat in ((1, False), (2, False), (1, True)):
-            cf = pt.ForwardConfig(block_m=32, whole_blocks=True, unroll=unroll,
-                                  flat_splits=flat)
-            out, lse = _forward(q, k, v, causal=causal, config=cf)
-            assert rel_err(out, ref) < 3e-2
+        cf = pt.ForwardConfig(block_m=32, whole_blocks=True)
+        out, lse = _forward(q, k, v, causal=causal, config=cf)
+        assert rel_err(out, ref) < 3e-2
         do = rand(q.shape, jnp.bfloat16)
         cb = pv.BackwardConfig(block_q=32, block_kv=32, whole_blocks=True)
         got = pv.backward(q, k, v, None, out, lse, do, None, causal=causal,
@@ -121,10 +106,8 @@ def test_whole_block_steps_give_the_masked_bits_on_gpu():
         fast = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=True))
         slow = _forward(q, k, v, causal=causal, config=pt.ForwardConfig(whole_blocks=False))
         assert bits_equal(fast[0], slow[0]) and bits_equal(fast[1], slow[1])
-        for cfg in (pt.ForwardConfig(whole_blocks=True, unroll=2, tile_order="heavy_first"),
-                    pt.ForwardConfig(whole_blocks=True, unroll=2, tile_order="ascending"),
-                    pt.ForwardConfig(whole_blocks=True, flat_splits=True,
-                                     tile_order="descending")):
+        for order in ("ascending", "descending", "heavy_first"):
+            cfg = pt.ForwardConfig(whole_blocks=True, tile_order=order)
             other = _forward(q, k, v, causal=causal, path="prefill", config=cfg)
             assert bits_equal(other[0], slow[0]) and bits_equal(other[1], slow[1]), cfg
         grads = [pv.backward(q, k, v, None, *fast, do, None, causal=causal,
@@ -173,12 +156,10 @@ def test_backward_config_is_validated():
         pt.ForwardConfig(block_m=8)
     with pytest.raises(ValueError, match="tile_order must be"):
         pt.ForwardConfig(tile_order="random")
-    with pytest.raises(ValueError, match="unroll must be 1 or 2"):
-        pt.ForwardConfig(unroll=3)
 
 
 @pytest.mark.parametrize("base,rowsum", [("2", "mma"), ("e", "reduce"), ("2", "reduce"),
-                                         ("2", "reduce32")])
+                                         ("2", "reduce32"), ("2", "tree")])
 def test_schedule_variants_are_accurate_and_keep_decode_bits(base, rowsum):
     """The candidate schedule variants (benchmarks/tune.py --what=variants) stay within
     the accuracy bar and keep decode rows equal to prefill rows here; their invariance on
@@ -202,6 +183,38 @@ def test_schedule_variants_are_accurate_and_keep_decode_bits(base, rowsum):
         jax.clear_caches()
 
 
+def test_pairwise_rowsum_is_the_fixed_tree_in_bits():
+    """common.pairwise_rowsum adds column pairs (2c, 2c+1) level by level: its bits
+    equal that tree computed in NumPy fp32, for any number of rows."""
+    from jaxattn.kernels.common import pairwise_rowsum
+
+    x = np.asarray(jax.random.uniform(jax.random.PRNGKey(5), (37, 64)), np.float32)
+    want = x.copy()
+    while want.shape[1] > 1:
+        want = want[:, 0::2] + want[:, 1::2]
+    for rows in (37, 16, 1):
+        got = np.asarray(jax.jit(pairwise_rowsum)(jnp.asarray(x[:rows])))
+        assert np.array_equal(got.view(np.int32), want[:rows, 0].view(np.int32))
+    assert np.allclose(want[:, 0], x.astype(np.float64).sum(axis=1), rtol=1e-6)
+
+
+def test_rowsum_candidates_lower_to_triton_for_cuda_without_a_gpu():
+    """The tuning candidates (reshape-based tree, vector reduction) lower for CUDA."""
+    q = jax.ShapeDtypeStruct((2, 4, 40, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 2, 1100, 64), jnp.bfloat16)
+    old = schedule.ROWSUM
+    try:
+        for rowsum in ("tree", "reduce32"):
+            schedule.ROWSUM = rowsum
+            jax.clear_caches()
+            fn = functools.partial(pt.forward, causal=True, scale=0.125, interpret=False)
+            text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text, rowsum
+    finally:
+        schedule.ROWSUM = old
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("sq", [1, 40])
 def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
     """The compiled (not interpreted) Pallas path, lowered for CUDA on any machine:
@@ -219,18 +232,16 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
 
     def fwd_bwd(q, k, v, m, o):
         outs = [pt.forward(q, k, v, m, o, path=p, **kw) for p in ("prefill", "split")]
-        for cfg in (pt.ForwardConfig(unroll=2, tile_order="heavy_first"),
-                    pt.ForwardConfig(flat_splits=True, tile_order="descending"),
-                    pt.ForwardConfig(unroll=1, tile_order="ascending")):
-            outs.append(pt.forward(q, k, v, None, o, path="prefill", config=cfg, **kw))
+        for order in ("ascending", "descending", "heavy_first"):
+            outs.append(pt.forward(q, k, v, None, o, path="prefill",
+                                   config=pt.ForwardConfig(tile_order=order), **kw))
         grads = pv.backward(q, k, v, m, *outs[0], outs[0][0], outs[0][1], o, **kw)
         return outs, grads
 
     def paged_fwd(q, kp, vp, t, lens):
         return [pt.paged_forward(q, kp, vp, t, lens, path=p, config=cfg, **kw)
                 for p in ("prefill", "split")
-                for cfg in (pt.ForwardConfig(unroll=2, tile_order="heavy_first"),
-                            pt.ForwardConfig(flat_splits=True), None)]
+                for cfg in (pt.ForwardConfig(tile_order="heavy_first"), None)]
 
     for fn, args in ((fwd_bwd, (q, kv, kv, mask, offs)),
                      (paged_fwd, (q, pages, pages, table, offs))):

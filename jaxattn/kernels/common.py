@@ -42,13 +42,31 @@ def precision_for(dtype) -> lax.Precision | None:
 
 def rowsum(p: jax.Array, precision: lax.Precision | None) -> jax.Array:
     """Row sums of a ``[M, N]`` tile: on the matrix unit (see ROWSUM_COLS), or as a
-    vector reduction when ``schedule.ROWSUM == "reduce"``. (``"reduce32"``, a tuning
-    candidate of the Pallas kernels only, sums the fp32 probabilities before their cast;
-    :func:`online_softmax_step` takes it.)"""
+    vector reduction when ``schedule.ROWSUM == "reduce"``. (``"reduce32"`` and
+    ``"tree"``, tuning candidates of the Pallas kernels only, sum the fp32 probabilities
+    before their cast, :func:`online_softmax_step` takes them.)"""
     if schedule.ROWSUM == "reduce":
         return jnp.sum(p.astype(jnp.float32), axis=1)
     ones = jnp.ones((p.shape[1], ROWSUM_COLS), dtype=p.dtype)
     return jnp.max(dot(p, ones, precision=precision), axis=1)
+
+
+def pairwise_rowsum(x: jax.Array) -> jax.Array:
+    """Row sums of a ``[M, N]`` tile (N a power of two) by a fixed binary tree: at each
+    level column pairs (2c, 2c+1) are added.
+
+    One addition of two numbers has one result whatever the register layout, so every
+    level, and the whole sum, is the same for every tile height;
+    a plain vector reduction's order follows the layout instead (``"reduce32"``). A
+    tuning candidate (``schedule.ROWSUM = "tree"``) of the Pallas kernels only."""
+    m_rows, n = x.shape
+    while n > 1:
+        n //= 2
+        # An explicit split and add, not a sum over the pair axis: XLA would merge
+        # consecutive reductions into one reduction of its own order.
+        even, odd = jnp.split(x.reshape(m_rows, n, 2), 2, axis=2)
+        x = (even + odd).reshape(m_rows, n)
+    return x.reshape(m_rows)
 
 
 def natural_max(m: jax.Array) -> jax.Array:
@@ -86,8 +104,9 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
     alpha = exp(m - m_safe)
     p = exp(s - m_safe[:, None])
-    if schedule.ROWSUM == "reduce32":  # the fp32 probabilities, before the cast
-        l_new = l * alpha + jnp.sum(p, axis=1)
+    if schedule.ROWSUM in ("reduce32", "tree"):  # the fp32 probabilities, before the cast
+        l_new = l * alpha + (jnp.sum(p, axis=1) if schedule.ROWSUM == "reduce32"
+                             else pairwise_rowsum(p))
         p = p.astype(v.dtype)
     else:
         p = p.astype(v.dtype)

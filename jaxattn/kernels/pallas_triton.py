@@ -62,10 +62,6 @@ class ForwardConfig:
     #: split, the split-parallel path is used.
     split_parallel_below: int = 264
 
-    #: Whole blocks folded per loop iteration of the prefill's unmasked loop (1 or 2):
-    #: the same steps in the same order, unrolled so that the compiler can overlap one
-    #: block's softmax with the next block's matrix products.
-    unroll: int = 1
     #: Launch order of the causal prefill's row tiles: "ascending" (the grid is
     #: ``(tile, b, h)``), "descending" (the same grid, tiles reversed: each KV head's
     #: longest tiles first), "heavy_first" (the grid is ``(b, h, rank)``: every head's
@@ -78,10 +74,6 @@ class ForwardConfig:
     #: S=4096 328.9 / 329.9 / 317.7; B=2 S=16384 360.2 / 363.8 / 362.8.
     tile_order: str = "auto"
     heavy_first_max_kv_bytes: int = 48 << 20
-    #: Prefill: one loop over the whole blocks of every split and one over the masked
-    #: blocks, closing each split under a branch (see ``_fold_flat``), instead of a loop
-    #: per split; ``unroll`` applies to the per-split loops only.
-    flat_splits: bool = False
 
     #: Send blocks that every row sees whole through the unmasked step. None: on the
     #: GPU, not in interpret mode (XLA:CPU would change a dot's summation order between
@@ -94,8 +86,6 @@ class ForwardConfig:
         if self.tile_order not in ("auto", "ascending", "descending", "heavy_first"):
             raise ValueError("tile_order must be 'auto', 'ascending', 'descending' or "
                              f"'heavy_first', got {self.tile_order!r}")
-        if self.unroll not in (1, 2):
-            raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
 
 
 def forward_config(head_dim: int) -> ForwardConfig:
@@ -206,11 +196,17 @@ def _block_bounds(row_ok, limit, *, causal: bool, kv_len, has_mask: bool):
     return full.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _block_steps(q, kv: _KV, limit, *, causal, scale, precision):
-    """``(whole, masked)``: fold key block ``j`` into ``(acc, m, l)``; ``whole`` for a
-    block that every row of the tile sees whole, ``masked`` for any block."""
+def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
+                 whole_blocks):
+    """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
+    seen whole by every row); returns the split's partial state.
+
+    ``whole_blocks=False`` sends every block through the masked step. Interpret mode
+    uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
+    dot's summation order between the two steps, which Triton on the GPU does not.
+    """
     bn = schedule.BLOCK_N
-    m_rows = q.shape[0]
+    m_rows, head_dim = q.shape
     mask_ref, kv_len = kv.mask_ref, kv.kv_len
 
     def whole(j, carry):
@@ -233,92 +229,21 @@ def _block_steps(q, kv: _KV, limit, *, causal, scale, precision):
         return online_softmax_step(*carry, q, k, v, visible, scale=scale,
                                    precision=precision)
 
-    return whole, masked
-
-
-def _empty_state(q):
-    m_rows, head_dim = q.shape
-    return (jnp.zeros((m_rows, head_dim), jnp.float32),
+    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
             jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-
-
-def _has_whole_blocks(whole_blocks, kv: _KV) -> bool:
-    """Whether the unmasked loop is traced at all (a static length below BLOCK_N has no
-    whole block; a padding mask makes every block masked)."""
-    kv_len = kv.kv_len
-    return bool(whole_blocks and kv.mask_ref is None
-                and not (isinstance(kv_len, int) and kv_len < schedule.BLOCK_N))
-
-
-def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
-                 whole_blocks, unroll=1):
-    """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
-    seen whole by every row); returns the split's partial state.
-
-    ``whole_blocks=False`` sends every block through the masked step. Interpret mode
-    uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
-    dot's summation order between the two steps, which Triton on the GPU does not.
-    """
-    whole, masked = _block_steps(q, kv, limit, causal=causal, scale=scale,
-                                 precision=precision)
-    init = _empty_state(q)
-    if _has_whole_blocks(whole_blocks, kv):
+    # (A static length below BLOCK_N has no whole block; its loop is not even traced.)
+    if whole_blocks and mask_ref is None and not (isinstance(kv_len, int) and kv_len < bn):
         mid = jnp.clip(mid, lo, hi)
-        if unroll > 1:  # groups of `unroll` whole blocks, then the rest one by one
-            def group(i, carry):
-                for u in range(unroll):
-                    carry = whole(lo + i * unroll + u, carry)
-                return carry
-
-            n_groups = (mid - lo) // unroll
-            carry = jax.lax.fori_loop(0, n_groups, group, init)
-            carry = jax.lax.fori_loop(lo + n_groups * unroll, mid, whole, carry)
-        else:
-            carry = jax.lax.fori_loop(lo, mid, whole, init)
+        carry = jax.lax.fori_loop(lo, mid, whole, init)
     else:
         mid, carry = lo, init
     acc, m, l = jax.lax.fori_loop(mid, hi, masked, carry)
     return finalize(acc, natural_max(m), l)
 
 
-def _fold_flat(full, hi, q, kv: _KV, limit, *, causal, scale, precision, whole_blocks):
-    """:func:`_fold_blocks` over every split and :func:`merge` of the splits, as one
-    loop over whole blocks and one over masked blocks (not one loop per split): the same
-    operations in the same order, with the split's close (finalize, merge, reset) under
-    a branch at the split's last block, so the loads pipeline across split boundaries."""
-    whole, masked = _block_steps(q, kv, limit, causal=causal, scale=scale,
-                                 precision=precision)
-    per_split = schedule.BLOCKS_PER_SPLIT
-    empty = _empty_state(q)
-
-    def close(state, out, lse):
-        return (*empty, *merge(out, lse, *finalize(state[0], natural_max(state[1]),
-                                                   state[2])))
-
-    def closing(step):
-        def body(j, carry):
-            state = step(j, carry[:3])
-            # lax.rem, not %: see _kv_source.
-            last = (jax.lax.rem(j + 1, jnp.int32(per_split)) == 0) | (j + 1 == hi)
-            return jax.lax.cond(last, lambda: close(state, *carry[3:]),
-                                lambda: (*state, *carry[3:]))
-        return body
-
-    carry = (*empty, jnp.zeros(q.shape, jnp.float32),
-             jnp.full((q.shape[0],), NEG_INF, jnp.float32))
-    if _has_whole_blocks(whole_blocks, kv):
-        mid = jnp.clip(full, 0, hi)
-        carry = jax.lax.fori_loop(0, mid, closing(whole), carry)
-    else:
-        mid = 0
-    carry = jax.lax.fori_loop(mid, hi, closing(masked), carry)
-    return carry[3:]
-
-
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                    kv_len, rows, block_m, precision, whole_blocks, page_size, unroll,
-                    tile_order, flat):
+                    kv_len, rows, block_m, precision, whole_blocks, page_size, tile_order):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
     n_tiles = pl.cdiv(rows, block_m)
     tile, b, h = _prefill_program(tile_order, n_tiles,
@@ -337,15 +262,11 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, s
         lo = si * per_split
         part = _fold_blocks(lo, full, jnp.minimum(lo + per_split, hi), q, kv, limit,
                             causal=causal, scale=scale, precision=precision,
-                            whole_blocks=whole_blocks, unroll=unroll)
+                            whole_blocks=whole_blocks)
         return merge(*state, *part)
 
-    if flat:
-        out, lse = _fold_flat(full, hi, q, kv, limit, causal=causal, scale=scale,
-                              precision=precision, whole_blocks=whole_blocks)
-    else:
-        init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
-        out, lse = jax.lax.fori_loop(0, n_splits, split_body, init)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_m,), NEG_INF, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, n_splits, split_body, init)
     sl = pl.ds(tile * block_m, block_m)
     plgpu.store(o_ref.at[sl, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[sl], lse, mask=row_ok)
@@ -537,8 +458,7 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
         if heavy_first:
             out_specs = [_heavy_first_spec(spec) for spec in out_specs]
         out, lse = pl.pallas_call(
-            functools.partial(_prefill_kernel, block_m=bm, unroll=cfg.unroll,
-                              tile_order=order, flat=cfg.flat_splits, **static),
+            functools.partial(_prefill_kernel, block_m=bm, tile_order=order, **static),
             grid=grid,
             in_specs=in_specs,
             out_specs=out_specs,
