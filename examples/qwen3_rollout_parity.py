@@ -315,8 +315,7 @@ def measure_cost(cfg: Config, batch: int, seq_len: int, iters: int = 5,
     tail-padded batch, with the parity setup (rowwise layers + jaxattn) beside plain
     matmuls + jaxattn and plain matmuls + ``peer`` attention (cuDNN on a GPU, XLA on a
     CPU). Median seconds of ``iters`` synchronised calls after a warm-up."""
-    import statistics
-    import time
+    from benchmarks.report import median_seconds
 
     global ROWWISE
     peer = peer or ("cudnn" if jax.default_backend() == "gpu" else "xla")
@@ -324,15 +323,6 @@ def measure_cost(cfg: Config, batch: int, seq_len: int, iters: int = 5,
     rng = np.random.default_rng(1)
     lengths = jnp.asarray(rng.integers(seq_len // 2, seq_len + 1, batch).astype(np.int32))
     tokens = jnp.asarray(rng.integers(0, cfg.vocab, (batch, seq_len)).astype(np.int32))
-
-    def timed(fn, *args):
-        jax.block_until_ready(fn(*args))
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
 
     rows = []
     for label, rowwise_on, backend in (("parity: rowwise + jaxattn", True, cfg.backend),
@@ -344,8 +334,8 @@ def measure_cost(cfg: Config, batch: int, seq_len: int, iters: int = 5,
             fwd = jax.jit(lambda p, c=c: train_logprobs(c, p, tokens, lengths))
             grad = jax.jit(jax.grad(lambda p, c=c: train_logprobs(c, p, tokens, lengths)
                                     .astype(jnp.float32).sum()))
-            rows.append({"setup": label, "fwd_ms": timed(fwd, params) * 1e3,
-                         "fwdbwd_ms": timed(grad, params) * 1e3})
+            rows.append({"setup": label, "fwd_ms": median_seconds(fwd, (params,), iters) * 1e3,
+                         "fwdbwd_ms": median_seconds(grad, (params,), iters) * 1e3})
         except Exception as e:  # e.g. a peer that cannot run on this platform
             rows.append({"setup": label, "error": f"{type(e).__name__}: {e}"[:200]})
         finally:
