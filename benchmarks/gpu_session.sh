@@ -12,11 +12,10 @@
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
 # to 128k; each part under its own timeout, results kept as they come; SWEEP_SELECT=a,b
-# runs only the parts named); variants: the
-# exp2 / row-sum schedule candidates (benchmarks/tune.py); launch: the prefill forward's
-# launch options (unroll, flat split loop, tile order, BLOCK_N) beside Pallas mha; cp:
-# distributed CP on every GPU
-# of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
+# runs only the parts named); variants: the exp2 / row-sum schedule candidates
+# (benchmarks/tune.py); launch: the prefill forward's launch options (tile order, tile
+# height, warps, stages, row sum, BLOCK_N) beside Pallas mha; cp: distributed CP on every
+# GPU of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
 # GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); mosaicspeed:
 # their TFLOP/s beside the Pallas backend; e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes.

@@ -40,13 +40,19 @@ def precision_for(dtype) -> lax.Precision | None:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def rowsum(p: jax.Array, precision: lax.Precision | None) -> jax.Array:
-    """Row sums of a ``[M, N]`` tile: on the matrix unit (see ROWSUM_COLS), or as a
-    vector reduction when ``schedule.ROWSUM == "reduce"``. (``"reduce32"`` and
-    ``"tree"``, tuning candidates of the Pallas kernels only, sum the fp32 probabilities
-    before their cast, :func:`online_softmax_step` takes them.)"""
+def rowsum(p32: jax.Array, p: jax.Array, precision: lax.Precision | None) -> jax.Array:
+    """Row sums of a block's probabilities, ``p32`` (fp32) or ``p`` (``p32`` cast to
+    the input dtype), as ``schedule.ROWSUM`` says: on the matrix unit over ``p`` ("mma",
+    see ROWSUM_COLS), a vector reduction over ``p`` ("reduce"), or over ``p32``
+    ("reduce32"), or the fixed pairwise tree over ``p32`` ("tree",
+    :func:`pairwise_rowsum`). The last two are tuning candidates of the Pallas kernels
+    only."""
     if schedule.ROWSUM == "reduce":
         return jnp.sum(p.astype(jnp.float32), axis=1)
+    if schedule.ROWSUM == "reduce32":
+        return jnp.sum(p32, axis=1)
+    if schedule.ROWSUM == "tree":
+        return pairwise_rowsum(p32)
     ones = jnp.ones((p.shape[1], ROWSUM_COLS), dtype=p.dtype)
     return jnp.max(dot(p, ones, precision=precision), axis=1)
 
@@ -103,14 +109,9 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
     alpha = exp(m - m_safe)
-    p = exp(s - m_safe[:, None])
-    if schedule.ROWSUM in ("reduce32", "tree"):  # the fp32 probabilities, before the cast
-        l_new = l * alpha + (jnp.sum(p, axis=1) if schedule.ROWSUM == "reduce32"
-                             else pairwise_rowsum(p))
-        p = p.astype(v.dtype)
-    else:
-        p = p.astype(v.dtype)
-        l_new = l * alpha + rowsum(p, precision)
+    p32 = exp(s - m_safe[:, None])
+    p = p32.astype(v.dtype)
+    l_new = l * alpha + rowsum(p32, p, precision)
     acc_new = acc * alpha[:, None] + dot(p, v, precision=precision)
     return acc_new, m_new, l_new
 

@@ -449,13 +449,11 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
             kv_bytes = 2 * k.size * k.dtype.itemsize
             order = ("heavy_first" if kv_bytes <= cfg.heavy_first_max_kv_bytes
                      else "descending")
-        heavy_first = order == "heavy_first"
         grid = (pl.cdiv(rows, bm), b, hkv)
-        if heavy_first:  # the grid is (b, h, rank); the index maps take (tile, b, h)
+        out_specs = [per_head((rows, d)), lse_spec]
+        if order == "heavy_first":  # the grid is (b, h, rank); the index maps take (tile, b, h)
             grid = (b, hkv, grid[0])
             in_specs = [_heavy_first_spec(spec) for spec in in_specs]
-        out_specs = [per_head((rows, d)), lse_spec]
-        if heavy_first:
             out_specs = [_heavy_first_spec(spec) for spec in out_specs]
         out, lse = pl.pallas_call(
             functools.partial(_prefill_kernel, block_m=bm, tile_order=order, **static),
