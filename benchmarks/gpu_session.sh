@@ -16,8 +16,9 @@
 # (benchmarks/tune.py); launch: the prefill forward's launch options (tile order, tile
 # height, warps, stages, row sum, BLOCK_N) beside Pallas mha; cp: distributed CP on every
 # GPU of a multi-GPU host (benchmarks/cp_bench.py); mosaic: the first GPU run of the Mosaic
-# GPU prototypes (benchmarks/mosaic_gpu_check.py; a hang is a barrier bug); mosaicspeed:
-# their TFLOP/s beside the Pallas backend; e2e: the Qwen3 rollout /
+# GPU forward (benchmarks/mosaic_gpu_check.py, MOSAIC_ARGS: accuracy, bits across launch
+# variants, batch/chunk invariance; a hang is a barrier bug); mosaicspeed: the forward
+# variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN; e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -109,13 +110,15 @@ if has mosaic; then
   $PY -m pytest -q -p no:cacheprovider tests/test_mosaic_probe.py tests/test_mosaic_bwd_probe.py \
       2>&1 | tee "$OUT/mosaic-pytest.txt" | tail -5
   timeout ${MOSAIC_TIMEOUT:-300} $PY -m benchmarks.mosaic_gpu_check --out_dir="$OUT/mosaic" \
-      2>&1 | tee "$OUT/mosaic.txt" | tail -20
+      ${MOSAIC_ARGS:-} 2>&1 | tee "$OUT/mosaic.txt" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has mosaicspeed; then
-  # The prototypes' forward / backward TFLOP/s beside the Pallas backend (no checks).
-  timeout ${MOSAIC_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
-      --out_dir="$OUT/mosaic-speed" 2>&1 | tee "$OUT/mosaic-speed.txt" | tail -4
+  # The forward variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN (no
+  # checks); MOSAIC_SPEED_ARGS e.g. "--fwd_variants=pp,pp3:stages=3 --backward_speed".
+  timeout ${MOSAIC_TIMEOUT:-300} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
+      --out_dir="$OUT/mosaic-speed" ${MOSAIC_SPEED_ARGS:-} 2>&1 \
+      | grep -v 'Unable to initialize backend' | tee "$OUT/mosaic-speed.txt" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has variants; then

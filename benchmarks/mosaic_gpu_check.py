@@ -1,19 +1,23 @@
-"""First GPU check of the Mosaic GPU prototypes (docs/mosaic.md, sections 5 and 6).
+"""GPU checks and speed of the Mosaic GPU forward and backward (docs/mosaic.md).
 
     python -m benchmarks.mosaic_gpu_check --out_dir=$OUT/mosaic        # H200 only
+    python -m benchmarks.mosaic_gpu_check --nochecks --speed --fwd_variants=pp,pp3:stages=3
 
-Forward (``mosaic_fwd.forward``) at real shapes for every (block_m, operand path,
-lowering semantics): error against ``reference.forward_fp32_with_lse``, rows with no
-visible key, bits against the Pallas backend, and whether the configurations agree in
-bits with each other (a row must not depend on its tile). Backward
-(``mosaic_bwd.backward``) against the Pallas backward from the same ``(out, lse)``:
-error against the fp32 reference's gradients and bits. Every configuration runs in its
-own try block, so one failure (or a lowering error on this JAX) is reported and the rest
-goes on. Prints a line per result; writes results.json.
+Checks (default): the forward (``mosaic_fwd.forward``) at real shapes for each arithmetic
+family (``--families``: accumulate x row sum) and launch variant (``--launches``):
+error against ``reference.forward_fp32_with_lse``, rows with no visible key, bits
+against the family's default launch (a row must not depend on its tile, warpgroup,
+pipeline depth or operand path), batch, chunk and run-to-run invariance in bits, and
+whether the bits equal the Pallas backend's. ``--backward``: the backward prototype
+against the Pallas backward from the same ``(out, lse)``. ``--speed``: forward TFLOP/s of
+the variants beside the Pallas backend, Pallas ``mha`` and cuDNN. Every configuration
+runs in its own try block, so one failure is reported and the rest goes on. Prints a
+line per result; writes results.json.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -26,14 +30,26 @@ from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Write results.json here.")
-flags.DEFINE_bool("backward", True, "Also check the backward prototype.")
+flags.DEFINE_bool("backward", False, "Also check the backward prototype.")
 flags.DEFINE_bool("checks", True, "Run the accuracy / bits checks.")
 flags.DEFINE_bool("speed", False, "Time forward and backward against the Pallas backend "
                   "at SPEED_SHAPE (the Mosaic issue's bar is in TFLOP/s).")
-flags.DEFINE_integer("iters", 10, "Timed calls (median) for --speed.")
-
-#: (B, Hq, Hkv, S, D), causal, bf16: the shape of the forward-speed bar in docs/.
-SPEED_SHAPE = (8, 32, 8, 4096, 128)
+flags.DEFINE_integer("iters", 10, "Timed samples (median) for --speed.")
+flags.DEFINE_list("families", ["fresh-mma", "inplace-mma", "fresh-reduce32",
+                               "inplace-reduce32"],
+                  "Arithmetic families checked (FAMILIES); the first gets every launch.")
+flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
+flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
+                  "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
+flags.DEFINE_list("fwd_variants", ["v1:compute_wgs=1:block_m=128:fast_path=False:"
+                                   "q_order=ascending", "pp", "pp-inplace:accumulate=inplace",
+                                   "pp-reduce32:rowsum=reduce32",
+                                   "pp-ip-r32:accumulate=inplace:rowsum=reduce32",
+                                   "nopp:pingpong=False", "pp-s3:stages=3"],
+                  "Mosaic forward variants timed by --speed: name[:key=value...] "
+                  "(MosaicConfig fields).")
+flags.DEFINE_list("peers", ["pallas_mha", "cudnn"], "Peers timed beside (benchmarks/systems).")
+flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
               (1, 4, 4, 256, 128, 64)]
@@ -62,6 +78,33 @@ def _rel(x, ref) -> float:
     return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+#: Launch variants of the forward: each must give the bits of "default" (a row must not
+#: depend on its tile, its warpgroup, the pipeline depth or the operand path).
+LAUNCH_VARIANTS = {
+    "default": {},
+    "1wg-64": dict(compute_wgs=1),
+    "1wg-128": dict(compute_wgs=1, block_m=128),
+    "nopingpong": dict(pingpong=False),
+    "nofast": dict(fast_path=False),
+    "stages3": dict(stages=3),
+    "ascending-noregs": dict(q_order="ascending", registers=None),
+    "warpgroup": dict(semantics="warpgroup"),
+    "smem-operands": dict(gpu_operands=False),
+}
+#: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
+FAMILIES = {
+    "fresh-mma": {},
+    "inplace-mma": dict(accumulate="inplace"),
+    "fresh-reduce32": dict(rowsum="reduce32"),
+    "inplace-reduce32": dict(accumulate="inplace", rowsum="reduce32"),
+}
+
+
+def _config(**kw):
+    from jaxattn.kernels import mosaic_fwd as mf
+    return mf.MosaicConfig(**kw)
+
+
 def check_forward(results: list) -> None:
     import jaxattn
     from jaxattn import reference
@@ -70,32 +113,59 @@ def check_forward(results: list) -> None:
         q, k, v, _ = _inputs(*shape, seed=sum(shape))
         ro, rl = reference.forward_fp32_with_lse(q, k, v, causal=causal)
         po, pl_ = jaxattn.attention(q, k, v, causal=causal, return_lse=True, backend="pallas")
-        outs = []
-        for bm, gop, sem in itertools.product([64, 128], [True, False], ["lane", "warpgroup"]):
-            row = {"kind": "forward", "shape": shape, "causal": causal, "block_m": bm,
-                   "gpu_operands": gop, "semantics": sem}
-            try:
-                cfg = mf.MosaicConfig(block_m=bm, gpu_operands=gop, semantics=sem)
-                t0 = time.time()
-                o, lse = jax.block_until_ready(mf.forward(q, k, v, causal=causal, config=cfg))
-                fin = np.isfinite(np.asarray(rl))
-                row.update(seconds=time.time() - t0, err=_rel(o.astype(jnp.float32), ro),
-                           lse_err=float(np.max(np.where(fin, np.abs(np.asarray(lse) -
-                                                                     np.asarray(rl)), 0))),
-                           empty_rows_ok=bool(np.array_equal(np.isfinite(np.asarray(lse)),
-                                                             fin)),
-                           nan=bool(np.isnan(np.asarray(o, np.float32)).any()),
-                           out_bits_eq_pallas=_same(o, po), lse_bits_eq_pallas=_same(lse, pl_))
-                outs.append((o, lse))
-            except Exception as e:  # reported; the other configurations go on
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
-            results.append(row)
-            print(row, flush=True)
-        if outs:
-            results.append({"kind": "forward-configs-agree", "shape": shape, "causal": causal,
-                            "equal": all(_same(o, outs[0][0]) and _same(lse, outs[0][1])
-                                         for o, lse in outs)})
-            print(results[-1], flush=True)
+        fin = np.isfinite(np.asarray(rl))
+        for fam in FLAGS.families:
+            fkw = FAMILIES[fam]
+            every = FLAGS.launches or list(LAUNCH_VARIANTS)
+            names = (every if fam == FLAGS.families[0] else
+                     [n for n in every if n in ("default", "1wg-128", "nofast")])
+            launches = {n: LAUNCH_VARIANTS[n] for n in names}
+            first = None
+            for name, lkw in launches.items():
+                row = {"kind": "forward", "shape": shape, "causal": causal, "family": fam,
+                       "launch": name}
+                try:
+                    cfg = _config(**fkw, **lkw)
+                    t0 = time.time()
+                    o, lse = jax.block_until_ready(mf.forward(q, k, v, causal=causal,
+                                                              config=cfg))
+                    row.update(seconds=round(time.time() - t0, 2),
+                               err=_rel(o.astype(jnp.float32), ro),
+                               lse_err=float(np.max(np.where(fin, np.abs(np.asarray(lse) -
+                                                                         np.asarray(rl)), 0))),
+                               empty_rows_ok=bool(np.array_equal(np.isfinite(np.asarray(lse)),
+                                                                 fin)),
+                               nan=bool(np.isnan(np.asarray(o, np.float32)).any()),
+                               out_bits_eq_pallas=_same(o, po))
+                    if first is None:
+                        first = (o, lse, cfg)
+                        _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam)
+                    else:
+                        row["bits_eq_default"] = _same(o, first[0]) and _same(lse, first[1])
+                except Exception as e:  # reported; the other configurations go on
+                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                results.append(row)
+                print(row, flush=True)
+
+
+def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
+    """Batch invariance (the first sequence alone) and chunk invariance (the last
+    ``cfg.rows`` queries against all keys) of one configuration, in bits."""
+    row = {"kind": "invariance", "shape": shape, "causal": causal, "family": fam}
+    try:
+        o1, l1 = mf.forward(q[:1], k[:1], v[:1], causal=causal, config=cfg)
+        row["batch"] = _same(o1, o[:1]) and _same(l1, lse[:1])
+        if q.shape[2] > cfg.rows:
+            qc = q[:, :, -cfg.rows:]
+            oc, lc = mf.forward(qc, k, v, causal=causal, config=cfg)
+            row["chunk"] = (_same(oc, o[:, :, -cfg.rows:])
+                            and _same(lc, lse[:, :, -cfg.rows:]))
+        o2, l2 = mf.forward(q, k, v, causal=causal, config=cfg)
+        row["run_to_run"] = _same(o2, o) and _same(l2, lse)
+    except Exception as e:  # reported; the rest goes on
+        row["error"] = f"{type(e).__name__}: {e}"[:400]
+    results.append(row)
+    print(row, flush=True)
 
 
 def check_backward(results: list) -> None:
@@ -128,39 +198,89 @@ def check_backward(results: list) -> None:
             print(row, flush=True)
 
 
+def _variant(spec: str):
+    """``name[:key=value...]`` -> (name, MosaicConfig kwargs); values are ints, bools,
+    None or strings, e.g. ``pp3:stages=3`` or ``ip:accumulate=inplace:rowsum=reduce32``."""
+    name, *pairs = spec.split(":")
+    kw = {}
+    for pair in pairs:
+        key, val = pair.split("=", 1)
+        if val in ("True", "False"):
+            kw[key] = val == "True"
+        elif val == "None":
+            kw[key] = None
+        elif val.lstrip("-").isdigit():
+            kw[key] = int(val)
+        elif "," in val:
+            kw[key] = tuple(int(x) for x in val.split(","))
+        else:
+            kw[key] = val
+    return name, kw
+
+
 def time_speed(results: list) -> None:
-    """Forward and backward TFLOP/s of the prototypes (their default configs) beside the
-    Pallas backend's, causal bf16 at SPEED_SHAPE; one synchronised call per sample."""
+    """Forward TFLOP/s of the Mosaic forward variants (``--fwd_variants``) beside the
+    Pallas backend, JAX's Pallas ``mha`` and cuDNN, causal bf16, Hq=32, Hkv=8, D=128, at
+    each ``--speed_shapes`` B:S, timed as benchmarks/attention_bench.py times (samples
+    of back-to-back calls over rotating input sets, median); then the backward
+    prototype beside the Pallas backward."""
+    from benchmarks import attention_bench as ab
+    from benchmarks import systems
     from jaxattn.kernels import mosaic_bwd as mb
     from jaxattn.kernels import mosaic_fwd as mf
     from jaxattn.kernels import pallas_triton as pt
     from jaxattn.kernels import pallas_triton_vjp as pv
-    b, hq, hkv, s, d = SPEED_SHAPE
-    q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
+    hq, hkv, d = 32, 8, 128
     scale = 1 / np.sqrt(d)
-    fwd_flops = 4 * b * hq * s * s * d / 2  # causal: half the score matrix
-    systems = {
-        "mosaic": (jax.jit(lambda q, k, v: mf.forward(q, k, v, causal=True, scale=scale)),
-                   lambda q, k, v, o, l, do: mb.backward(q, k, v, o, l, do, causal=True,
-                                                         scale=scale)),
-        "pallas": (jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
-                                                      interpret=False)),
-                   lambda q, k, v, o, l, do: pv.backward(q, k, v, None, o, l, do, None,
-                                                         causal=True, scale=scale,
-                                                         interpret=False)),
-    }
-    for name, (fwd, bwd) in systems.items():
-        row = {"kind": "speed", "system": name, "shape": SPEED_SHAPE, "causal": True}
-        try:
-            ms = report.median_seconds(fwd, (q, k, v), FLAGS.iters) * 1e3
-            o, lse = fwd(q, k, v)
-            bms = report.median_seconds(jax.jit(bwd), (q, k, v, o, lse, do), FLAGS.iters) * 1e3
-            row.update(fwd_ms=ms, fwd_tflops=fwd_flops / ms / 1e9, bwd_ms=bms,
-                       bwd_tflops=2.5 * fwd_flops / bms / 1e9)
-        except Exception as e:  # a prototype failing here is a result too
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        results.append(row)
-        print(row, flush=True)
+    for spec in FLAGS.speed_shapes:
+        b, s = (int(x) for x in spec.split(":"))
+        sets = [_inputs(b, hq, hkv, s, s, d, seed=7 + i)[:3] for i in range(3)]
+        flops = ab.attention_flops(b, hq, s, s, d, True)
+        fns = {"pallas": jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
+                                                             interpret=False))}
+        for vspec in FLAGS.fwd_variants:
+            name, kw = _variant(vspec)
+            fns[f"mosaic:{name}"] = jax.jit(functools.partial(
+                mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw)))
+        for peer in FLAGS.peers:
+            try:
+                sysm = systems.make(peer)
+                fns[peer] = (sysm, functools.partial(sysm.forward, causal=True))
+            except Exception as e:  # a missing peer is reported
+                print({"peer": peer, "error": str(e)[:200]}, flush=True)
+        for name, fn in fns.items():
+            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
+            try:
+                if isinstance(fn, tuple):
+                    sysm, f = fn
+                    ins = [sysm.prepare(*x) for x in sets]
+                    sec, reps = ab._time(f, ins, sysm.sync, FLAGS.iters, 3, 10, 0.03)
+                else:
+                    sec, reps = ab._time(fn, sets, jax.block_until_ready, FLAGS.iters, 3, 10,
+                                         0.03)
+                row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, reps=reps)
+            except Exception as e:  # a variant failing here is a result too
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            results.append(row)
+            print(row, flush=True)
+        if not FLAGS.backward_speed:
+            continue
+        q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
+        o, lse = fns["pallas"](q, k, v)
+        for name, bwd in (("mosaic-bwd", lambda q, k, v, o, l, do: mb.backward(
+                               q, k, v, o, l, do, causal=True, scale=scale)),
+                          ("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
+                              q, k, v, None, o, l, do, None, causal=True, scale=scale,
+                              interpret=False))):
+            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
+            try:
+                sec, reps = ab._time(jax.jit(bwd), [(q, k, v, o, lse, do)],
+                                     jax.block_until_ready, FLAGS.iters, 3, 10, 0.03)
+                row.update(ms=sec * 1e3, tflops=2.5 * flops / sec / 1e12)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            results.append(row)
+            print(row, flush=True)
 
 
 def main(argv):

@@ -86,25 +86,32 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
 
 
-# (B, Hq, Hkv, Sq, Skv, D, causal): GQA with two query tiles; a causal offset that
-# crosses a SPLIT boundary (18 blocks: one split fold); Sq > Skv (the first 64 rows see
-# no key: out 0, lse -inf); non-causal with D=64.
+# (B, Hq, Hkv, Sq, Skv, D, causal, config): one compute warpgroup of 64 rows: GQA with two
+# query tiles; a causal offset that crosses a SPLIT boundary (18 blocks: one split fold);
+# Sq > Skv (the first 64 rows see no key: out 0, lse -inf); non-causal with D=64. Two
+# compute warpgroups (the default launch, ping-pong): an offset of 64 keys, so the second
+# warpgroup visits a block the first skips; and 128 rows that see nothing beside 128
+# that do, with the fp32 row sum and no unmasked fast path.
+_ONE_WG = {"compute_wgs": 1, "block_m": 64}
 _CASES = [
-    (1, 2, 1, 128, 128, 64, True),
-    (1, 1, 1, 64, schedule.SPLIT + 2 * schedule.BLOCK_N, 128, True),
-    (1, 2, 1, 128, 64, 64, True),
-    (1, 1, 1, 64, 256, 64, False),
+    (1, 2, 1, 128, 128, 64, True, _ONE_WG),
+    (1, 1, 1, 64, schedule.SPLIT + 2 * schedule.BLOCK_N, 128, True, _ONE_WG),
+    (1, 2, 1, 128, 64, 64, True, _ONE_WG),
+    (1, 1, 1, 64, 256, 64, False, _ONE_WG),
+    (1, 2, 1, 128, 192, 64, True, {}),
+    (1, 1, 1, 256, 128, 64, True, {"rowsum": "reduce32", "fast_path": False}),
 ]
 
 
 @needs_sync
 @needs_interpret
-@pytest.mark.parametrize("case", _CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-Sq{}-Skv{}-D{}-c{}".format(
-    *c))
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-Sq{}-Skv{}-D{}-c{}-{}"
+                         .format(*c[:7], "-".join(f"{k}{v}" for k, v in c[7].items())
+                                 or "default"))
 def test_interpret_forward_accuracy(mosaic_fwd, case):
-    b, hq, hkv, sq, skv, d, causal = case
+    b, hq, hkv, sq, skv, d, causal, kw = case
     seed, q, k, v = _inputs(b, hq, hkv, sq, skv, d)
-    cfg = mosaic_fwd.MosaicConfig(block_m=64)
+    cfg = mosaic_fwd.MosaicConfig(**kw)
     out, lse = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True, config=cfg)
     ref_out, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
     out32 = np.asarray(out.astype(jnp.float32))
@@ -123,13 +130,33 @@ def test_interpret_forward_accuracy(mosaic_fwd, case):
         assert not finite.all()  # the case really has empty rows
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_launch_options_keep_bits(mosaic_fwd):
+    """Ping-pong, the unmasked fast path, the CTA order and the pipeline depth change
+    when and where a block is computed, never its operations: the bits must agree."""
+    seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
+    base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                              config=mosaic_fwd.MosaicConfig())
+    other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                               config=mosaic_fwd.MosaicConfig(pingpong=False, fast_path=False,
+                                                              q_order="ascending", stages=3))
+    for x, y in zip(base, other, strict=True):
+        assert not np.isnan(np.asarray(x, np.float32)).any()
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
+                                                         else np.uint32),
+                                      np.asarray(y).view(np.uint16 if y.dtype.itemsize == 2
+                                                         else np.uint32),
+                                      err_msg=f"seed {seed}")
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """The interpret cases above, in a child process with synchronous CPU dispatch; a
     hung child is retried once, and a second hang is a skip (a hang is not a wrong
     result; a wrong result fails)."""
-    out = run_interpret_tests_in_subprocess(__file__, "interpret_forward")
-    assert "4 passed" in out, out[-3000:]
+    out = run_interpret_tests_in_subprocess(__file__, "interpret_forward or interpret_launch")
+    assert f"{len(_CASES) + 1} passed" in out, out[-3000:]
 
 
 @needs_api
@@ -145,6 +172,35 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     cfg = mosaic_fwd.MosaicConfig(block_m=128, gpu_operands=gpu_operands, semantics=semantics)
     lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_api
+@pytest.mark.parametrize("kw", [
+    {"compute_wgs": 1},
+    {"accumulate": "inplace"},
+    {"rowsum": "reduce32"},
+    {"accumulate": "inplace", "rowsum": "reduce32", "stages": 3},
+    {"pingpong": False, "registers": None, "q_order": "ascending"},
+    {"semantics": "warpgroup", "accumulate": "inplace"},
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
+    """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,
+    register reallocation, the unmasked fast path) and its arithmetic variants lower."""
+    q = jax.ShapeDtypeStruct((2, 4, 512, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 1536, 128), jnp.bfloat16)
+    lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
+                                        config=mosaic_fwd.MosaicConfig(**kw))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_config_rejects_bad_values(mosaic_fwd):
+    for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
+               {"q_order": "random"}, {"block_m": 32}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            mosaic_fwd.MosaicConfig(**kw)
+    q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of"):
+        mosaic_fwd.check_inputs(q, q, q, mosaic_fwd.MosaicConfig().rows)
 
 
 @needs_api

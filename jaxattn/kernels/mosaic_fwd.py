@@ -63,11 +63,20 @@ _LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Launch parameters. None of them changes the bits of a row (to be checked on the
-    GPU: wgmma tiles of 64 and 128 rows must give the same row bits)."""
+    """Launch parameters and the two arithmetic choices of the kernel.
+
+    Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
+    ``semantics``, ``pingpong``, ``fast_path``, ``registers``, ``q_order``) must not
+    change the bits of a row; ``benchmarks/mosaic_gpu_check.py`` checks that on the GPU.
+    ``accumulate`` and ``rowsum`` change the floating-point operations, so they are fixed
+    per backend, never chosen by shape.
+    """
 
     #: Query rows per compute warpgroup (the wgmma M: 64 or 128).
-    block_m: int = 128
+    block_m: int = 64
+    #: Compute warpgroups per CTA (1 or 2); they share the K/V stream, so a CTA covers
+    #: ``block_m * compute_wgs`` query rows of one head. A further warpgroup loads K/V.
+    compute_wgs: int = 2
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
     #: None: the Hopper operand path unless interpreting (see the module docstring).
@@ -76,14 +85,51 @@ class MosaicConfig:
     #: "warpgroup" (the default from JAX 0.11.0). Both lower on 0.10.2; the interpreter
     #: ignores it.
     semantics: str = "lane"
+    #: "fresh": P V goes into a fresh wgmma accumulator that is added to ``acc * alpha``
+    #: (the Triton kernels' ``acc * alpha + dot(p, v)``); "inplace": ``acc * alpha`` is
+    #: the wgmma's initial accumulator (FlashAttention-3; rounds differently, GPU only).
+    accumulate: str = "fresh"
+    #: Row sum of a block's probabilities: None follows ``schedule.ROWSUM`` ("mma": the
+    #: bf16 probabilities times an all-ones tile on wgmma); "reduce32": a vector sum of
+    #: the fp32 probabilities in the fixed WGMMA register layout.
+    rowsum: str | None = None
+    #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
+    #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
+    pingpong: bool = True
+    #: Blocks that every row of a warpgroup sees entirely skip the causal ``where``.
+    fast_path: bool = True
+    #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
+    #: None to leave the allocation alone.
+    registers: tuple[int, int] | None = (232, 40)
+    #: "descending": the CTAs of the last (longest causal) query tiles start first.
+    q_order: str = "descending"
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
+        if self.accumulate not in ("fresh", "inplace"):
+            raise ValueError(f"accumulate must be 'fresh' or 'inplace', got "
+                             f"{self.accumulate!r}")
+        if self.rowsum not in (None, "mma", "reduce32"):
+            raise ValueError(f"rowsum must be None, 'mma' or 'reduce32', got {self.rowsum!r}")
+        if self.q_order not in ("ascending", "descending"):
+            raise ValueError(f"q_order must be 'ascending' or 'descending', got "
+                             f"{self.q_order!r}")
+
+    @property
+    def rows(self) -> int:
+        """Query rows per CTA."""
+        return self.block_m * self.compute_wgs
+
+    @property
+    def rowsum_kind(self) -> str:
+        return self.rowsum or ("mma" if schedule.ROWSUM == "mma" else "reduce32")
 
 
 def interpret_params():
@@ -185,10 +231,22 @@ def _visited_blocks(q0, *, block_m: int, q_len: int, kv_len: int, causal: bool):
     return lax.min(lax.div(lax.max(last + bn, 0), bn), jnp.int32(total))
 
 
+def _full_blocks(q0, hi, *, q_len: int, kv_len: int, causal: bool):
+    """Leading key blocks of [0, hi) that every row from query ``q0`` on sees entirely
+    (no causal ``where`` needed): block j qualifies iff its last key
+    ``(j + 1) * BLOCK_N - 1 <= q0 + (Skv - Sq)``."""
+    if not causal:
+        return hi
+    first = q0 + (kv_len - q_len) + 1
+    return lax.min(lax.div(lax.max(first, 0), schedule.BLOCK_N), hi)
+
+
 def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret):
     bn = schedule.BLOCK_N
-    bm, stages = cfg.block_m, cfg.stages
+    bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+    rows_cta = cfg.rows
+    n_tiles = sq // rows_cta
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
     base2 = schedule.SOFTMAX_EXP_BASE == "2"
@@ -198,7 +256,14 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
     # to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in SMEM
     # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
     ones_cols = 16 if gpu_operands else bn
-    use_mma_rowsum = schedule.ROWSUM == "mma"
+    use_mma_rowsum = cfg.rowsum_kind == "mma"
+    inplace = cfg.accumulate == "inplace"
+    pingpong = cfg.pingpong and nwg == 2
+    if inplace and interpret is not None:
+        raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU interpreter "
+                         "cannot accumulate into a live wgmma accumulator")
+    if inplace and not gpu_operands:
+        raise ValueError("accumulate='inplace' needs gpu_operands=True")
 
     # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
     layout_hints = interpret is None
@@ -209,19 +274,33 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
     wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def compute_wg(q_ref, ones_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, ones_s, lse_s,
-                   k_bar, v_bar, k_free, v_free, misc_bar, qi, h, bi, hi):
-        q0 = qi * bm
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, misc_bar.at[0])
-        plgpu.copy_gmem_to_smem(ones_ref, ones_s, misc_bar.at[1])
-        plgpu.barrier_wait(misc_bar.at[0])
-        plgpu.barrier_wait(misc_bar.at[1])
+    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta):
+        q_s, k_s, v_s, p_s, ones_s, lse_s = smem
+        k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched = bars
+        q_s, lse_s = q_s.at[w], lse_s.at[w]
+        if p_s is not None:
+            p_s = p_s.at[w]
+        q0 = tile0 + w * bm
+        hi = _visited_blocks(q0, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
+        full = (_full_blocks(q0, hi, q_len=sq, kv_len=skv, causal=causal)
+                if cfg.fast_path else jnp.int32(0))
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
+        plgpu.barrier_wait(q_bar.at[w])
+        if use_mma_rowsum:
+            plgpu.barrier_wait(ones_bar.at[0])
         rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
         # visible iff key <= query + offset, i.e. (cols - rows) <= q0 + offset - j * bn.
         diag = cols - rows
 
-        def block_step(j, carry):
+        def sync():
+            plgpu.barrier_arrive(sched.at[0])
+            plgpu.barrier_wait(sched.at[0])
+
+        if pingpong:
+            pl.when(w == 1)(sync)
+
+        def block_step(j, carry, masked):
             acc, m, l = carry
             slot = lax.rem(j, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
@@ -230,17 +309,20 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
                 kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
                       else k_s.at[slot])
                 plgpu.wgmma(acc_ref, q_s, kt)
+                if pingpong:
+                    sync()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * s_scale
-            if causal:
+            if masked:
                 s = jnp.where(diag <= q0 + (skv - sq) - j * bn, s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha = exp(m - m_safe)
-            p = exp(s - _rows(m_safe, s.shape)).astype(dtype)
+            p32 = exp(s - _rows(m_safe, s.shape))
+            p = p32.astype(dtype)
             if gpu_operands:
                 p_op = p
             else:
@@ -254,17 +336,27 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
                 rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32)).max(axis=1)
             else:
-                rs = p.astype(jnp.float32).sum(axis=1)
+                rs = p32.sum(axis=1)
             l_new = l * alpha + rs
+            acc_scaled = acc * _rows(alpha, acc.shape)
+            if pingpong:
+                plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
             plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(sched.at[0])  # the other's products are issued
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
                 return acc_ref[...]
 
-            pv_out = pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+            if inplace:
+                def pv_into(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+
+                acc_new = pl.run_state(pv_into)(plgpu.ACC.init(acc_scaled))
+            else:
+                acc_new = acc_scaled + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
-            acc_new = acc * _rows(alpha, acc.shape) + pv_out
             return acc_new, m_new, l_new
 
         per_split = schedule.BLOCKS_PER_SPLIT
@@ -272,16 +364,41 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
         def split_step(si, state):
             lo = si * per_split
+            end = lax.min(lo + per_split, hi)
+            mid = lax.max(lax.min(full, end), lo)
             init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                     layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
                     layout(jnp.zeros((bm,), jnp.float32), row_layout))
-            acc, m, l = lax.fori_loop(lo, lax.min(lo + per_split, hi), block_step, init)
+            carry = lax.fori_loop(lo, mid, functools.partial(block_step, masked=False),
+                                  init)
+            if causal:
+                carry = lax.fori_loop(mid, end, functools.partial(block_step, masked=True),
+                                      carry)
+            acc, m, l = carry
             part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
             return merge_rows(*state, *part)
 
         init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                 layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
         out, lse = lax.fori_loop(0, n_splits, split_step, init)
+
+        # Blocks the CTA's other warpgroup needs and this one does not: wait for each
+        # load (so this warpgroup's release belongs to that block's phase) and release.
+        def skip(j, _):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            if pingpong:
+                sync()
+                sync()
+            return None
+
+        if nwg > 1:
+            lax.fori_loop(hi, hi_cta, skip, None)
+        if pingpong:
+            pl.when(w == 0)(sync)
         q_s[...] = out.astype(dtype)  # Q is no longer needed: its SMEM holds O.
         lse_s[...] = lse
         plgpu.commit_smem()
@@ -289,7 +406,12 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
         plgpu.wait_smem_to_gmem(0)
 
-    def producer_wg(k_ref, v_ref, k_s, v_s, k_bar, v_bar, k_free, v_free, kvh, bi, hi):
+    def producer_wg(k_ref, v_ref, ones_ref, smem, bars, kvh, bi, hi):
+        _, k_s, v_s, _, ones_s, _ = smem
+        k_bar, v_bar, k_free, v_free, _, ones_bar, _ = bars
+        if use_mma_rowsum:
+            plgpu.copy_gmem_to_smem(ones_ref, ones_s, ones_bar.at[0])
+
         def load(j, _):
             slot = lax.rem(j, jnp.int32(stages))
 
@@ -310,7 +432,8 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             return None
 
         lax.fori_loop(0, hi, load, None)
-        # Drain: wait for the consumer's last release of every slot still in flight, so
+
+        # Drain: wait for the consumers' last release of every slot still in flight, so
         # every barrier arrival is observed before the barriers are freed.
         def drain(j, _):
             slot = lax.rem(j, jnp.int32(stages))
@@ -320,43 +443,53 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
         lax.fori_loop(lax.max(hi - stages, 0), hi, drain, None)
 
+    set_regs = cfg.registers is not None and nwg == 2 and interpret is None
+
     def kernel(q_ref, k_ref, v_ref, ones_ref, o_ref, lse_ref):
-        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+        qi = lax.axis_index("q")
+        if cfg.q_order == "descending":
+            qi = (n_tiles - 1) - qi
+        h, bi = lax.axis_index("h"), lax.axis_index("b")
+        tile0 = qi * rows_cta
         kvh = lax.div(h, jnp.int32(group))
-        hi = _visited_blocks(qi * bm, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
+        hi_cta = _visited_blocks(tile0, block_m=rows_cta, q_len=sq, kv_len=skv,
+                                 causal=causal)
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
         scratch = [
-            plgpu.SMEM((bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            plgpu.SMEM((nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
             plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
             plgpu.SMEM((stages, bn, d), dtype, transforms=_smem_transforms(d, itemsize)),
             None if gpu_operands else
-            plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
+            plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
             plgpu.SMEM((bn, ones_cols), dtype,
-                       transforms=_smem_transforms(ones_cols, itemsize)),
-            plgpu.SMEM((bm,), jnp.float32),
+                       transforms=_smem_transforms(ones_cols, itemsize))
+            if use_mma_rowsum else None,
+            plgpu.SMEM((nwg, bm), jnp.float32),
         ]
         barriers = (
             plgpu.Barrier(num_barriers=stages),  # K slot loaded
             plgpu.Barrier(num_barriers=stages),  # V slot loaded
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # K slot consumed
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # V slot consumed
-            plgpu.Barrier(num_barriers=2),  # Q tile, ones tile loaded
+            plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot consumed
+            plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot consumed
+            plgpu.Barrier(num_barriers=nwg),  # Q tile loaded, per compute warpgroup
+            plgpu.Barrier(num_barriers=1),  # ones tile loaded
+            plgpu.Barrier(num_arrivals=2, num_barriers=1) if pingpong else None,
         )
 
         def body(smem, bars):
-            q_s, k_s, v_s, p_s, ones_s, lse_s = smem
-            k_bar, v_bar, k_free, v_free, misc_bar = bars
             wg = lax.axis_index("wg")
 
-            @pl.when(wg == 0)
+            @pl.when(wg < nwg)
             def _():
-                compute_wg(q_ref, ones_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, ones_s,
-                           lse_s, k_bar, v_bar, k_free, v_free, misc_bar, qi, h, bi, hi)
+                if set_regs:
+                    plgpu.set_max_registers(cfg.registers[0], action="increase")
+                compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta)
 
-            @pl.when(wg == 1)
+            @pl.when(wg == nwg)
             def _():
-                producer_wg(k_ref, v_ref, k_s, v_s, k_bar, v_bar, k_free, v_free, kvh, bi,
-                            hi)
+                if set_regs:
+                    plgpu.set_max_registers(cfg.registers[1], action="decrease")
+                producer_wg(k_ref, v_ref, ones_ref, smem, bars, kvh, bi, hi_cta)
 
         pl.run_scoped(body, scratch, barriers, collective_axes="wg")
 
@@ -364,9 +497,9 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
                   jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
-        grid=(sq // bm, hq, b),
-        grid_names=("q", "h", "b"),
-        num_threads=2,
+        grid=(n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b),
+        grid_names=("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"),
+        num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=False,
@@ -377,7 +510,7 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
 def _prepare(q, k, v, *, causal, scale, interpret, config):
     cfg = config or MosaicConfig()
-    check_inputs(q, k, v, cfg.block_m)
+    check_inputs(q, k, v, cfg.rows)
     if interpret is True:
         interpret = interpret_params()
         if interpret is None:
