@@ -29,8 +29,6 @@ chosen per point so that a sample lasts about ``--sample_ms`` (at most ``--reps`
 
 from __future__ import annotations
 
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -69,39 +67,6 @@ flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU (CI keeps the binary alive):"
                   " jaxattn runs its Pallas kernels (interpret mode), beside XLA and torch's "
                   "CPU SDPA.")
-
-
-def _time(fn: Callable, inputs: list, sync: Callable, iters: int, warmup: int, max_reps: int,
-          sample_s: float) -> tuple[float, int]:
-    """(median seconds per call, reps per sample): each of ``iters`` samples launches
-    ``reps`` calls back to back, rotating over the input sets, and synchronises once."""
-    for i in range(warmup):
-        sync(fn(*inputs[i % len(inputs)]))
-    t0 = time.perf_counter()
-    sync(fn(*inputs[0]))
-    one = time.perf_counter() - t0
-    reps = max(1, min(max_reps, math.ceil(sample_s / max(one, 1e-9))))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for r in range(reps):
-            out = fn(*inputs[r % len(inputs)])
-        sync(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times), reps
-
-
-def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
-    """Matmul FLOPs of one forward (2 matmuls), counting visible pairs only when causal."""
-    if causal:
-        off = skv - sq
-        if off >= 0:  # rows see off+1 .. off+sq keys
-            pairs = sq * off + sq * (sq + 1) / 2
-        else:
-            pairs = sum(max(0, i + off + 1) for i in range(sq))
-    else:
-        pairs = sq * skv
-    return 4.0 * b * hq * pairs * d
 
 
 def _random(shape, dtype, key):
@@ -160,7 +125,7 @@ def bench_point(system: systems.System, mode: str, b, hq, hkv, sq, skv, d, dtype
         extra = _jax_temp_mb(timed)
     else:
         timed, extra = run, _torch_extra_mb(run, sets[0])
-    sec, reps = _time(timed, sets, system.sync, iters, warmup, FLAGS.reps,
+    sec, reps = report.sampled_seconds(timed, sets, system.sync, iters, warmup, FLAGS.reps,
                       FLAGS.sample_ms / 1e3)
     row = {"system": system.name, "mode": mode, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq,
            "Skv": skv, "D": d, "dtype": str(jnp.dtype(dtype)), "causal": causal,
@@ -168,7 +133,7 @@ def bench_point(system: systems.System, mode: str, b, hq, hkv, sq, skv, d, dtype
     if mode == "decode":
         row["GB/s"] = 2 * b * hkv * skv * d * jnp.dtype(dtype).itemsize / sec / 1e9
     else:
-        flops = attention_flops(b, hq, sq, skv, d, causal)
+        flops = report.attention_flops(b, hq, sq, skv, d, causal)
         row["TFLOP/s"] = flops * (3.5 if mode == "fwdbwd" else 1.0) / sec / 1e12
     return row
 
@@ -177,7 +142,8 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy, GB/s counting bytes read plus bytes written."""
     n = nbytes // 4
     xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
-    sec, _ = _time(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready, iters, 3, 5, 0.0)
+    sec, _ = report.sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready,
+                                    iters, 3, 5, 0.0)
     return 2 * n * 4 / sec / 1e9
 
 

@@ -224,7 +224,6 @@ def time_speed(results: list) -> None:
     each ``--speed_shapes`` B:S, timed as benchmarks/attention_bench.py times (samples
     of back-to-back calls over rotating input sets, median); then the backward
     prototype beside the Pallas backward."""
-    from benchmarks import attention_bench as ab
     from benchmarks import systems
     from jaxattn.kernels import mosaic_bwd as mb
     from jaxattn.kernels import mosaic_fwd as mf
@@ -235,7 +234,7 @@ def time_speed(results: list) -> None:
     for spec in FLAGS.speed_shapes:
         b, s = (int(x) for x in spec.split(":"))
         sets = [_inputs(b, hq, hkv, s, s, d, seed=7 + i)[:3] for i in range(3)]
-        flops = ab.attention_flops(b, hq, s, s, d, True)
+        flops = report.attention_flops(b, hq, s, s, d, True)
         fns = {"pallas": jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
                                                              interpret=False))}
         for vspec in FLAGS.fwd_variants:
@@ -254,10 +253,11 @@ def time_speed(results: list) -> None:
                 if isinstance(fn, tuple):
                     sysm, f = fn
                     ins = [sysm.prepare(*x) for x in sets]
-                    sec, reps = ab._time(f, ins, sysm.sync, FLAGS.iters, 3, 10, 0.03)
+                    sec, reps = report.sampled_seconds(f, ins, sysm.sync, FLAGS.iters, 3, 10,
+                                                       0.03)
                 else:
-                    sec, reps = ab._time(fn, sets, jax.block_until_ready, FLAGS.iters, 3, 10,
-                                         0.03)
+                    sec, reps = report.sampled_seconds(fn, sets, jax.block_until_ready,
+                                                       FLAGS.iters, 3, 10, 0.03)
                 row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, reps=reps)
             except Exception as e:  # a variant failing here is a result too
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -274,7 +274,7 @@ def time_speed(results: list) -> None:
                               interpret=False))):
             row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
             try:
-                sec, reps = ab._time(jax.jit(bwd), [(q, k, v, o, lse, do)],
+                sec, reps = report.sampled_seconds(jax.jit(bwd), [(q, k, v, o, lse, do)],
                                      jax.block_until_ready, FLAGS.iters, 3, 10, 0.03)
                 row.update(ms=sec * 1e3, tflops=2.5 * flops / sec / 1e12)
             except Exception as e:

@@ -1,13 +1,16 @@
 """Shared by the benchmark binaries: where results go (``results.json`` and
 ``results.md`` under ``--out_dir``), one progress line per measured row, and the
-synchronous per-call timer."""
+synchronous per-call timer, the sampled timer of back-to-back calls over rotating
+inputs, and the FLOP count of an attention forward."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -42,3 +45,36 @@ def median_seconds(fn, args, iters: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def sampled_seconds(fn: Callable, inputs: list, sync: Callable, iters: int, warmup: int,
+                    max_reps: int, sample_s: float) -> tuple[float, int]:
+    """(median seconds per call, reps per sample): each of ``iters`` samples launches
+    ``reps`` calls back to back, rotating over the input sets, and synchronises once."""
+    for i in range(warmup):
+        sync(fn(*inputs[i % len(inputs)]))
+    t0 = time.perf_counter()
+    sync(fn(*inputs[0]))
+    one = time.perf_counter() - t0
+    reps = max(1, min(max_reps, math.ceil(sample_s / max(one, 1e-9))))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for r in range(reps):
+            out = fn(*inputs[r % len(inputs)])
+        sync(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times), reps
+
+
+def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
+    """Matmul FLOPs of one forward (2 matmuls), counting visible pairs only when causal."""
+    if causal:
+        off = skv - sq
+        if off >= 0:  # rows see off+1 .. off+sq keys
+            pairs = sq * off + sq * (sq + 1) / 2
+        else:
+            pairs = sum(max(0, i + off + 1) for i in range(sq))
+    else:
+        pairs = sq * skv
+    return 4.0 * b * hq * pairs * d

@@ -282,8 +282,9 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
         hi = _visited_blocks(q0, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
+        # Without the fast path every block of a causal row goes through the mask.
         full = (_full_blocks(q0, hi, q_len=sq, kv_len=skv, causal=causal)
-                if cfg.fast_path else jnp.int32(0))
+                if cfg.fast_path or not causal else jnp.int32(0))
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
         if use_mma_rowsum:
@@ -315,9 +316,13 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
             s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * s_scale
+            # Mask the raw scores, before the scaling: the compiler contracts
+            # ``s * scale - m`` in the exponent into one FMA, and a select between the
+            # product and the subtraction would stop it only on the masked blocks
+            # (different bits for a fully visible block there; seen on the H200).
             if masked:
                 s = jnp.where(diag <= q0 + (skv - sq) - j * bn, s, NEG_INF)
+            s = s * s_scale
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha = exp(m - m_safe)
