@@ -103,6 +103,9 @@ class MosaicConfig:
     registers: tuple[int, int] | None = (232, 40)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
+    #: Q K^T with Q from registers (loaded once) instead of SMEM (GPU only): at 64 keys
+    #: per block a wgmma reading both operands from SMEM is limited by SMEM bandwidth.
+    q_registers: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -262,8 +265,8 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
     if inplace and interpret is not None:
         raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU interpreter "
                          "cannot accumulate into a live wgmma accumulator")
-    if inplace and not gpu_operands:
-        raise ValueError("accumulate='inplace' needs gpu_operands=True")
+    if (inplace or cfg.q_registers) and not gpu_operands:
+        raise ValueError("accumulate='inplace' and q_registers need gpu_operands=True")
 
     # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
     layout_hints = interpret is None
@@ -287,6 +290,9 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
                 if cfg.fast_path or not causal else jnp.int32(0))
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
+        # Q as the wgmma A operand from registers: only K is read from SMEM per block.
+        q_op = (plgpu.load(q_s, (), layout=plgpu.Layout.WGMMA) if cfg.q_registers
+                else q_s)
         if use_mma_rowsum:
             plgpu.barrier_wait(ones_bar.at[0])
         rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
@@ -309,24 +315,29 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             def qk(acc_ref):
                 kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
                       else k_s.at[slot])
-                plgpu.wgmma(acc_ref, q_s, kt)
+                plgpu.wgmma(acc_ref, q_op, kt)
                 if pingpong:
                     sync()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            # Mask the raw scores, before the scaling: the compiler contracts
-            # ``s * scale - m`` in the exponent into one FMA, and a select between the
-            # product and the subtraction would stop it only on the masked blocks
-            # (different bits for a fully visible block there; seen on the H200).
-            if masked:
-                s = jnp.where(diag <= q0 + (skv - sq) - j * bn, s, NEG_INF)
+            # The mask selects the max's input and the exponential's output, never the
+            # exponent: the compiler contracts ``s * scale - m`` into one FMA, and a
+            # select before the subtraction (even on the raw scores: LLVM folds the
+            # multiply into the select) stops that on masked blocks only, so a fully
+            # visible block gave different bits through the two paths (H200).
             s = s * s_scale
-            m_new = jnp.maximum(m, s.max(axis=1))
+            if masked:
+                visible = diag <= q0 + (skv - sq) - j * bn
+                m_new = jnp.maximum(m, jnp.where(visible, s, NEG_INF).max(axis=1))
+            else:
+                m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha = exp(m - m_safe)
             p32 = exp(s - _rows(m_safe, s.shape))
+            if masked:
+                p32 = jnp.where(visible, p32, 0.0)
             p = p32.astype(dtype)
             if gpu_operands:
                 p_op = p
