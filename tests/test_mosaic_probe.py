@@ -91,7 +91,7 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
 # Sq > Skv (the first 64 rows see no key: out 0, lse -inf); non-causal with D=64. Two
 # compute warpgroups (the default launch, ping-pong): an offset of 64 keys, so the second
 # warpgroup visits a block the first skips; and 128 rows that see nothing beside 128
-# that do, with the fp32 row sum and no unmasked fast path.
+# that do, with the row sum on the matrix unit and the unmasked fast path.
 _ONE_WG = {"compute_wgs": 1, "block_m": 64}
 _CASES = [
     (1, 2, 1, 128, 128, 64, True, _ONE_WG),
@@ -99,7 +99,7 @@ _CASES = [
     (1, 2, 1, 128, 64, 64, True, _ONE_WG),
     (1, 1, 1, 64, 256, 64, False, _ONE_WG),
     (1, 2, 1, 128, 192, 64, True, {}),
-    (1, 1, 1, 256, 128, 64, True, {"rowsum": "reduce32", "fast_path": False}),
+    (1, 1, 1, 256, 128, 64, True, {"rowsum": "mma", "fast_path": True}),
 ]
 
 
@@ -133,13 +133,14 @@ def test_interpret_forward_accuracy(mosaic_fwd, case):
 @needs_sync
 @needs_interpret
 def test_interpret_launch_options_keep_bits(mosaic_fwd):
-    """Ping-pong, the unmasked fast path, the CTA order and the pipeline depth change
-    when and where a block is computed, never its operations: the bits must agree."""
+    """Ping-pong, one or two compute warpgroups, the CTA order and the pipeline depth
+    change when and where a block is computed, never its operations: the bits must
+    agree."""
     seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
     base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                               config=mosaic_fwd.MosaicConfig())
     other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                               config=mosaic_fwd.MosaicConfig(pingpong=False, fast_path=False,
+                               config=mosaic_fwd.MosaicConfig(pingpong=False, compute_wgs=1,
                                                               q_order="ascending", stages=3))
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any()

@@ -85,27 +85,30 @@ class MosaicConfig:
     #: "warpgroup" (the default from JAX 0.11.0). Both lower on 0.10.2; the interpreter
     #: ignores it.
     semantics: str = "lane"
-    #: "fresh": P V goes into a fresh wgmma accumulator that is added to ``acc * alpha``
-    #: (the Triton kernels' ``acc * alpha + dot(p, v)``); "inplace": ``acc * alpha`` is
-    #: the wgmma's initial accumulator (FlashAttention-3; rounds differently, GPU only).
-    accumulate: str = "fresh"
-    #: Row sum of a block's probabilities: None follows ``schedule.ROWSUM`` ("mma": the
-    #: bf16 probabilities times an all-ones tile on wgmma); "reduce32": a vector sum of
-    #: the fp32 probabilities in the fixed WGMMA register layout.
-    rowsum: str | None = None
+    #: "inplace" (None: the default on the GPU): ``acc * alpha`` is the P V wgmma's
+    #: initial accumulator (FlashAttention-3); "fresh" (None in interpret mode, whose
+    #: wgmma cannot accumulate into a live accumulator): P V goes into a fresh
+    #: accumulator added to ``acc * alpha`` (the Triton kernels' order). They round
+    #: differently; on the H200 "inplace" was the faster (docs/mosaic.md).
+    accumulate: str | None = None
+    #: Row sum of a block's probabilities: "reduce32" (default) sums the fp32
+    #: probabilities in the fixed WGMMA register layout of a 64-row warpgroup tile;
+    #: "mma" multiplies the bf16 probabilities by an all-ones tile on wgmma (as
+    #: ``schedule.ROWSUM`` does for the Triton kernels). On the H200 "reduce32" was the
+    #: faster, and its bits hold across launches with 64-row tiles (not with 128).
+    rowsum: str = "reduce32"
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
     #: Blocks that every row of a warpgroup sees entirely skip the causal ``where``.
-    fast_path: bool = True
+    #: Off by default: on the H200 such a block gave different bits with and without
+    #: the mask (the compiler's FMA contraction), so every causal block is masked.
+    fast_path: bool = False
     #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
     #: None to leave the allocation alone.
     registers: tuple[int, int] | None = (232, 40)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
-    #: Q K^T with Q from registers (loaded once) instead of SMEM (GPU only): at 64 keys
-    #: per block a wgmma reading both operands from SMEM is limited by SMEM bandwidth.
-    q_registers: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -116,11 +119,11 @@ class MosaicConfig:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
-        if self.accumulate not in ("fresh", "inplace"):
+        if self.accumulate not in (None, "fresh", "inplace"):
             raise ValueError(f"accumulate must be 'fresh' or 'inplace', got "
                              f"{self.accumulate!r}")
-        if self.rowsum not in (None, "mma", "reduce32"):
-            raise ValueError(f"rowsum must be None, 'mma' or 'reduce32', got {self.rowsum!r}")
+        if self.rowsum not in ("mma", "reduce32"):
+            raise ValueError(f"rowsum must be 'mma' or 'reduce32', got {self.rowsum!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -130,9 +133,6 @@ class MosaicConfig:
         """Query rows per CTA."""
         return self.block_m * self.compute_wgs
 
-    @property
-    def rowsum_kind(self) -> str:
-        return self.rowsum or ("mma" if schedule.ROWSUM == "mma" else "reduce32")
 
 
 def interpret_params():
@@ -259,14 +259,14 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
     # to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in SMEM
     # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
     ones_cols = 16 if gpu_operands else bn
-    use_mma_rowsum = cfg.rowsum_kind == "mma"
-    inplace = cfg.accumulate == "inplace"
+    use_mma_rowsum = cfg.rowsum == "mma"
+    inplace = (cfg.accumulate or ("fresh" if interpret is not None else "inplace")) == "inplace"
     pingpong = cfg.pingpong and nwg == 2
     if inplace and interpret is not None:
         raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU interpreter "
                          "cannot accumulate into a live wgmma accumulator")
-    if (inplace or cfg.q_registers) and not gpu_operands:
-        raise ValueError("accumulate='inplace' and q_registers need gpu_operands=True")
+    if inplace and not gpu_operands:
+        raise ValueError("accumulate='inplace' needs gpu_operands=True")
 
     # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
     layout_hints = interpret is None
@@ -290,9 +290,6 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
                 if cfg.fast_path or not causal else jnp.int32(0))
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
-        # Q as the wgmma A operand from registers: only K is read from SMEM per block.
-        q_op = (plgpu.load(q_s, (), layout=plgpu.Layout.WGMMA) if cfg.q_registers
-                else q_s)
         if use_mma_rowsum:
             plgpu.barrier_wait(ones_bar.at[0])
         rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
@@ -315,7 +312,7 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             def qk(acc_ref):
                 kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
                       else k_s.at[slot])
-                plgpu.wgmma(acc_ref, q_op, kt)
+                plgpu.wgmma(acc_ref, q_s, kt)
                 if pingpong:
                     sync()
                 return acc_ref[...]
