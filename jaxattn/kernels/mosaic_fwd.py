@@ -85,9 +85,10 @@ class MosaicConfig:
     #: "warpgroup" (the default from JAX 0.11.0). Both lower on 0.10.2; the interpreter
     #: ignores it.
     semantics: str = "lane"
-    #: "inplace" (None: the default on the GPU): ``acc * alpha`` is the P V wgmma's
-    #: initial accumulator (FlashAttention-3); "fresh" (None in interpret mode, whose
-    #: wgmma cannot accumulate into a live accumulator): P V goes into a fresh
+    #: "inplace" (None: the default on the GPU operand path): ``acc * alpha`` is the P V
+    #: wgmma's initial accumulator (FlashAttention-3); "fresh" (None in interpret mode,
+    #: whose wgmma cannot accumulate into a live accumulator, and with
+    #: ``gpu_operands=False``): P V goes into a fresh
     #: accumulator added to ``acc * alpha`` (the Triton kernels' order). They round
     #: differently; on the H200 "inplace" was the faster (docs/mosaic.md).
     accumulate: str | None = None
@@ -260,7 +261,8 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
     # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
     ones_cols = 16 if gpu_operands else bn
     use_mma_rowsum = cfg.rowsum == "mma"
-    inplace = (cfg.accumulate or ("fresh" if interpret is not None else "inplace")) == "inplace"
+    inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
+                                  else "fresh")) == "inplace"
     pingpong = cfg.pingpong and nwg == 2
     if inplace and interpret is not None:
         raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU interpreter "
