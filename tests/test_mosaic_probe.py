@@ -91,7 +91,7 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
 # Sq > Skv (the first 64 rows see no key: out 0, lse -inf); non-causal with D=64. Two
 # compute warpgroups (the default launch, ping-pong): an offset of 64 keys, so the second
 # warpgroup visits a block the first skips; and 128 rows that see nothing beside 128
-# that do, with the row sum on the matrix unit and the unmasked fast path.
+# that do, with the row sum on the matrix unit.
 _ONE_WG = {"compute_wgs": 1, "block_m": 64}
 _CASES = [
     (1, 2, 1, 128, 128, 64, True, _ONE_WG),
@@ -99,7 +99,7 @@ _CASES = [
     (1, 2, 1, 128, 64, 64, True, _ONE_WG),
     (1, 1, 1, 64, 256, 64, False, _ONE_WG),
     (1, 2, 1, 128, 192, 64, True, {}),
-    (1, 1, 1, 256, 128, 64, True, {"rowsum": "mma", "fast_path": True}),
+    (1, 1, 1, 256, 128, 64, True, {"rowsum": "mma"}),
 ]
 
 

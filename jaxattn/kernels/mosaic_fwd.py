@@ -1,32 +1,36 @@
-"""Prototype Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
+"""Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
 
-NOT a registered backend: nothing in the library imports this module. It is the first
-prototype of a "mosaic" backend, developed on a CPU machine in Mosaic GPU interpret mode
-and checked there by lowering for CUDA (no GPU). See docs/mosaic.md.
+NOT a registered backend yet: nothing in the library imports this module (docs/mosaic.md
+says what is missing). Developed on a CPU machine (Mosaic GPU interpret mode, lowering
+for CUDA) and measured on an H200.
 
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
 k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
 head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq``, no padding
-mask. ``Sq`` must be a multiple of ``block_m`` and ``Skv`` a multiple of
-``schedule.BLOCK_N``; anything else raises ValueError.
+mask. ``Sq`` must be a multiple of the CTA's rows and ``Skv`` of ``schedule.BLOCK_N``;
+anything else raises ValueError.
 
-Structure: one CTA per (query tile of ``block_m`` rows, query head, batch) with two
-warpgroups ("Pallas threads"):
+Structure (FlashAttention-3's, on the canonical schedule): one CTA per (query tile,
+query head, batch), heaviest causal tiles first, with ``compute_wgs`` compute
+warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
 
-* warpgroup 0 (compute): TMA-loads its Q tile once, then walks the key blocks of
-  ``BLOCK_N`` keys in ascending order. Per block: S = Q K^T on wgmma, the online-softmax
-  step of :func:`jaxattn.kernels.common.online_softmax_step` (same operations, written
-  with layout-friendly broadcasts), the row sum of the bf16 probabilities on wgmma
-  against an all-ones tile (``schedule.ROWSUM == "mma"``) and P V on wgmma into a
-  *fresh* accumulator that is then added to ``acc * alpha`` (the accumulator is not
-  fed into the wgmma: that would round differently from ``acc * alpha + dot(p, v)``).
-  At every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
+* the producer TMA-loads the K and V blocks of ``BLOCK_N`` keys into a ring of
+  ``stages`` SMEM slots shared by the compute warpgroups, waiting on a "consumed"
+  barrier (one arrival per compute warpgroup) before reusing a slot; ``setmaxnreg``
+  moves registers from it to the compute warpgroups;
+* each compute warpgroup TMA-loads its Q tile once, then walks the key blocks in
+  ascending order: S = Q K^T on wgmma, the online-softmax step (same operations as
+  :func:`jaxattn.kernels.common.online_softmax_step`; the row max of the raw scores is
+  scaled after, so ``s * scale - m`` contracts to one FMA alike on every block), the
+  row sum (``rowsum``), and P V on wgmma, accumulated in place into ``acc * alpha`` or
+  into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
+  skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
+  that one's softmax overlaps the other's matrix products (``pingpong``);
+* at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
   :func:`finalize_rows` / :func:`merge_rows`: :func:`jaxattn.merge.finalize` /
   :func:`jaxattn.merge.merge` op for op, with the ``x[..., None]`` row broadcasts
   spelled as one ``broadcast_in_dim`` (Mosaic GPU cannot lay out an ``[M, 1]`` array).
-* warpgroup 1 (producer): TMA-loads the K and V blocks into a ring of ``stages`` SMEM
-  slots, waiting on a "consumed" barrier before reusing a slot.
 
 Two operand modes (``gpu_operands``); the arithmetic is the same in both:
 
@@ -66,7 +70,7 @@ class MosaicConfig:
     """Launch parameters and the two arithmetic choices of the kernel.
 
     Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
-    ``semantics``, ``pingpong``, ``fast_path``, ``registers``, ``q_order``) must not
+    ``semantics``, ``pingpong``, ``registers``, ``q_order``) must not
     change the bits of a row; ``benchmarks/mosaic_gpu_check.py`` checks that on the GPU.
     ``accumulate`` and ``rowsum`` change the floating-point operations, so they are fixed
     per backend, never chosen by shape.
@@ -101,9 +105,6 @@ class MosaicConfig:
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
-    #: Blocks that every row of a warpgroup sees entirely skip the causal ``where``
-    #: (masking every block ran 27% slower on the H200). Off must give the same bits.
-    fast_path: bool = True
     #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
     #: None to leave the allocation alone.
     registers: tuple[int, int] | None = (232, 40)
@@ -286,9 +287,9 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
         hi = _visited_blocks(q0, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
-        # Without the fast path every block of a causal row goes through the mask.
-        full = (_full_blocks(q0, hi, q_len=sq, kv_len=skv, causal=causal)
-                if cfg.fast_path or not causal else jnp.int32(0))
+        # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
+        # block ran 27% slower on the H200, docs/mosaic.md).
+        full = _full_blocks(q0, hi, q_len=sq, kv_len=skv, causal=causal)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
         if use_mma_rowsum:
