@@ -52,7 +52,7 @@ flags.DEFINE_list("peers", ["pallas_mha", "cudnn"], "Peers timed beside (benchma
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
-              (1, 4, 4, 256, 128, 64)]
+              (1, 4, 4, 256, 128, 64), (2, 8, 2, 1000, 1000, 128), (1, 4, 1, 77, 1500, 64)]
 BWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 1024, 2048, 64), (1, 4, 4, 256, 128, 64)]
 
 
@@ -153,17 +153,19 @@ def check_forward(results: list) -> None:
 
 
 def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
-    """Batch invariance (the first sequence alone) and chunk invariance (the last
-    ``cfg.rows`` queries against all keys) of one configuration, in bits."""
+    """Batch invariance (the first sequence alone), chunk and decode invariance (the
+    last queries against all keys) and run-to-run equality of one configuration, in
+    bits."""
     row = {"kind": "invariance", "shape": shape, "causal": causal, "family": fam}
     try:
         o1, l1 = mf.forward(q[:1], k[:1], v[:1], causal=causal, config=cfg)
         row["batch"] = _same(o1, o[:1]) and _same(l1, lse[:1])
-        if q.shape[2] > cfg.rows:
-            qc = q[:, :, -cfg.rows:]
-            oc, lc = mf.forward(qc, k, v, causal=causal, config=cfg)
-            row["chunk"] = (_same(oc, o[:, :, -cfg.rows:])
-                            and _same(lc, lse[:, :, -cfg.rows:]))
+        # The last 128 and the last 70 queries (a start off the 64-row grid: padded
+        # inside) against all keys, and the last query alone (a decode row).
+        for name, n in (("chunk", 128), ("chunk70", 70), ("decode", 1)):
+            if q.shape[2] > n:
+                oc, lc = mf.forward(q[:, :, -n:], k, v, causal=causal, config=cfg)
+                row[name] = _same(oc, o[:, :, -n:]) and _same(lc, lse[:, :, -n:])
         o2, l2 = mf.forward(q, k, v, causal=causal, config=cfg)
         row["run_to_run"] = _same(o2, o) and _same(l2, lse)
     except Exception as e:  # reported; the rest goes on

@@ -100,6 +100,10 @@ _CASES = [
     (1, 1, 1, 64, 256, 64, False, _ONE_WG),
     (1, 2, 1, 128, 192, 64, True, {}),
     (1, 1, 1, 256, 128, 64, True, {"rowsum": "mma"}),
+    # Tails, padded inside: Sq and Skv not multiples, causal and not; one decode row.
+    (1, 2, 1, 100, 150, 64, True, {}),
+    (1, 1, 1, 70, 100, 128, False, {}),
+    (1, 2, 1, 1, 130, 64, True, {}),
 ]
 
 
@@ -151,13 +155,35 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
                                       err_msg=f"seed {seed}")
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
+    """A token's row has the same bits in a full causal prefill, in a chunk of 70
+    queries (a start that is not a multiple of 64) and as a decode row: the padding
+    keeps every warpgroup tile at the same absolute alignment."""
+    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
+    full_o, full_l = mosaic_fwd.forward(q, k, v, causal=True, interpret=True)
+    assert not np.isnan(np.asarray(full_o, np.float32)).any()
+    calls = {"chunk": (130, 200), "decode@199": (199, 200), "decode@150": (150, 151)}
+    for name, (lo, hi) in calls.items():
+        o, lse = mosaic_fwd.forward(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], causal=True,
+                                    interpret=True)
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint16),
+                                      np.asarray(full_o[:, :, lo:hi]).view(np.uint16),
+                                      err_msg=f"{name} out (seed {seed})")
+        np.testing.assert_array_equal(np.asarray(lse).view(np.uint32),
+                                      np.asarray(full_l[:, :, lo:hi]).view(np.uint32),
+                                      err_msg=f"{name} lse (seed {seed})")
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """The interpret cases above, in a child process with synchronous CPU dispatch; a
     hung child is retried once, and a second hang is a skip (a hang is not a wrong
     result; a wrong result fails)."""
-    out = run_interpret_tests_in_subprocess(__file__, "interpret_forward or interpret_launch")
-    assert f"{len(_CASES) + 1} passed" in out, out[-3000:]
+    out = run_interpret_tests_in_subprocess(
+        __file__, "interpret_forward or interpret_launch or interpret_rows")
+    assert f"{len(_CASES) + 2} passed" in out, out[-3000:]
 
 
 @needs_api
@@ -200,8 +226,31 @@ def test_config_rejects_bad_values(mosaic_fwd):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="multiple of"):
-        mosaic_fwd.check_inputs(q, q, q, mosaic_fwd.MosaicConfig().rows)
+    with pytest.raises(ValueError, match="head dim"):
+        mosaic_fwd.check_inputs(q[..., :48], q[..., :48], q[..., :48])
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        mosaic_fwd.check_inputs(q.astype(jnp.float32), q, q)
+    with pytest.raises(ValueError, match="positive"):
+        mosaic_fwd.check_inputs(q, q[:, :, :0], q[:, :, :0])
+
+
+@pytest.mark.parametrize("sq,skv,causal,rows", [
+    (100, 150, True, 128), (1, 130, True, 128), (64, 64, True, 128), (300, 100, True, 128),
+    (70, 100, False, 128), (1, 1, True, 64)])
+def test_padding_aligns_warpgroup_tiles(mosaic_fwd, sq, skv, causal, rows):
+    """Every warpgroup tile of the padded rows starts at a multiple of BLOCK_N in
+    absolute query position when causal; the padded rows hold the real ones and are a
+    whole number of CTAs; the keys fill whole blocks."""
+    lead, sq_pad, skv_pad = mosaic_fwd.padding(sq, skv, causal, rows)
+    bn = schedule.BLOCK_N
+    assert sq_pad % rows == 0 and lead + sq <= sq_pad < lead + sq + rows
+    assert skv_pad % bn == 0 and skv <= skv_pad < skv + bn
+    assert 0 <= lead < bn
+    if causal:
+        # Padded row r sits at absolute position skv - sq - lead + r.
+        assert (skv - sq - lead) % bn == 0
+    else:
+        assert lead == 0
 
 
 @needs_api

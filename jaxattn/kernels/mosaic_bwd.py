@@ -114,12 +114,15 @@ assert BLOCK_KV == pallas_triton_vjp.backward_config(128).block_kv
 
 
 def _check(q, k, v):
-    """The forward prototype's checks (BLOCK_KV is its BLOCK_N) with BLOCK_Q-row query
-    tiles, and at least one query tile."""
-    check_inputs(q, k, v, BLOCK_Q)
-    if q.shape[2] == 0:
+    """The forward's checks, and (no padding here yet) whole BLOCK_Q-row query tiles
+    and whole BLOCK_KV-key blocks."""
+    check_inputs(q, k, v)
+    if q.shape[2] % BLOCK_Q:
         raise ValueError(f"Sq={q.shape[2]} must be a positive multiple of {BLOCK_Q} "
                          f"(prototype)")
+    if k.shape[2] % BLOCK_KV:
+        raise ValueError(f"Skv={k.shape[2]} must be a positive multiple of BLOCK_N="
+                         f"{BLOCK_KV} (prototype)")
 
 
 def _produce(srcs, sm, bars, stages: int, total, source):

@@ -7,8 +7,7 @@ for CUDA) and measured on an H200.
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
 k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
 head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq``, no padding
-mask. ``Sq`` must be a multiple of the CTA's rows and ``Skv`` of ``schedule.BLOCK_N``;
-anything else raises ValueError.
+mask, any ``Sq`` and ``Skv`` (padded internally: :func:`padding`).
 
 Structure (FlashAttention-3's, on the canonical schedule): one CTA per (query tile,
 query head, batch), heaviest causal tiles first, with ``compute_wgs`` compute
@@ -161,8 +160,9 @@ def _smem_transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def check_inputs(q, k, v, block_m: int):
-    """The prototype's shape and dtype limits (ValueError / TypeError naming them)."""
+def check_inputs(q, k, v):
+    """The kernel's shape and dtype limits (ValueError / TypeError naming them). Any
+    ``Sq >= 1`` and ``Skv >= 1``: :func:`forward` pads both internally."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
     b, hq, sq, d = q.shape
@@ -174,13 +174,23 @@ def check_inputs(q, k, v, block_m: int):
                         f"{v.dtype}")
     if d not in (64, 128):
         raise ValueError(f"head dim D must be 64 or 128, got {d}")
-    if hq % k.shape[1]:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={k.shape[1]}")
-    if sq % block_m:
-        raise ValueError(f"Sq={sq} must be a multiple of block_m={block_m} (prototype)")
-    if k.shape[2] % schedule.BLOCK_N or k.shape[2] == 0:
-        raise ValueError(f"Skv={k.shape[2]} must be a positive multiple of "
-                         f"BLOCK_N={schedule.BLOCK_N} (prototype)")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"Hq={hq} must be a positive multiple of Hkv={k.shape[1]}")
+    if sq == 0 or k.shape[2] == 0 or b == 0:
+        raise ValueError(f"B, Sq and Skv must be positive, got q {q.shape}, k {k.shape}")
+
+
+def padding(sq: int, skv: int, causal: bool, rows: int) -> tuple[int, int, int]:
+    """``(lead, padded_sq, padded_skv)``: the query rows are placed at ``lead`` in
+    ``padded_sq`` rows (a multiple of the CTA's ``rows``) and the keys padded to whole
+    blocks. Causal: ``lead = (Skv - Sq) mod BLOCK_N`` puts every warpgroup tile at a
+    multiple of ``BLOCK_N`` in absolute query position (``Skv - Sq + i`` for row i), so
+    a row takes the same masked or unmasked path for each key block whatever Sq, the
+    chunk or the batch it comes in (DESIGN.md 4.6). The padding rows are computed and
+    dropped; the padding keys are masked."""
+    bn = schedule.BLOCK_N
+    lead = (skv - sq) % bn if causal else 0
+    return lead, -(-(lead + sq) // rows) * rows, -(-skv // bn) * bn
 
 
 def _rows(x, shape):
@@ -223,34 +233,38 @@ def merge_rows(out_left, lse_left, out_right, lse_right):
     return out, lse
 
 
-def _visited_blocks(q0, *, block_m: int, q_len: int, kv_len: int, causal: bool):
-    """Key blocks [0, hi) that any row of the tile starting at query ``q0`` sees."""
+def _visited_blocks(q0, *, block_m: int, offset: int, total: int, causal: bool):
+    """Key blocks [0, hi) that any row of the tile starting at query ``q0`` sees; query
+    row i sees key j iff ``j <= i + offset`` (causal), of ``total`` blocks."""
     bn = schedule.BLOCK_N
-    total = kv_len // bn
     if not causal:
         return jnp.int32(total)
-    # Last row's limit: key j is visible to query i iff j <= i + (Skv - Sq).
-    last = q0 + (block_m - 1) + (kv_len - q_len)
+    last = q0 + (block_m - 1) + offset
     # last // bn + 1 for last >= -bn, 0 below; divide non-negative values only.
     return lax.min(lax.div(lax.max(last + bn, 0), bn), jnp.int32(total))
 
 
-def _full_blocks(q0, hi, *, q_len: int, kv_len: int, causal: bool):
+def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
     """Leading key blocks of [0, hi) that every row from query ``q0`` on sees entirely
-    (no causal ``where`` needed): block j qualifies iff its last key
-    ``(j + 1) * BLOCK_N - 1 <= q0 + (Skv - Sq)``."""
+    (no mask needed): of the ``whole`` blocks with no key beyond Skv, those whose last
+    key ``(j + 1) * BLOCK_N - 1 <= q0 + offset`` when causal."""
     if not causal:
-        return hi
-    first = q0 + (kv_len - q_len) + 1
-    return lax.min(lax.div(lax.max(first, 0), schedule.BLOCK_N), hi)
+        return lax.min(jnp.int32(whole), hi)
+    first = q0 + offset + 1
+    return lax.min(lax.min(lax.div(lax.max(first, 0), schedule.BLOCK_N), hi),
+                   jnp.int32(whole))
 
 
-def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
+def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret):
+    """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
+    keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
+    row i seeing key j iff ``j <= i + offset`` when causal."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
     rows_cta = cfg.rows
     n_tiles = sq // rows_cta
+    total, whole = -(-skv // bn), skv // bn
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
     base2 = schedule.SOFTMAX_EXP_BASE == "2"
@@ -286,10 +300,10 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
         if p_s is not None:
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
-        hi = _visited_blocks(q0, block_m=bm, q_len=sq, kv_len=skv, causal=causal)
+        hi = _visited_blocks(q0, block_m=bm, offset=offset, total=total, causal=causal)
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
         # block ran 27% slower on the H200, docs/mosaic.md).
-        full = _full_blocks(q0, hi, q_len=sq, kv_len=skv, causal=causal)
+        full = _full_blocks(q0, hi, offset=offset, whole=whole, causal=causal)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
         if use_mma_rowsum:
@@ -329,7 +343,11 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
             # two paths on the H200.) The mask selects the max's input and the
             # exponential's output, never the exponent.
             if masked:
-                visible = diag <= q0 + (skv - sq) - j * bn
+                # Keys from Skv on (the padding of a partial last block) are masked
+                # for every row, also where the causal bound alone would hide them.
+                visible = cols < skv - j * bn
+                if causal:
+                    visible = visible & (diag <= q0 + offset - j * bn)
                 raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
             else:
                 raw_max = s.max(axis=1)
@@ -388,9 +406,8 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
                     layout(jnp.zeros((bm,), jnp.float32), row_layout))
             carry = lax.fori_loop(lo, mid, functools.partial(block_step, masked=False),
                                   init)
-            if causal:
-                carry = lax.fori_loop(mid, end, functools.partial(block_step, masked=True),
-                                      carry)
+            carry = lax.fori_loop(mid, end, functools.partial(block_step, masked=True),
+                                  carry)
             acc, m, l = carry
             part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
             return merge_rows(*state, *part)
@@ -469,7 +486,7 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
         h, bi = lax.axis_index("h"), lax.axis_index("b")
         tile0 = qi * rows_cta
         kvh = lax.div(h, jnp.int32(group))
-        hi_cta = _visited_blocks(tile0, block_m=rows_cta, q_len=sq, kv_len=skv,
+        hi_cta = _visited_blocks(tile0, block_m=rows_cta, offset=offset, total=total,
                                  causal=causal)
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
         scratch = [
@@ -526,8 +543,10 @@ def _build(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg: MosaicConfig,
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config):
+    """``(call, args, lead)``: the kernel, its padded inputs, and where the query rows
+    start in its outputs."""
     cfg = config or MosaicConfig()
-    check_inputs(q, k, v, cfg.rows)
+    check_inputs(q, k, v)
     if interpret is True:
         interpret = interpret_params()
         if interpret is None:
@@ -537,13 +556,19 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
     _, hkv, skv, _ = k.shape
+    lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype,
-                             causal=causal, scale=scale, cfg=cfg,
-                             gpu_operands=gpu_operands, interpret=interpret)
+    call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv,
+                             offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
+                             scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                             interpret=interpret)
+    if (lead, sq_pad) != (0, sq):
+        q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
+    if skv_pad != skv:
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
     ones = jnp.ones((schedule.BLOCK_N, ones_cols), q.dtype)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)  # [B, Hkv, D, Skv]
-    return call, (q, k_in, v, ones)
+    return call, (q, k_in, v, ones), lead
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -554,9 +579,13 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
     CPU, default parameters) or an ``InterpretGPUParams``.
     """
-    call, args = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
-                          config=config)
-    return call(*args)
+    call, args, lead = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                                config=config)
+    out, lse = call(*args)
+    sq = q.shape[2]
+    if (lead, out.shape[2]) != (0, sq):
+        out, lse = out[:, :, lead:lead + sq], lse[:, :, lead:lead + sq]
+    return out, lse
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -567,8 +596,8 @@ def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
     SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
     """
     def f(q, k, v):
-        call, args = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
-                              config=config)
+        call, args, _ = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
+                                 config=config)
         return call(*args)
 
     return jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
