@@ -41,7 +41,8 @@ flags.DEFINE_list("fwd_shapes", None, "Indices into FWD_SHAPES checked; default 
 flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
                   "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
-flags.DEFINE_list("fwd_variants", ["default", "nopp:pingpong=False",
+flags.DEFINE_list("fwd_variants", ["default", "nopp:pingpong=False", "ov-smem:overlap=smem",
+                                   "ov-regs:overlap=registers",
                                    "fresh-mma:accumulate=fresh:rowsum=mma", "s3:stages=3",
                                    "r240:registers=240/24",
                                    "v1:compute_wgs=1:block_m=128:q_order=ascending:"
@@ -90,6 +91,8 @@ LAUNCH_VARIANTS = {
     "ascending-noregs": dict(q_order="ascending", registers=None),
     "warpgroup": dict(semantics="warpgroup"),
     "smem-operands": dict(gpu_operands=False),
+    "overlap-smem": dict(overlap="smem"),
+    "overlap-registers": dict(overlap="registers"),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {
@@ -117,8 +120,12 @@ def check_forward(results: list) -> None:
         fin = np.isfinite(np.asarray(rl))
         for fam in FLAGS.families:
             fkw = FAMILIES[fam]
+            # The SMEM operand path cannot accumulate in place; the overlap needs it
+            # (and the fp32 row sum).
             every = [n for n in FLAGS.launches or LAUNCH_VARIANTS
-                     if not (n == "smem-operands" and fkw["accumulate"] == "inplace")]
+                     if not (n == "smem-operands" and fkw["accumulate"] == "inplace")
+                     and not (n.startswith("overlap") and fkw != FAMILIES[
+                         "inplace-reduce32"])]
             names = (every if fam == FLAGS.families[0] else
                      [n for n in every if n in ("default", "1wg-64", "nopingpong")])
             launches = {n: LAUNCH_VARIANTS[n] for n in names}

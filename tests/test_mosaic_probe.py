@@ -209,6 +209,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"accumulate": "inplace", "rowsum": "reduce32", "stages": 3},
     {"pingpong": False, "registers": None, "q_order": "ascending"},
     {"semantics": "warpgroup", "accumulate": "inplace"},
+    {"overlap": "smem"},
+    {"overlap": "registers", "compute_wgs": 1, "stages": 3},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,
@@ -220,11 +222,17 @@ def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
-               {"q_order": "random"}, {"block_m": 32}):
+               {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
+    q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)
+    for kw in ({"overlap": "smem", "rowsum": "mma"}, {"overlap": "registers",
+                                                      "accumulate": "fresh"}):
+        with pytest.raises(ValueError, match="overlap needs"):
+            mosaic_fwd.lower_for_cuda(q, q, q, config=mosaic_fwd.MosaicConfig(**kw))
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="head dim"):
         mosaic_fwd.check_inputs(q[..., :48], q[..., :48], q[..., :48])

@@ -109,6 +109,14 @@ class MosaicConfig:
     registers: tuple[int, int] | None = (232, 40)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
+    #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
+    #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
+    #: accumulation and the fp32 row sum only; ping-pong off). The same operations as
+    #: the in-place default, so the same bits. None: off; "registers": P V reads P
+    #: from registers (as FlashAttention-3; safe only if the compiler keeps them until
+    #: the wgmma completes); "smem": P is staged in SMEM after the previous P V has
+    #: completed. Not yet run on a GPU.
+    overlap: str | None = None
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -124,6 +132,9 @@ class MosaicConfig:
                              f"{self.accumulate!r}")
         if self.rowsum not in ("mma", "reduce32"):
             raise ValueError(f"rowsum must be 'mma' or 'reduce32', got {self.rowsum!r}")
+        if self.overlap not in (None, "registers", "smem"):
+            raise ValueError(f"overlap must be None, 'registers' or 'smem', got "
+                             f"{self.overlap!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -283,6 +294,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                          "cannot accumulate into a live wgmma accumulator")
     if inplace and not gpu_operands:
         raise ValueError("accumulate='inplace' needs gpu_operands=True")
+    if cfg.overlap and not (inplace and gpu_operands and not use_mma_rowsum
+                            and interpret is None):
+        raise ValueError("overlap needs the GPU operand path, accumulate='inplace' and "
+                         "rowsum='reduce32' (and no interpret mode)")
+    pingpong = pingpong and not cfg.overlap
 
     # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
     layout_hints = interpret is None
@@ -320,21 +336,14 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         if pingpong:
             pl.when(w == 1)(sync)
 
-        def block_step(j, carry, masked):
-            acc, m, l = carry
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(k_bar.at[slot])
+        def kt_of(slot):
+            return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
+                    else k_s.at[slot])
 
-            def qk(acc_ref):
-                kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
-                      else k_s.at[slot])
-                plgpu.wgmma(acc_ref, q_s, kt)
-                if pingpong:
-                    sync()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+        def softmax(j, s, m, l, masked):
+            """One block's online-softmax step on the raw scores ``s``: ``(p, p32,
+            alpha, m_new, l_new)`` with ``p`` the bf16 probabilities; the row sum of the
+            bf16 ones on wgmma is the caller's."""
             # The row max is taken of the raw scores and scaled after (the same value:
             # the scale is positive and rounding is monotone), so ``s * scale`` has one
             # use, the exponent, where the compiler contracts ``s * scale - m`` into one
@@ -357,7 +366,23 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             p32 = exp(s * s_scale - _rows(m_safe, s.shape))
             if masked:
                 p32 = jnp.where(visible, p32, 0.0)
-            p = p32.astype(dtype)
+            l_new = None if use_mma_rowsum else l * alpha + p32.sum(axis=1)
+            return p32.astype(dtype), p32, alpha, m_new, l_new
+
+        def block_step(j, carry, masked):
+            acc, m, l = carry
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_s, kt_of(slot))
+                if pingpong:
+                    sync()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            p, p32, alpha, m_new, l_new = softmax(j, s, m, l, masked)
             if gpu_operands:
                 p_op = p
             else:
@@ -370,9 +395,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     return acc_ref[...]
 
                 rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32)).max(axis=1)
-            else:
-                rs = p32.sum(axis=1)
-            l_new = l * alpha + rs
+                l_new = l * alpha + rs
             acc_scaled = acc * _rows(alpha, acc.shape)
             if pingpong:
                 plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
@@ -394,27 +417,101 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             plgpu.barrier_arrive(v_free.at[slot])
             return acc_new, m_new, l_new
 
+        def split_overlapped(lo, mid, end, s_acc, o_acc):
+            """The blocks [lo, end) of one split, FlashAttention-3's intra-warpgroup
+            pipeline: block j+1's Q K^T and block j's P V are in flight while block
+            j+1's softmax runs. The same operations as ``block_step`` with
+            ``accumulate="inplace"``: ``o = wgmma(P_j, V_j, init=o * alpha_j)``."""
+            o_acc[...] = layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(lo < end)
+            def _():
+                slot = lax.rem(lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.wgmma(s_acc, q_s, kt_of(slot))
+
+            def step(j, carry, masked):
+                m, l = carry
+                slot = lax.rem(j, jnp.int32(stages))
+                # In flight: Q K^T of block j, then (after the first block) P V of j-1.
+                @pl.when(j == lo)
+                def _():
+                    plgpu.wgmma_wait(0)
+
+                @pl.when(j > lo)
+                def _():
+                    plgpu.wgmma_wait(1)
+
+                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=None)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, _, alpha, m_new, l_new = softmax(j, s, m, l, masked)
+                plgpu.wgmma_wait(0)  # P V of block j-1
+
+                @pl.when(j > lo)
+                def _():
+                    plgpu.barrier_arrive(v_free.at[lax.rem(j - 1, jnp.int32(stages))])
+
+                o_acc[...] = (plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
+                              * _rows(alpha, (bm, d)))
+
+                @pl.when(j + 1 < end)
+                def _():
+                    nxt = lax.rem(j + 1, jnp.int32(stages))
+                    plgpu.barrier_wait(k_bar.at[nxt])
+                    plgpu.wgmma(s_acc, q_s, kt_of(nxt))
+
+                if cfg.overlap == "smem":  # the previous P V has completed: reuse
+                    p_s[...] = p
+                    plgpu.commit_smem()
+                    p_op = p_s
+                else:
+                    p_op = p
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.wgmma(o_acc, p_op, v_s.at[slot])
+                return m_new, l_new
+
+            init = (layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
+                    layout(jnp.zeros((bm,), jnp.float32), row_layout))
+            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+            m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
+            plgpu.wgmma_wait(0)
+
+            @pl.when(end > lo)
+            def _():
+                plgpu.barrier_arrive(v_free.at[lax.rem(end - 1, jnp.int32(stages))])
+
+            return plgpu.wgmma_accumulator_load(o_acc, wait_n=None), m, l
+
         per_split = schedule.BLOCKS_PER_SPLIT
         n_splits = lax.div(hi + (per_split - 1), jnp.int32(per_split))
 
-        def split_step(si, state):
+        def split_step(si, state, accs=None):
             lo = si * per_split
             end = lax.min(lo + per_split, hi)
             mid = lax.max(lax.min(full, end), lo)
-            init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
-                    layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
-                    layout(jnp.zeros((bm,), jnp.float32), row_layout))
-            carry = lax.fori_loop(lo, mid, functools.partial(block_step, masked=False),
-                                  init)
-            carry = lax.fori_loop(mid, end, functools.partial(block_step, masked=True),
-                                  carry)
-            acc, m, l = carry
+            if accs is not None:
+                acc, m, l = split_overlapped(lo, mid, end, *accs)
+            else:
+                init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
+                        layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
+                        layout(jnp.zeros((bm,), jnp.float32), row_layout))
+                carry = lax.fori_loop(lo, mid,
+                                      functools.partial(block_step, masked=False), init)
+                acc, m, l = lax.fori_loop(mid, end,
+                                          functools.partial(block_step, masked=True), carry)
             part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
             return merge_rows(*state, *part)
 
         init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                 layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
-        out, lse = lax.fori_loop(0, n_splits, split_step, init)
+        if cfg.overlap:
+            # The score and output accumulators live across blocks (wgmma registers).
+            out, lse = pl.run_scoped(
+                lambda s_acc, o_acc: lax.fori_loop(
+                    0, n_splits, functools.partial(split_step, accs=(s_acc, o_acc)), init),
+                plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, d), jnp.float32))
+        else:
+            out, lse = lax.fori_loop(0, n_splits, split_step, init)
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
@@ -493,7 +590,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             plgpu.SMEM((nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
             plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
             plgpu.SMEM((stages, bn, d), dtype, transforms=_smem_transforms(d, itemsize)),
-            None if gpu_operands else
+            None if gpu_operands and cfg.overlap != "smem" else
             plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
             plgpu.SMEM((bn, ones_cols), dtype,
                        transforms=_smem_transforms(ones_cols, itemsize))
