@@ -17,6 +17,7 @@ line per result; writes results.json.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -168,10 +169,13 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
         o1, l1 = mf.forward(q[:1], k[:1], v[:1], causal=causal, config=cfg)
         row["batch"] = _same(o1, o[:1]) and _same(l1, lse[:1])
         # The last 128 and the last 70 queries (a start off the 64-row grid: padded
-        # inside) against all keys, and the last query alone (a decode row).
-        for name, n in (("chunk", 128), ("chunk70", 70), ("decode", 1)):
+        # inside) against all keys, and the last query alone (a decode row, its GQA
+        # group stacked as the rows of one tile, and unstacked).
+        for name, n, c in (("chunk", 128, cfg), ("chunk70", 70, cfg), ("decode", 1, cfg),
+                           ("decode_unstacked", 1,
+                            dataclasses.replace(cfg, stack_decode=False))):
             if q.shape[2] > n:
-                oc, lc = mf.forward(q[:, :, -n:], k, v, causal=causal, config=cfg)
+                oc, lc = mf.forward(q[:, :, -n:], k, v, causal=causal, config=c)
                 row[name] = _same(oc, o[:, :, -n:]) and _same(lc, lse[:, :, -n:])
         o2, l2 = mf.forward(q, k, v, causal=causal, config=cfg)
         row["run_to_run"] = _same(o2, o) and _same(l2, lse)

@@ -100,10 +100,12 @@ _CASES = [
     (1, 1, 1, 64, 256, 64, False, _ONE_WG),
     (1, 2, 1, 128, 192, 64, True, {}),
     (1, 1, 1, 256, 128, 64, True, {"rowsum": "mma"}),
-    # Tails, padded inside: Sq and Skv not multiples, causal and not; one decode row.
+    # Tails, padded inside: Sq and Skv not multiples, causal and not; decode rows (one
+    # query per head: the GQA group's heads stacked as the rows of one tile).
     (1, 2, 1, 100, 150, 64, True, {}),
     (1, 1, 1, 70, 100, 128, False, {}),
     (1, 2, 1, 1, 130, 64, True, {}),
+    (2, 4, 2, 1, 300, 128, False, {}),
 ]
 
 
@@ -160,14 +162,19 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
     """A token's row has the same bits in a full causal prefill, in a chunk of 70
     queries (a start that is not a multiple of 64) and as a decode row: the padding
-    keeps every warpgroup tile at the same absolute alignment."""
-    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
+    keeps every warpgroup tile at the same absolute alignment (at 199 and 150 the row's
+    last block is a masked one, at 191 the last row of a tile). Decode rows here are
+    not stacked (``stack_decode=False``): the interpreter's matrix product depends on a
+    row's place in its tile, which stacking changes (the GPU check covers stacking)."""
+    seed, q, k, v = _inputs(1, 4, 2, 200, 200, 64)
     full_o, full_l = mosaic_fwd.forward(q, k, v, causal=True, interpret=True)
     assert not np.isnan(np.asarray(full_o, np.float32)).any()
-    calls = {"chunk": (130, 200), "decode@199": (199, 200), "decode@150": (150, 151)}
+    calls = {"chunk": (130, 200), "decode@199": (199, 200), "decode@150": (150, 151),
+             "decode@191": (191, 192)}
+    cfg = mosaic_fwd.MosaicConfig(stack_decode=False)
     for name, (lo, hi) in calls.items():
         o, lse = mosaic_fwd.forward(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], causal=True,
-                                    interpret=True)
+                                    interpret=True, config=cfg)
         np.testing.assert_array_equal(np.asarray(o).view(np.uint16),
                                       np.asarray(full_o[:, :, lo:hi]).view(np.uint16),
                                       err_msg=f"{name} out (seed {seed})")
@@ -220,6 +227,18 @@ def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
                                         config=mosaic_fwd.MosaicConfig(**kw))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_api
+@pytest.mark.parametrize("causal", [True, False])
+def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
+    """Decode with the GQA group's 4 heads stacked as rows (and Skv off the block grid)
+    lowers for CUDA, in-place accumulation and the overlap pipeline included."""
+    q = jax.ShapeDtypeStruct((2, 32, 1, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 8, 1000, 128), jnp.bfloat16)
+    for cfg in (mosaic_fwd.MosaicConfig(), mosaic_fwd.MosaicConfig(overlap="smem")):
+        lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=cfg)
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 @needs_api

@@ -109,6 +109,14 @@ class MosaicConfig:
     registers: tuple[int, int] | None = (232, 40)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
+    #: Decode (one query per head): stack the GQA group's heads as the rows of one
+    #: warpgroup tile, reading K and V once per group; False pads each head's row into
+    #: a tile of its own at its prefill tile row (``padding``). A decode row then sits
+    #: at another row of its tile than in the prefill: equal bits need a matrix unit
+    #: whose row results do not depend on the row's place (the Mosaic GPU interpreter's
+    #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
+    #: benchmarks/mosaic_gpu_check.py).
+    stack_decode: bool = True
     #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
     #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
     #: accumulation and the fp32 row sum only; ping-pong off). The same operations as
@@ -267,10 +275,13 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 
 
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
-           gpu_operands: bool, interpret):
+           gpu_operands: bool, interpret, position: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
-    row i seeing key j iff ``j <= i + offset`` when causal."""
+    row i seeing key j iff ``j <= i + offset`` when causal. ``position``: every row is
+    the query at that absolute position instead (stacked decode rows, see
+    :func:`forward`); its blocks and their masked/unmasked paths are then those of a
+    prefill row at that position."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
     rows_cta = cfg.rows
@@ -316,10 +327,14 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         if p_s is not None:
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
-        hi = _visited_blocks(q0, block_m=bm, offset=offset, total=total, causal=causal)
+        # The position that decides the blocks and their paths: with ``position``, the
+        # start of the prefill warpgroup tile that holds it (forward's padding aligns
+        # prefill tiles to multiples of BLOCK_N).
+        p0 = q0 if position is None else q0 * 0 + (position - position % bn)
+        hi = _visited_blocks(p0, block_m=bm, offset=offset, total=total, causal=causal)
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
         # block ran 27% slower on the H200, docs/mosaic.md).
-        full = _full_blocks(q0, hi, offset=offset, whole=whole, causal=causal)
+        full = _full_blocks(p0, hi, offset=offset, whole=whole, causal=causal)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
         if use_mma_rowsum:
@@ -356,7 +371,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 # for every row, also where the causal bound alone would hide them.
                 visible = cols < skv - j * bn
                 if causal:
-                    visible = visible & (diag <= q0 + offset - j * bn)
+                    visible = visible & (diag <= q0 + offset - j * bn if position is None
+                                         else cols <= position - j * bn)
                 raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
             else:
                 raw_max = s.max(axis=1)
@@ -583,8 +599,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         h, bi = lax.axis_index("h"), lax.axis_index("b")
         tile0 = qi * rows_cta
         kvh = lax.div(h, jnp.int32(group))
-        hi_cta = _visited_blocks(tile0, block_m=rows_cta, offset=offset, total=total,
-                                 causal=causal)
+        hi_cta = _visited_blocks(
+            tile0 if position is None else tile0 * 0 + (position - position % bn),
+            block_m=rows_cta, offset=offset, total=total, causal=causal)
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
         scratch = [
             plgpu.SMEM((nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
@@ -640,8 +657,13 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config):
-    """``(call, args, lead)``: the kernel, its padded inputs, and where the query rows
-    start in its outputs."""
+    """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
+    takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
+
+    One query per head (decode, ``Sq == 1``) with at most 64 query heads per KV head:
+    the group's heads are stacked as the rows of one 64-row warpgroup tile per (batch,
+    KV head), so K and V are read once per group (``_build``'s ``position``). Otherwise
+    the rows are padded as :func:`padding` says."""
     cfg = config or MosaicConfig()
     check_inputs(q, k, v)
     if interpret is True:
@@ -653,19 +675,40 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
     _, hkv, skv, _ = k.shape
-    lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
+    group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv,
-                             offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
-                             scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                             interpret=interpret)
-    if (lead, sq_pad) != (0, sq):
-        q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
+    bn = schedule.BLOCK_N
+    skv_pad = -(-skv // bn) * bn
+    if sq == 1 and group <= bn and cfg.stack_decode:
+        # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
+        cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
+        call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv, offset=0, d=d,
+                                 dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
+                                 gpu_operands=gpu_operands, interpret=interpret,
+                                 position=skv - 1)
+        q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
+
+        def unpad(out, lse):
+            return (out[:, :, :group].reshape(b, hq, 1, d),
+                    lse[:, :, :group].reshape(b, hq, 1))
+    else:
+        lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
+        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv,
+                                 offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
+                                 scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                                 interpret=interpret)
+        if (lead, sq_pad) != (0, sq):
+            q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
+
+        def unpad(out, lse):
+            if (lead, sq_pad) == (0, sq):
+                return out, lse
+            return out[:, :, lead:lead + sq], lse[:, :, lead:lead + sq]
     if skv_pad != skv:
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
-    ones = jnp.ones((schedule.BLOCK_N, ones_cols), q.dtype)
+    ones = jnp.ones((bn, ones_cols), q.dtype)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)  # [B, Hkv, D, Skv]
-    return call, (q, k_in, v, ones), lead
+    return call, (q, k_in, v, ones), unpad
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -676,13 +719,9 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
     CPU, default parameters) or an ``InterpretGPUParams``.
     """
-    call, args, lead = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
-                                config=config)
-    out, lse = call(*args)
-    sq = q.shape[2]
-    if (lead, out.shape[2]) != (0, sq):
-        out, lse = out[:, :, lead:lead + sq], lse[:, :, lead:lead + sq]
-    return out, lse
+    call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                                 config=config)
+    return unpad(*call(*args))
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -693,8 +732,8 @@ def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
     SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
     """
     def f(q, k, v):
-        call, args, _ = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
-                                 config=config)
-        return call(*args)
+        call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
+                                     config=config)
+        return unpad(*call(*args))
 
     return jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
