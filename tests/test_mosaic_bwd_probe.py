@@ -212,12 +212,26 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
     np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"seed {seed}")
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_dkdv_two_warpgroups_keep_bits(mosaic_bwd):
+    """Two KV blocks per CTA sharing one query stream (the second block's earlier,
+    fully masked query blocks add exact zeros) give the bits of one block per CTA."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
+    out, lse, _ = _triton(q, k, v, do, True)
+    one = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True, mosaic_bwd.BwdConfig(dkdv_wgs=1))
+    two = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True, mosaic_bwd.BwdConfig(dkdv_wgs=2))
+    for name, a, b in zip("qkv", one, two, strict=True):
+        assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name} (seed {seed})")
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """Run the interpret tests of this file in a child process whose CPU client uses
     synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
     out = run_interpret_tests_in_subprocess(
-        __file__, "interpret_backward or bits_equal or delta_triton")
+        __file__, "interpret_backward or bits_equal or delta_triton or two_warpgroups")
     assert " passed" in out, out[-3000:]
 
 
@@ -232,6 +246,16 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
     q = jax.ShapeDtypeStruct((1, 4, 256, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, d), jnp.bfloat16)
     cfg = mosaic_bwd.BwdConfig(gpu_operands=gpu_operands, semantics=semantics)
+    text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
+@needs_api
+@pytest.mark.parametrize("gpu_operands", [True, False])
+def test_one_dkdv_warpgroup_lowers(mosaic_bwd, gpu_operands):
+    q = jax.ShapeDtypeStruct((1, 4, 256, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
+    cfg = mosaic_bwd.BwdConfig(gpu_operands=gpu_operands, dkdv_wgs=1)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3
 

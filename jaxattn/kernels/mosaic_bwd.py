@@ -99,6 +99,12 @@ class BwdConfig:
     #: "mosaic": the Mosaic GPU delta kernel of this module; "triton":
     #: ``pallas_triton_vjp.delta`` (the Triton backend's kernel).
     delta: str = "mosaic"
+    #: Compute warpgroups of the dK/dV kernel (1 or 2). With 2, a CTA holds two KV
+    #: blocks (one per warpgroup) that share one stream of query blocks, starting at
+    #: the first block's first visible query block; the second warpgroup's extra
+    #: (fully masked) query blocks add exact zeros, so the bits are those of 1. Needs
+    #: ``Skv`` to be a multiple of 128 (else 1 is used: the same bits).
+    dkdv_wgs: int = 2
 
     def __post_init__(self):
         if self.stages < 1:
@@ -107,6 +113,8 @@ class BwdConfig:
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):
             raise ValueError(f"delta must be 'mosaic' or 'triton', got {self.delta!r}")
+        if self.dkdv_wgs not in (1, 2):
+            raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
 
 
 assert BLOCK_Q == pallas_triton_vjp.backward_config(128).block_q
@@ -279,18 +287,27 @@ def _first_qblock(start, *, causal, offset, n_q):
 def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
                 interpret):
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
+    nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
     group, n_q, offset = hq // hkv, sq // BLOCK_Q, skv - sq
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
 
-    def compute_wg(k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n, total):
+    def compute_wg(w, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
+                   total):
+        # Warpgroup w holds the CTA's w-th KV block; the query stream starts at the
+        # CTA's ``first`` (that of its first block), so where this block's own first
+        # visible query block is later, the steps before it are fully masked.
+        start = start + w * bkv
+        sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
+        if "p" in sm:
+            sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
         plgpu.copy_gmem_to_smem(k_ref.at[bi, kvh, pl.ds(start, bkv)], sm["k"],
-                                bars["misc"].at[0])
+                                bars["misc"].at[2 * w])
         plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(start, bkv)], sm["v"],
-                                bars["misc"].at[1])
-        plgpu.barrier_wait(bars["misc"].at[0])
-        plgpu.barrier_wait(bars["misc"].at[1])
+                                bars["misc"].at[2 * w + 1])
+        plgpu.barrier_wait(bars["misc"].at[2 * w])
+        plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
         # [keys, queries]: visible iff start + r <= q0 + c + offset.
         diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
 
@@ -342,7 +359,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         *t_refs, dk_ref, dv_ref = rest
         kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
-        start = kb * bkv
+        start = kb * (nwg * bkv)
         first = _first_qblock(start, causal=causal, offset=offset, n_q=n_q)
         n = jnp.int32(n_q) - first
         total = n * group
@@ -351,8 +368,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         if not gpu_operands:
             srcs.update(qt=t_refs[0], dot=t_refs[1])
         spec = {
-            "k": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
-            "v": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
+            "k": plgpu.SMEM((nwg, bkv, d), dtype, transforms=tr(d)),
+            "v": plgpu.SMEM((nwg, bkv, d), dtype, transforms=tr(d)),
             "q": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
             "do": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
             "lse": plgpu.SMEM((stages, bq), jnp.float32),
@@ -362,21 +379,21 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             spec.update(
                 qt=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
                 dot=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
-                p=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)),
-                ds=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)))
+                p=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)),
+                ds=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)))
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
-        bar_spec["free"] = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
-        bar_spec["misc"] = plgpu.Barrier(num_barriers=2)
+        bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=2 * nwg)
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
 
-            @pl.when(wg == 0)
+            @pl.when(wg < nwg)
             def _():
-                compute_wg(k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
-                           total)
+                compute_wg(wg, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first,
+                           n, total)
 
-            @pl.when(wg == 1)
+            @pl.when(wg == nwg)
             def _():
                 producer_wg(srcs, sm, bars, bi, kvh, first, n, total)
 
@@ -386,8 +403,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, hkv, skv, d), dtype),
                   jax.ShapeDtypeStruct((b, hkv, skv, d), dtype)),
-        grid=(skv // bkv, hkv, b), grid_names=("kv", "h", "b"),
-        num_threads=2, thread_name="wg",
+        grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"),
+        num_threads=nwg + 1, thread_name="wg",
         compiler_params=_compiler_params(cfg), interpret=interpret)
 
 
