@@ -198,17 +198,25 @@ def check_backward(results: list) -> None:
                       q, k, v)[1](do.astype(jnp.float32))
         tri = pv.backward(q, k, v, None, out, lse, do, dlse, causal=causal, scale=scale,
                           interpret=False)
-        for gop, sem in itertools.product([True, False], ["lane", "warpgroup"]):
+        first = None
+        for gop, sem, wgs in itertools.product([True, False], ["lane", "warpgroup"], [2, 1]):
             row = {"kind": "backward", "shape": shape, "causal": causal, "gpu_operands": gop,
-                   "semantics": sem}
+                   "semantics": sem, "dkdv_wgs": wgs}
             try:
-                cfg = mb.BwdConfig(gpu_operands=gop, semantics=sem)
+                cfg = mb.BwdConfig(gpu_operands=gop, semantics=sem, dkdv_wgs=wgs)
                 g = jax.block_until_ready(mb.backward(q, k, v, out, lse, do, dlse,
                                                       causal=causal, scale=scale,
                                                       config=cfg))
                 row.update(errs=[_rel(a.astype(jnp.float32), r) for a, r in zip(g, ref,
                                                                                  strict=True)],
+                           nan=any(bool(np.isnan(np.asarray(a, np.float32)).any())
+                                   for a in g),
                            bits_eq_pallas=[_same(a, t) for a, t in zip(g, tri, strict=True)])
+                if first is None:
+                    first = g
+                else:  # launch parameters: the first configuration's bits
+                    row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
+                                                                            strict=True))
             except Exception as e:  # reported; the other configurations go on
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             results.append(row)
@@ -286,6 +294,9 @@ def time_speed(results: list) -> None:
         o, lse = fns["pallas"](q, k, v)
         for name, bwd in (("mosaic-bwd", lambda q, k, v, o, l, do: mb.backward(
                                q, k, v, o, l, do, causal=True, scale=scale)),
+                          ("mosaic-bwd-1wg", lambda q, k, v, o, l, do: mb.backward(
+                              q, k, v, o, l, do, causal=True, scale=scale,
+                              config=mb.BwdConfig(dkdv_wgs=1))),
                           ("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
                               q, k, v, None, o, l, do, None, causal=True, scale=scale,
                               interpret=False))):
