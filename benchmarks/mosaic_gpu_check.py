@@ -42,7 +42,8 @@ flags.DEFINE_list("fwd_shapes", None, "Indices into FWD_SHAPES checked; default 
 flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
                   "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
-flags.DEFINE_list("fwd_variants", ["default", "nopp:pingpong=False", "ov-smem:overlap=smem",
+flags.DEFINE_list("fwd_variants", ["default", "kb-needed:key_bound=needed",
+                                   "nopp:pingpong=False", "ov-smem:overlap=smem",
                                    "ov-regs:overlap=registers",
                                    "fresh-mma:accumulate=fresh:rowsum=mma", "s3:stages=3",
                                    "r240:registers=240/24",
@@ -199,11 +200,15 @@ def check_backward(results: list) -> None:
         tri = pv.backward(q, k, v, None, out, lse, do, dlse, causal=causal, scale=scale,
                           interpret=False)
         first = None
-        for gop, sem, wgs in itertools.product([True, False], ["lane", "warpgroup"], [2, 1]):
-            row = {"kind": "backward", "shape": shape, "causal": causal, "gpu_operands": gop,
-                   "semantics": sem, "dkdv_wgs": wgs}
+        # The fresh-accumulation launches must agree in bits; "inplace" (last) is its
+        # own arithmetic and gets its errors only.
+        configs = [dict(gpu_operands=gop, semantics=sem, dkdv_wgs=wgs) for gop, sem, wgs in
+                   itertools.product([True, False], ["lane", "warpgroup"], [2, 1])]
+        configs.append(dict(accumulate="inplace"))
+        for kw in configs:
+            row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
             try:
-                cfg = mb.BwdConfig(gpu_operands=gop, semantics=sem, dkdv_wgs=wgs)
+                cfg = mb.BwdConfig(**kw)
                 g = jax.block_until_ready(mb.backward(q, k, v, out, lse, do, dlse,
                                                       causal=causal, scale=scale,
                                                       config=cfg))
@@ -214,7 +219,7 @@ def check_backward(results: list) -> None:
                            bits_eq_pallas=[_same(a, t) for a, t in zip(g, tri, strict=True)])
                 if first is None:
                     first = g
-                else:  # launch parameters: the first configuration's bits
+                elif "accumulate" not in kw:  # launch parameters: the first one's bits
                     row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
                                                                             strict=True))
             except Exception as e:  # reported; the other configurations go on
@@ -297,6 +302,9 @@ def time_speed(results: list) -> None:
                           ("mosaic-bwd-1wg", lambda q, k, v, o, l, do: mb.backward(
                               q, k, v, o, l, do, causal=True, scale=scale,
                               config=mb.BwdConfig(dkdv_wgs=1))),
+                          ("mosaic-bwd-inplace", lambda q, k, v, o, l, do: mb.backward(
+                              q, k, v, o, l, do, causal=True, scale=scale,
+                              config=mb.BwdConfig(accumulate="inplace"))),
                           ("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
                               q, k, v, None, o, l, do, None, causal=True, scale=scale,
                               interpret=False))):

@@ -251,13 +251,24 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
 
 
 @needs_api
-@pytest.mark.parametrize("gpu_operands", [True, False])
-def test_one_dkdv_warpgroup_lowers(mosaic_bwd, gpu_operands):
+@pytest.mark.parametrize("kw", [{"gpu_operands": True, "dkdv_wgs": 1},
+                                {"gpu_operands": False, "dkdv_wgs": 1},
+                                {"accumulate": "inplace"},
+                                {"accumulate": "inplace", "dkdv_wgs": 1}],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_dkdv_options_lower(mosaic_bwd, kw):
+    """One or two dK/dV warpgroups, fresh or in-place accumulation."""
     q = jax.ShapeDtypeStruct((1, 4, 256, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
-    cfg = mosaic_bwd.BwdConfig(gpu_operands=gpu_operands, dkdv_wgs=1)
+    cfg = mosaic_bwd.BwdConfig(**kw)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3
+
+
+def test_config_rejects_bad_values(mosaic_bwd):
+    for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            mosaic_bwd.BwdConfig(**kw)
 
 
 @needs_api

@@ -106,6 +106,7 @@ _CASES = [
     (1, 1, 1, 70, 100, 128, False, {}),
     (1, 2, 1, 1, 130, 64, True, {}),
     (2, 4, 2, 1, 300, 128, False, {}),
+    (1, 2, 1, 100, 150, 64, True, {"key_bound": "needed"}),
 ]
 
 
@@ -218,6 +219,7 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"semantics": "warpgroup", "accumulate": "inplace"},
     {"overlap": "smem"},
     {"overlap": "registers", "compute_wgs": 1, "stages": 3},
+    {"key_bound": "needed"},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,
@@ -244,7 +246,8 @@ def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
 @needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
-               {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"}):
+               {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
+               {"key_bound": "never"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

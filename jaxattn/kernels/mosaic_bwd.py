@@ -105,6 +105,11 @@ class BwdConfig:
     #: (fully masked) query blocks add exact zeros, so the bits are those of 1. Needs
     #: ``Skv`` to be a multiple of 128 (else 1 is used: the same bits).
     dkdv_wgs: int = 2
+    #: dK/dV accumulation across query blocks: "fresh" (each product in a fresh wgmma
+    #: accumulator added to the running sum: the Triton source's ``acc + dot``) or
+    #: "inplace" (the running sums are the wgmma accumulators; rounds differently; GPU
+    #: operand path only; not yet run on a GPU).
+    accumulate: str = "fresh"
 
     def __post_init__(self):
         if self.stages < 1:
@@ -113,6 +118,9 @@ class BwdConfig:
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):
             raise ValueError(f"delta must be 'mosaic' or 'triton', got {self.delta!r}")
+        if self.accumulate not in ("fresh", "inplace"):
+            raise ValueError(f"accumulate must be 'fresh' or 'inplace', got "
+                             f"{self.accumulate!r}")
         if self.dkdv_wgs not in (1, 2):
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
 
@@ -288,6 +296,10 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 interpret):
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
+    inplace = cfg.accumulate == "inplace"
+    if inplace and (not gpu_operands or interpret is not None):
+        raise ValueError("accumulate='inplace' needs the GPU operand path (and no "
+                         "interpret mode)")
     group, n_q, offset = hq // hkv, sq // BLOCK_Q, skv - sq
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
@@ -329,16 +341,37 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
             p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
             p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
-            dv = dv + _wgmma(p_op, do_s, (bkv, d))
+            if inplace:
+                plgpu.wgmma(dv_acc, p_op, do_s)
+            else:
+                dv = dv + _wgmma(p_op, do_s, (bkv, d))
             dp_t = _wgmma(sm["v"], dot_, (bkv, bq))
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
             ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
-            dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+            if inplace:
+                plgpu.wgmma(dk_acc, ds_op, q_s)
+                plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
+            else:
+                dk = dk + _wgmma(ds_op, q_s, (bkv, d))
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dk, dv
 
         zeros = lay.zeros((bkv, d))
-        dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+        if inplace:
+            # The running sums live in wgmma accumulators across the query blocks.
+            def run(dk_ref, dv_ref):
+                nonlocal dk_acc, dv_acc
+                dk_acc, dv_acc = dk_ref, dv_ref
+                dk_ref[...] = zeros
+                dv_ref[...] = zeros
+                lax.fori_loop(0, total, step, (zeros, zeros))
+                return dk_ref[...], dv_ref[...]
+
+            dk_acc = dv_acc = None
+            dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
+                                   plgpu.ACC((bkv, d), jnp.float32))
+        else:
+            dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
         sm["k"][...] = (dk * scale).astype(dtype)  # K and V are no longer needed.
         sm["v"][...] = dv.astype(dtype)
         plgpu.commit_smem()

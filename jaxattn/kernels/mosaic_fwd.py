@@ -117,6 +117,13 @@ class MosaicConfig:
     #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
     #: benchmarks/mosaic_gpu_check.py).
     stack_decode: bool = True
+    #: Masked blocks also mask keys from Skv on: "always" (the same code for every
+    #: shape), or "needed" (only non-causal calls with a partial last block need it:
+    #: a causal row never sees a key beyond Skv, padding rows are dropped). A
+    #: measurement option: after "always" came in, one H200 point read 352.7 against
+    #: 384.9 TFLOP/s before (docs/mosaic.md section 7); "needed" makes the kernel's code
+    #: depend on the shape, so its bits must be checked across shapes before it is used.
+    key_bound: str = "always"
     #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
     #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
     #: accumulation and the fp32 row sum only; ping-pong off). The same operations as
@@ -143,6 +150,9 @@ class MosaicConfig:
         if self.overlap not in (None, "registers", "smem"):
             raise ValueError(f"overlap must be None, 'registers' or 'smem', got "
                              f"{self.overlap!r}")
+        if self.key_bound not in ("always", "needed"):
+            raise ValueError(f"key_bound must be 'always' or 'needed', got "
+                             f"{self.key_bound!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -287,6 +297,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     rows_cta = cfg.rows
     n_tiles = sq // rows_cta
     total, whole = -(-skv // bn), skv // bn
+    key_bound = cfg.key_bound == "always" or (not causal and skv % bn != 0)
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
     base2 = schedule.SOFTMAX_EXP_BASE == "2"
@@ -369,10 +380,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             if masked:
                 # Keys from Skv on (the padding of a partial last block) are masked
                 # for every row, also where the causal bound alone would hide them.
-                visible = cols < skv - j * bn
+                visible = cols < skv - j * bn if key_bound else None
                 if causal:
-                    visible = visible & (diag <= q0 + offset - j * bn if position is None
-                                         else cols <= position - j * bn)
+                    c = (diag <= q0 + offset - j * bn if position is None
+                         else cols <= position - j * bn)
+                    visible = c if visible is None else visible & c
                 raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
             else:
                 raw_max = s.max(axis=1)
