@@ -105,11 +105,6 @@ FAMILIES = {
 }
 
 
-def _config(**kw):
-    from jaxattn.kernels import mosaic_fwd as mf
-    return mf.MosaicConfig(**kw)
-
-
 def check_forward(results: list) -> None:
     import jaxattn
     from jaxattn import reference
@@ -136,7 +131,7 @@ def check_forward(results: list) -> None:
                 row = {"kind": "forward", "shape": shape, "causal": causal, "family": fam,
                        "launch": name}
                 try:
-                    cfg = _config(**fkw, **lkw)
+                    cfg = mf.MosaicConfig(**fkw, **lkw)
                     t0 = time.time()
                     o, lse = jax.block_until_ready(mf.forward(q, k, v, causal=causal,
                                                               config=cfg))

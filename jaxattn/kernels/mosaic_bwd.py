@@ -69,6 +69,7 @@ from jaxattn.kernels.mosaic_fwd import (
     check_inputs,
     interpret_params,
     reset_interpret_state,
+    resolve_interpret,
 )
 
 NEG_INF = float("-inf")
@@ -172,18 +173,6 @@ def _check_rows(name, x, shape, dtype=None):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
-
-
-def _resolve_interpret(interpret):
-    """False -> None (compile for the GPU); True -> default ``InterpretGPUParams``."""
-    if interpret is True:
-        params = interpret_params()
-        if params is None:
-            raise NotImplementedError("this JAX has no Mosaic GPU interpret mode")
-        return params
-    if interpret is False or interpret is None:
-        return None
-    return interpret
 
 
 def _compiler_params(cfg: BwdConfig):
@@ -323,7 +312,9 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         # [keys, queries]: visible iff start + r <= q0 + c + offset.
         diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
 
-        def step(t, carry):
+        def step(t, carry, accs=None):
+            """One query block; ``accs``: the (dK, dV) wgmma accumulators to sum into
+            in place (the carry then stays as it is)."""
             dk, dv = carry
             slot = lax.rem(t, jnp.int32(stages))
             q0 = (first + lax.rem(t, n)) * bq
@@ -341,15 +332,15 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
             p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
             p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
-            if inplace:
-                plgpu.wgmma(dv_acc, p_op, do_s)
+            if accs is not None:
+                plgpu.wgmma(accs[1], p_op, do_s)
             else:
                 dv = dv + _wgmma(p_op, do_s, (bkv, d))
             dp_t = _wgmma(sm["v"], dot_, (bkv, bq))
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
             ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
-            if inplace:
-                plgpu.wgmma(dk_acc, ds_op, q_s)
+            if accs is not None:
+                plgpu.wgmma(accs[0], ds_op, q_s)
                 plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
             else:
                 dk = dk + _wgmma(ds_op, q_s, (bkv, d))
@@ -360,14 +351,12 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         if inplace:
             # The running sums live in wgmma accumulators across the query blocks.
             def run(dk_ref, dv_ref):
-                nonlocal dk_acc, dv_acc
-                dk_acc, dv_acc = dk_ref, dv_ref
                 dk_ref[...] = zeros
                 dv_ref[...] = zeros
-                lax.fori_loop(0, total, step, (zeros, zeros))
+                lax.fori_loop(0, total, functools.partial(step, accs=(dk_ref, dv_ref)),
+                              (zeros, zeros))
                 return dk_ref[...], dv_ref[...]
 
-            dk_acc = dv_acc = None
             dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
                                    plgpu.ACC((bkv, d), jnp.float32))
         else:
@@ -561,7 +550,7 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
 def _setup(q, k, v, interpret, config):
     _check(q, k, v)
     cfg = config or BwdConfig()
-    interp = _resolve_interpret(interpret)
+    interp = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interp is None
     b, hq, sq, d = q.shape
     _, hkv, skv, _ = k.shape
@@ -590,7 +579,7 @@ def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None =
     _check_rows("d_out", d_out, out.shape)
     _check_rows("d_lse", d_lse, (b, hq, sq))
     call = _build_delta(b=b, hq=hq, sq=sq, d=d, dtype=out.dtype, cfg=cfg,
-                        interpret=_resolve_interpret(interpret))
+                        interpret=resolve_interpret(interpret))
     return call(out, d_out.astype(out.dtype), d_lse)
 
 

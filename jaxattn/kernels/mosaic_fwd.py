@@ -173,6 +173,20 @@ def interpret_params():
     return InterpretGPUParams()
 
 
+def resolve_interpret(interpret):
+    """``interpret`` argument -> the kernels' ``interpret``: False or None -> None
+    (compile for the GPU); True -> default ``InterpretGPUParams``; an
+    ``InterpretGPUParams`` as it is."""
+    if interpret is True:
+        params = interpret_params()
+        if params is None:
+            raise NotImplementedError("this JAX has no Mosaic GPU interpret mode")
+        return params
+    if interpret is False or interpret is None:
+        return None
+    return interpret
+
+
 def reset_interpret_state() -> None:
     """Reset the Mosaic GPU interpreter after an exception inside a kernel (the
     interpreter requires it before the next interpreted kernel)."""
@@ -367,9 +381,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     else k_s.at[slot])
 
         def softmax(j, s, m, l, masked):
-            """One block's online-softmax step on the raw scores ``s``: ``(p, p32,
-            alpha, m_new, l_new)`` with ``p`` the bf16 probabilities; the row sum of the
-            bf16 ones on wgmma is the caller's."""
+            """One block's online-softmax step on the raw scores ``s``: ``(p, alpha,
+            m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
+            ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
             # The row max is taken of the raw scores and scaled after (the same value:
             # the scale is positive and rounding is monotone), so ``s * scale`` has one
             # use, the exponent, where the compiler contracts ``s * scale - m`` into one
@@ -395,7 +409,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             if masked:
                 p32 = jnp.where(visible, p32, 0.0)
             l_new = None if use_mma_rowsum else l * alpha + p32.sum(axis=1)
-            return p32.astype(dtype), p32, alpha, m_new, l_new
+            return p32.astype(dtype), alpha, m_new, l_new
 
         def block_step(j, carry, masked):
             acc, m, l = carry
@@ -410,7 +424,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            p, p32, alpha, m_new, l_new = softmax(j, s, m, l, masked)
+            p, alpha, m_new, l_new = softmax(j, s, m, l, masked)
             if gpu_operands:
                 p_op = p
             else:
@@ -472,7 +486,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                 s = plgpu.wgmma_accumulator_load(s_acc, wait_n=None)
                 plgpu.barrier_arrive(k_free.at[slot])
-                p, _, alpha, m_new, l_new = softmax(j, s, m, l, masked)
+                p, alpha, m_new, l_new = softmax(j, s, m, l, masked)
                 plgpu.wgmma_wait(0)  # P V of block j-1
 
                 @pl.when(j > lo)
@@ -678,12 +692,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
     the rows are padded as :func:`padding` says."""
     cfg = config or MosaicConfig()
     check_inputs(q, k, v)
-    if interpret is True:
-        interpret = interpret_params()
-        if interpret is None:
-            raise NotImplementedError("this JAX has no Mosaic GPU interpret mode")
-    elif interpret is False:
-        interpret = None
+    interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
     _, hkv, skv, _ = k.shape
