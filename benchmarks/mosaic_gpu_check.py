@@ -39,10 +39,11 @@ flags.DEFINE_integer("iters", 10, "Timed samples (median) for --speed.")
 flags.DEFINE_list("families", ["inplace-reduce32", "fresh-mma"],
                   "Arithmetic families checked (FAMILIES); the first gets every launch.")
 flags.DEFINE_list("fwd_shapes", None, "Indices into FWD_SHAPES checked; default all.")
+flags.DEFINE_list("bwd_shapes", None, "Indices into BWD_SHAPES checked; default all.")
 flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
                   "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
-flags.DEFINE_list("fwd_variants", ["default", "kb-needed:key_bound=needed",
+flags.DEFINE_list("fwd_variants", ["default", "kb-always:key_bound=always",
                                    "nopp:pingpong=False", "ov-smem:overlap=smem",
                                    "ov-regs:overlap=registers",
                                    "fresh-mma:accumulate=fresh:rowsum=mma", "s3:stages=3",
@@ -53,6 +54,11 @@ flags.DEFINE_list("fwd_variants", ["default", "kb-needed:key_bound=needed",
                   "(MosaicConfig fields).")
 flags.DEFINE_list("peers", ["pallas_mha", "cudnn"], "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
+flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
+                                   "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
+                                   "pairs:pair_products=True", "noregs:registers=None"],
+                  "Mosaic backward variants timed by --backward_speed: name[:key=value...] "
+                  "(BwdConfig fields).")
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
               (1, 4, 4, 256, 128, 64), (2, 8, 2, 1000, 1000, 128), (1, 4, 1, 77, 1500, 64)]
@@ -95,6 +101,7 @@ LAUNCH_VARIANTS = {
     "smem-operands": dict(gpu_operands=False),
     "overlap-smem": dict(overlap="smem"),
     "overlap-registers": dict(overlap="registers"),
+    "key-bound-always": dict(key_bound="always"),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {
@@ -185,7 +192,8 @@ def check_backward(results: list) -> None:
     from jaxattn import reference
     from jaxattn.kernels import mosaic_bwd as mb
     from jaxattn.kernels import pallas_triton_vjp as pv
-    for shape, causal in itertools.product(BWD_SHAPES, [True, False]):
+    shapes = [BWD_SHAPES[int(i)] for i in FLAGS.bwd_shapes or range(len(BWD_SHAPES))]
+    for shape, causal in itertools.product(shapes, [True, False]):
         q, k, v, do = _inputs(*shape, seed=sum(shape) + 1)
         scale = 1.0 / np.sqrt(shape[-1])
         out, lse = pv.attention(q, k, v, None, causal, scale, False)
@@ -197,9 +205,10 @@ def check_backward(results: list) -> None:
         first = None
         # The fresh-accumulation launches must agree in bits; "inplace" (last) is its
         # own arithmetic and gets its errors only.
-        configs = [dict(gpu_operands=gop, semantics=sem, dkdv_wgs=wgs) for gop, sem, wgs in
-                   itertools.product([True, False], ["lane", "warpgroup"], [2, 1])]
-        configs.append(dict(accumulate="inplace"))
+        # The defaults first, then one launch parameter changed at a time.
+        configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2), dict(pair_products=False),
+                   dict(registers=None), dict(semantics="warpgroup"),
+                   dict(gpu_operands=False), dict(accumulate="inplace")]
         for kw in configs:
             row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
             try:
@@ -292,17 +301,12 @@ def time_speed(results: list) -> None:
             continue
         q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
         o, lse = fns["pallas"](q, k, v)
-        for name, bwd in (("mosaic-bwd", lambda q, k, v, o, l, do: mb.backward(
-                               q, k, v, o, l, do, causal=True, scale=scale)),
-                          ("mosaic-bwd-1wg", lambda q, k, v, o, l, do: mb.backward(
-                              q, k, v, o, l, do, causal=True, scale=scale,
-                              config=mb.BwdConfig(dkdv_wgs=1))),
-                          ("mosaic-bwd-inplace", lambda q, k, v, o, l, do: mb.backward(
-                              q, k, v, o, l, do, causal=True, scale=scale,
-                              config=mb.BwdConfig(accumulate="inplace"))),
-                          ("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
-                              q, k, v, None, o, l, do, None, causal=True, scale=scale,
-                              interpret=False))):
+        bwds = [(f"mosaic-bwd:{name}", functools.partial(
+                    mb.backward, causal=True, scale=scale, config=mb.BwdConfig(**kw)))
+                for name, kw in map(_variant, FLAGS.bwd_variants)]
+        bwds.append(("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
+            q, k, v, None, o, l, do, None, causal=True, scale=scale, interpret=False)))
+        for name, bwd in bwds:
             row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
             try:
                 sec, reps = report.sampled_seconds(jax.jit(bwd), [(q, k, v, o, lse, do)],

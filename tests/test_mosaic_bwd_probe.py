@@ -230,6 +230,23 @@ def test_interpret_dkdv_two_warpgroups_keep_bits(mosaic_bwd):
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_dq_two_warpgroups_and_paired_products_keep_bits(mosaic_bwd):
+    """Two 64-row dQ tiles per CTA sharing one KV stream (the first tile releases the
+    diagonal block it does not see), and each step's two independent products issued
+    together, give the bits of one tile per CTA with one product at a time."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
+    out, lse, _ = _triton(q, k, v, do, True)
+    base = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                   mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, pair_products=False))
+    new = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                  mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=2, pair_products=True))
+    for name, a, b in zip("qkv", base, new, strict=True):
+        assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name} (seed {seed})")
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """Run the interpret tests of this file in a child process whose CPU client uses
@@ -258,10 +275,13 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
 @pytest.mark.parametrize("kw", [{"gpu_operands": True, "dkdv_wgs": 1},
                                 {"gpu_operands": False, "dkdv_wgs": 1},
                                 {"accumulate": "inplace"},
-                                {"accumulate": "inplace", "dkdv_wgs": 1}],
+                                {"accumulate": "inplace", "dkdv_wgs": 1},
+                                {"dq_wgs": 2}, {"dq_wgs": 2, "accumulate": "inplace"},
+                                {"pair_products": False}, {"registers": None}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
-    """One or two dK/dV warpgroups, fresh or in-place accumulation."""
+    """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
+    single products, with or without register reallocation."""
     q = jax.ShapeDtypeStruct((1, 4, 256, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     cfg = mosaic_bwd.BwdConfig(**kw)
@@ -270,7 +290,8 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
 
 
 def test_config_rejects_bad_values(mosaic_bwd):
-    for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0}):
+    for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
+               {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
 

@@ -110,7 +110,7 @@ _CASES = [
     (1, 1, 1, 70, 100, 128, False, _ONE_WG),
     (1, 2, 1, 1, 130, 64, True, {}),
     (2, 4, 2, 1, 300, 128, False, {}),
-    (1, 1, 1, 40, 100, 64, True, {"key_bound": "needed", **_ONE_WG}),
+    (1, 1, 1, 40, 100, 64, True, {"key_bound": "always", **_ONE_WG}),
 ]
 
 
@@ -223,7 +223,7 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"semantics": "warpgroup", "accumulate": "inplace"},
     {"overlap": "smem"},
     {"overlap": "registers", "compute_wgs": 1, "stages": 3},
-    {"key_bound": "needed"},
+    {"key_bound": "always"},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,

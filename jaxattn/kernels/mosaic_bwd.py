@@ -111,6 +111,19 @@ class BwdConfig:
     #: "inplace" (the running sums are the wgmma accumulators; rounds differently; GPU
     #: operand path only; not yet run on a GPU).
     accumulate: str = "fresh"
+    #: Issue each step's two independent products (``K Q^T`` and ``V dO^T``; then
+    #: ``p^T dO`` and ``ds^T Q``) before waiting for either; False: one at a time (the
+    #: faster on the H200: 300 against 246 TFLOP/s, docs/mosaic.md section 8). Each
+    #: product still has its own fresh accumulator: the same bits.
+    pair_products: bool = False
+    #: Compute warpgroups of the dQ kernel (1 or 2). With 2, a CTA holds two 64-row
+    #: query tiles that share one stream of KV blocks (each tile's rows see the same
+    #: blocks in the same order as with 1: the same bits). Needs ``Sq`` to be a
+    #: multiple of 128 (else 1 is used).
+    dq_wgs: int = 2
+    #: ``setmaxnreg`` (compute, producer) where a kernel has two compute warpgroups
+    #: (three warpgroups share the register file); None: no reallocation.
+    registers: tuple[int, int] | None = (240, 24)
 
     def __post_init__(self):
         if self.stages < 1:
@@ -124,6 +137,13 @@ class BwdConfig:
                              f"{self.accumulate!r}")
         if self.dkdv_wgs not in (1, 2):
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
+        if self.dq_wgs not in (1, 2):
+            raise ValueError(f"dq_wgs must be 1 or 2, got {self.dq_wgs}")
+        if self.registers is not None and (
+                len(self.registers) != 2 or any(r % 8 or not 24 <= r <= 256
+                                                for r in self.registers)):
+            raise ValueError(f"registers must be None or two multiples of 8 in [24, 256], "
+                             f"got {self.registers}")
 
 
 assert BLOCK_Q == pallas_triton_vjp.backward_config(128).block_q
@@ -215,6 +235,32 @@ def _wgmma(a, b, shape):
         return acc_ref[...]
 
     return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+
+def _wgmma_pair(a1, b1, shape1, a2, b2, shape2, together: bool):
+    """``(a1 @ b1, a2 @ b2)``, each into a fresh fp32 accumulator (the bits of two
+    :func:`_wgmma` calls); ``together``: both issued before the first wait, so the second
+    product runs while the first completes."""
+    if not together:
+        return _wgmma(a1, b1, shape1), _wgmma(a2, b2, shape2)
+
+    def f(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        plgpu.wgmma_wait(0)
+        return (plgpu.wgmma_accumulator_load(acc1, wait_n=None),
+                plgpu.wgmma_accumulator_load(acc2, wait_n=None))
+
+    return pl.run_scoped(f, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
+
+
+def _set_registers(cfg: BwdConfig, nwg: int, interpret, role: int):
+    """``setmaxnreg`` for a compute (role 0) or producer (role 1) warpgroup of a kernel
+    with ``nwg`` compute warpgroups (only with two, and only on the GPU)."""
+    if cfg.registers is None or nwg != 2 or interpret is not None:
+        return
+    plgpu.set_max_registers(cfg.registers[role],
+                            action="increase" if role == 0 else "decrease")
 
 
 def _a_operand(x, smem, gpu_operands):
@@ -326,24 +372,24 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
             dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
             # pallas_triton_vjp._dkdv_kernel.q_body, op for op.
-            s_t = _wgmma(sm["k"], qt, (bkv, bq)) * scale
+            s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
+                                    cfg.pair_products)
+            s_t = s_t * scale
             if causal:
                 s_t = jnp.where(diag <= q0 + offset - start, s_t, NEG_INF)
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
             p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
             p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
-            if accs is not None:
-                plgpu.wgmma(accs[1], p_op, do_s)
-            else:
-                dv = dv + _wgmma(p_op, do_s, (bkv, d))
-            dp_t = _wgmma(sm["v"], dot_, (bkv, bq))
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
             ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
             if accs is not None:
+                plgpu.wgmma(accs[1], p_op, do_s)
                 plgpu.wgmma(accs[0], ds_op, q_s)
                 plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
             else:
-                dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+                pv, dsq = _wgmma_pair(p_op, do_s, (bkv, d), ds_op, q_s, (bkv, d),
+                                      cfg.pair_products)
+                dv, dk = dv + pv, dk + dsq
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dk, dv
 
@@ -412,11 +458,13 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
 
             @pl.when(wg < nwg)
             def _():
+                _set_registers(cfg, nwg, interpret, 0)
                 compute_wg(wg, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first,
                            n, total)
 
             @pl.when(wg == nwg)
             def _():
+                _set_registers(cfg, nwg, interpret, 1)
                 producer_wg(srcs, sm, bars, bi, kvh, first, n, total)
 
         pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
@@ -446,24 +494,35 @@ def _last_kvblock(q0, *, causal, offset, n_kv):
 def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
               interpret):
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
+    nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 else 1
     group, n_kv, offset = hq // hkv, skv // BLOCK_KV, skv - sq
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
     names = ["k", "v"] if gpu_operands else ["k", "kt", "vt"]
+    row_names = ("q", "do", "lse", "delta")
 
-    def compute_wg(q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, q0, hi):
+    def compute_wg(w, q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, tile0,
+                   hi_cta):
+        # Warpgroup w holds the CTA's w-th tile of 64 rows; it walks the blocks its rows
+        # see ([0, hi)) exactly as a CTA of one warpgroup would, and releases the
+        # blocks only the other warpgroup needs ([hi, hi_cta)) unread.
+        q0 = tile0 + w * bq
+        hi = _last_kvblock(q0, causal=causal, offset=offset, n_kv=n_kv)
         rows_sl = pl.ds(q0, bq)
-        for i, (name, ref) in enumerate(
-                (("q", q_ref), ("do", do_ref), ("lse", lse_ref), ("delta", delta_ref))):
-            plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], sm[name], bars["misc"].at[i])
+        own = {name: sm[name].at[w] for name in (*row_names, "out")}
+        srcs = zip(row_names, (q_ref, do_ref, lse_ref, delta_ref), strict=True)
+        for i, (name, ref) in enumerate(srcs):
+            plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], own[name],
+                                    bars["misc"].at[4 * w + i])
         for i in range(4):
-            plgpu.barrier_wait(bars["misc"].at[i])
-        lse = lay.vec(sm["lse"], 1)
-        dlt = lay.vec(sm["delta"], 1)
+            plgpu.barrier_wait(bars["misc"].at[4 * w + i])
+        lse = lay.vec(own["lse"], 1)
+        dlt = lay.vec(own["delta"], 1)
         lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
         # [queries, keys]: visible iff j * bkv + c <= q0 + r + offset.
         diag = lay.iota((bq, bkv), 1) - lay.iota((bq, bkv), 0)
+        ds_s = sm["ds"].at[w] if "ds" in sm else None
 
         def step(j, dq):
             slot = lax.rem(j, jnp.int32(stages))
@@ -473,21 +532,32 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             kt = _t(k_s) if gpu_operands else sm["kt"].at[slot]
             vt = _t(sm["v"].at[slot]) if gpu_operands else sm["vt"].at[slot]
             # pallas_triton_vjp._dq_kernel.body, op for op.
-            s = _wgmma(sm["q"], kt, (bq, bkv)) * scale
+            s, dp = _wgmma_pair(own["q"], kt, (bq, bkv), own["do"], vt, (bq, bkv),
+                                cfg.pair_products)
+            s = s * scale
             if causal:
                 s = jnp.where(diag <= q0 + offset - j * bkv, s, NEG_INF)
             p = jnp.exp(s - lax.broadcast_in_dim(lse_safe, (bq, bkv), [0]))
-            dp = _wgmma(sm["do"], vt, (bq, bkv))
             ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
-            ds_op = _a_operand(ds.astype(dtype), sm.get("ds"), gpu_operands)
+            ds_op = _a_operand(ds.astype(dtype), ds_s, gpu_operands)
             dq = dq + _wgmma(ds_op, k_s, (bq, d))
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dq
 
         dq = lax.fori_loop(0, hi, step, lay.zeros((bq, d)))
-        sm["out"][...] = dq
+
+        def skip(j, _):
+            slot = lax.rem(j, jnp.int32(stages))
+            for name in names:
+                plgpu.barrier_wait(bars[name].at[slot])
+            plgpu.barrier_arrive(bars["free"].at[slot])
+            return None
+
+        if nwg > 1:
+            lax.fori_loop(hi, hi_cta, skip, None)
+        own["out"][...] = dq
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["out"], acc_ref.at[bi, h, rows_sl])
+        plgpu.copy_smem_to_gmem(own["out"], acc_ref.at[bi, h, rows_sl])
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(srcs, sm, bars, bi, kvh, hi):
@@ -501,15 +571,17 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
         *kv_refs, acc_ref = rest
         qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
         kvh = lax.div(h, jnp.int32(group))
-        q0 = qi * bq
-        hi = _last_kvblock(q0, causal=causal, offset=offset, n_kv=n_kv)
+        tile0 = qi * (nwg * bq)
+        # The blocks of the CTA's last tile: a superset of every tile's.
+        hi_cta = _last_kvblock(tile0 + (nwg - 1) * bq, causal=causal, offset=offset,
+                               n_kv=n_kv)
         srcs = dict(zip(names, kv_refs, strict=True))
         spec = {
-            "q": plgpu.SMEM((bq, d), dtype, transforms=tr(d)),
-            "do": plgpu.SMEM((bq, d), dtype, transforms=tr(d)),
-            "lse": plgpu.SMEM((bq,), jnp.float32),
-            "delta": plgpu.SMEM((bq,), jnp.float32),
-            "out": plgpu.SMEM((bq, d), jnp.float32,
+            "q": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
+            "do": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
+            "lse": plgpu.SMEM((nwg, bq), jnp.float32),
+            "delta": plgpu.SMEM((nwg, bq), jnp.float32),
+            "out": plgpu.SMEM((nwg, bq, d), jnp.float32,
                               transforms=_smem_transforms(d, 4)),
             "k": plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d)),
         }
@@ -519,28 +591,31 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             spec.update(
                 kt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
                 vt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
-                ds=plgpu.SMEM((bq, bkv), dtype, transforms=tr(bkv)))
+                ds=plgpu.SMEM((nwg, bq, bkv), dtype, transforms=tr(bkv)))
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
-        bar_spec["free"] = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
-        bar_spec["misc"] = plgpu.Barrier(num_barriers=4)
+        bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=4 * nwg)
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
 
-            @pl.when(wg == 0)
+            @pl.when(wg < nwg)
             def _():
-                compute_wg(q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, q0, hi)
+                _set_registers(cfg, nwg, interpret, 0)
+                compute_wg(wg, q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h,
+                           tile0, hi_cta)
 
-            @pl.when(wg == 1)
+            @pl.when(wg == nwg)
             def _():
-                producer_wg(srcs, sm, bars, bi, kvh, hi)
+                _set_registers(cfg, nwg, interpret, 1)
+                producer_wg(srcs, sm, bars, bi, kvh, hi_cta)
 
         pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),
-        grid=(sq // bq, hq, b), grid_names=("q", "h", "b"),
-        num_threads=2, thread_name="wg",
+        grid=(sq // (nwg * bq), hq, b), grid_names=("q", "h", "b"),
+        num_threads=nwg + 1, thread_name="wg",
         compiler_params=_compiler_params(cfg), interpret=interpret)
 
 

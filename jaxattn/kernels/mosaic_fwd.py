@@ -117,13 +117,12 @@ class MosaicConfig:
     #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
     #: benchmarks/mosaic_gpu_check.py).
     stack_decode: bool = True
-    #: Masked blocks also mask keys from Skv on: "always" (the same code for every
-    #: shape), or "needed" (only non-causal calls with a partial last block need it:
-    #: a causal row never sees a key beyond Skv, padding rows are dropped). A
-    #: measurement option: after "always" came in, one H200 point read 352.7 against
-    #: 384.9 TFLOP/s before (docs/mosaic.md section 7); "needed" makes the kernel's code
-    #: depend on the shape, so its bits must be checked across shapes before it is used.
-    key_bound: str = "always"
+    #: Masked blocks also mask keys from Skv on: "needed" (only non-causal calls with
+    #: a partial last block need it: a causal row never sees a key beyond Skv, padding
+    #: rows are dropped) or "always" (the same code for every shape). "needed" ran 9%
+    #: faster on the H200 (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/mosaic.md
+    #: section 8) with the bits of "always" at every checked shape, causal or not.
+    key_bound: str = "needed"
     #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
     #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
     #: accumulation and the fp32 row sum only; ping-pong off). The same operations as
@@ -390,7 +389,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             # FMA alike on masked and unmasked blocks. (With the scaled scores also
             # feeding the max, a fully visible block gave different bits through the
             # two paths on the H200.) The mask selects the max's input and the
-            # exponential's output, never the exponent.
+            # exponential's output, never the exponent. (A non-causal call whose keys
+            # fill whole blocks has nothing to mask under key_bound="needed".)
+            masked = masked and (key_bound or causal)
             if masked:
                 # Keys from Skv on (the padding of a partial last block) are masked
                 # for every row, also where the causal bound alone would hide them.
@@ -466,11 +467,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             ``accumulate="inplace"``: ``o = wgmma(P_j, V_j, init=o * alpha_j)``."""
             o_acc[...] = layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(lo < end)
-            def _():
-                slot = lax.rem(lo, jnp.int32(stages))
+            def issue_qk(j):
+                # wgmma accumulates: the score accumulator is zeroed before each block
+                # (it lives across blocks; a scoped one starts at zero by itself).
+                slot = lax.rem(j, jnp.int32(stages))
+                s_acc[...] = layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.wgmma(s_acc, q_s, kt_of(slot))
+
+            pl.when(lo < end)(lambda: issue_qk(lo))
 
             def step(j, carry, masked):
                 m, l = carry
@@ -496,11 +501,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 o_acc[...] = (plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
                               * _rows(alpha, (bm, d)))
 
-                @pl.when(j + 1 < end)
-                def _():
-                    nxt = lax.rem(j + 1, jnp.int32(stages))
-                    plgpu.barrier_wait(k_bar.at[nxt])
-                    plgpu.wgmma(s_acc, q_s, kt_of(nxt))
+                pl.when(j + 1 < end)(lambda: issue_qk(j + 1))
 
                 if cfg.overlap == "smem":  # the previous P V has completed: reuse
                     p_s[...] = p
