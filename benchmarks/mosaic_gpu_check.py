@@ -43,7 +43,8 @@ flags.DEFINE_list("bwd_shapes", None, "Indices into BWD_SHAPES checked; default 
 flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
                   "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
-flags.DEFINE_list("fwd_variants", ["default", "kb-always:key_bound=always",
+flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
+                                   "kb-always:key_bound=always",
                                    "nopp:pingpong=False", "ov-smem:overlap=smem",
                                    "ov-regs:overlap=registers",
                                    "fresh-mma:accumulate=fresh:rowsum=mma", "s3:stages=3",
@@ -102,6 +103,7 @@ LAUNCH_VARIANTS = {
     "overlap-smem": dict(overlap="smem"),
     "overlap-registers": dict(overlap="registers"),
     "key-bound-always": dict(key_bound="always"),
+    "persistent": dict(persistent=132),  # the H200's SM count
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

@@ -164,6 +164,27 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 
 @needs_sync
 @needs_interpret
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
+    """A persistent grid of 3 CTAs walks the 8 (tile, head) items (3, 3 and 2 per CTA,
+    its K/V ring running on across items) and gives the bits of one CTA per tile;
+    non-causal with a partial last key block."""
+    seed, q, k, v = _inputs(1, 2, 1, 256, 256 if causal else 200, 64)
+    base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                              config=mosaic_fwd.MosaicConfig(**_ONE_WG))
+    other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                               config=mosaic_fwd.MosaicConfig(persistent=3, **_ONE_WG))
+    for x, y in zip(base, other, strict=True):
+        assert not np.isnan(np.asarray(x, np.float32)).any(), f"seed {seed}"
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
+                                                         else np.uint32),
+                                      np.asarray(y).view(np.uint16 if y.dtype.itemsize == 2
+                                                         else np.uint32),
+                                      err_msg=f"seed {seed}")
+
+
+@needs_sync
+@needs_interpret
 def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
     """A token's row has the same bits in a full causal prefill, in a chunk of 70
     queries (a start that is not a multiple of 64) and as a decode row: the padding
@@ -194,8 +215,9 @@ def test_interpret_tests_in_subprocess():
     hung child is retried once, and a second hang is a skip (a hang is not a wrong
     result; a wrong result fails)."""
     out = run_interpret_tests_in_subprocess(
-        __file__, "interpret_forward or interpret_launch or interpret_rows")
-    assert f"{len(_CASES) + 2} passed" in out, out[-3000:]
+        __file__, "interpret_forward or interpret_launch or interpret_rows or "
+        "interpret_persistent")
+    assert f"{len(_CASES) + 4} passed" in out, out[-3000:]
 
 
 @needs_api
@@ -224,6 +246,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"overlap": "smem"},
     {"overlap": "registers", "compute_wgs": 1, "stages": 3},
     {"key_bound": "always"},
+    {"persistent": 132},
+    {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,
@@ -251,7 +275,7 @@ def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
-               {"key_bound": "never"}):
+               {"key_bound": "never"}, {"persistent": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

@@ -129,8 +129,14 @@ class MosaicConfig:
     #: the in-place default, so the same bits. None: off; "registers": P V reads P
     #: from registers (as FlashAttention-3; safe only if the compiler keeps them until
     #: the wgmma completes); "smem": P is staged in SMEM after the previous P V has
-    #: completed. Not yet run on a GPU.
+    #: completed. Both give the default's bits on the H200 and run slower (324 and 289
+    #: against 393 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8).
     overlap: str | None = None
+    #: A persistent grid of this many CTAs (0: one CTA per tile). Each CTA walks the
+    #: (tile, head, batch) items ``cta, cta + n, cta + 2n, ...`` in the order of
+    #: ``q_order`` (heavy causal tiles first by default), its K/V ring running on
+    #: across items. The rows' operations are those of one CTA per tile: the same bits.
+    persistent: int = 0
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -152,6 +158,8 @@ class MosaicConfig:
         if self.key_bound not in ("always", "needed"):
             raise ValueError(f"key_bound must be 'always' or 'needed', got "
                              f"{self.key_bound!r}")
+        if self.persistent < 0:
+            raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -344,7 +352,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta):
+    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base):
+        """One (tile, head, batch) item of warpgroup ``w``; ``base``: the K/V loads of
+        the CTA's earlier items (the ring's position)."""
         q_s, k_s, v_s, p_s, ones_s, lse_s = smem
         k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched = bars
         q_s, lse_s = q_s.at[w], lse_s.at[w]
@@ -361,8 +371,6 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         full = _full_blocks(p0, hi, offset=offset, whole=whole, causal=causal)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
         plgpu.barrier_wait(q_bar.at[w])
-        if use_mma_rowsum:
-            plgpu.barrier_wait(ones_bar.at[0])
         rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
         # visible iff key <= query + offset, i.e. (cols - rows) <= q0 + offset - j * bn.
@@ -374,6 +382,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
         if pingpong:
             pl.when(w == 1)(sync)
+
+        def slot_of(j):
+            return lax.rem(base + j, jnp.int32(stages))
 
         def kt_of(slot):
             return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
@@ -414,7 +425,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
         def block_step(j, carry, masked):
             acc, m, l = carry
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = slot_of(j)
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -470,7 +481,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             def issue_qk(j):
                 # wgmma accumulates: the score accumulator is zeroed before each block
                 # (it lives across blocks; a scoped one starts at zero by itself).
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = slot_of(j)
                 s_acc[...] = layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.wgmma(s_acc, q_s, kt_of(slot))
@@ -479,7 +490,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             def step(j, carry, masked):
                 m, l = carry
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = slot_of(j)
                 # In flight: Q K^T of block j, then (after the first block) P V of j-1.
                 @pl.when(j == lo)
                 def _():
@@ -496,7 +507,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                 @pl.when(j > lo)
                 def _():
-                    plgpu.barrier_arrive(v_free.at[lax.rem(j - 1, jnp.int32(stages))])
+                    plgpu.barrier_arrive(v_free.at[slot_of(j - 1)])
 
                 o_acc[...] = (plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
                               * _rows(alpha, (bm, d)))
@@ -521,7 +532,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             @pl.when(end > lo)
             def _():
-                plgpu.barrier_arrive(v_free.at[lax.rem(end - 1, jnp.int32(stages))])
+                plgpu.barrier_arrive(v_free.at[slot_of(end - 1)])
 
             return plgpu.wgmma_accumulator_load(o_acc, wait_n=None), m, l
 
@@ -559,7 +570,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
         def skip(j, _):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = slot_of(j)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
@@ -580,16 +591,17 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
         plgpu.wait_smem_to_gmem(0)
 
-    def producer_wg(k_ref, v_ref, ones_ref, smem, bars, kvh, bi, hi):
-        _, k_s, v_s, _, ones_s, _ = smem
-        k_bar, v_bar, k_free, v_free, _, ones_bar, _ = bars
-        if use_mma_rowsum:
-            plgpu.copy_gmem_to_smem(ones_ref, ones_s, ones_bar.at[0])
+    def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base):
+        """The K/V loads of one item: blocks [0, hi) into the ring from position
+        ``base`` on (each slot once the compute warpgroups have released it)."""
+        _, k_s, v_s, _, _, _ = smem
+        k_bar, v_bar, k_free, v_free, _, _, _ = bars
 
         def load(j, _):
-            slot = lax.rem(j, jnp.int32(stages))
+            n = base + j
+            slot = lax.rem(n, jnp.int32(stages))
 
-            @pl.when(j >= stages)
+            @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
@@ -597,7 +609,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     else k_ref.at[bi, kvh, :, pl.ds(j * bn, bn)])
             plgpu.copy_gmem_to_smem(ksrc, k_s.at[slot], k_bar.at[slot])
 
-            @pl.when(j >= stages)
+            @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -607,28 +619,51 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
         lax.fori_loop(0, hi, load, None)
 
-        # Drain: wait for the consumers' last release of every slot still in flight, so
-        # every barrier arrival is observed before the barriers are freed.
-        def drain(j, _):
-            slot = lax.rem(j, jnp.int32(stages))
+    def drain(bars, loads):
+        """The producer's end: wait for the compute warpgroups' last release of every
+        slot still in flight (of ``loads`` in all), so every barrier arrival is observed
+        before the barriers are freed."""
+        _, _, k_free, v_free, _, _, _ = bars
+
+        def wait(n, _):
+            slot = lax.rem(n, jnp.int32(stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return None
 
-        lax.fori_loop(lax.max(hi - stages, 0), hi, drain, None)
+        lax.fori_loop(lax.max(loads - stages, 0), loads, wait, None)
 
     set_regs = cfg.registers is not None and nwg == 2 and interpret is None
+    heads = hq * b
 
-    def kernel(q_ref, k_ref, v_ref, ones_ref, o_ref, lse_ref):
-        qi = lax.axis_index("q")
+    def item(qi, h, bi):
+        """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
+        ``h`` of batch ``bi``."""
         if cfg.q_order == "descending":
             qi = (n_tiles - 1) - qi
-        h, bi = lax.axis_index("h"), lax.axis_index("b")
         tile0 = qi * rows_cta
-        kvh = lax.div(h, jnp.int32(group))
         hi_cta = _visited_blocks(
             tile0 if position is None else tile0 * 0 + (position - position % bn),
             block_m=rows_cta, offset=offset, total=total, causal=causal)
+        return tile0, h, bi, lax.div(h, jnp.int32(group)), hi_cta
+
+    def items_of_cta():
+        """The CTA's items as ``(count, item_at(k))``."""
+        if not cfg.persistent:
+            qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+            return jnp.int32(1), lambda k: item(qi, h, bi)
+        cta, n = lax.axis_index("cta"), jnp.int32(cfg.persistent)
+        count = lax.div(jnp.int32(n_tiles * heads) - cta + (n - 1), n)
+
+        def at(k):
+            t = cta + k * n  # tiles of one launch rank across all heads first
+            qi, hb = lax.div(t, jnp.int32(heads)), lax.rem(t, jnp.int32(heads))
+            return item(qi, lax.div(hb, jnp.int32(b)), lax.rem(hb, jnp.int32(b)))
+
+        return count, at
+
+    def kernel(q_ref, k_ref, v_ref, ones_ref, o_ref, lse_ref):
+        count, item_at = items_of_cta()
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
         scratch = [
             plgpu.SMEM((nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
@@ -658,13 +693,30 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             def _():
                 if set_regs:
                     plgpu.set_max_registers(cfg.registers[0], action="increase")
-                compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta)
+                if use_mma_rowsum:
+                    plgpu.barrier_wait(bars[5].at[0])
+
+                def one(k, base):
+                    tile0, h, bi, _, hi_cta = item_at(k)
+                    compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta,
+                               base)
+                    return base + hi_cta
+
+                lax.fori_loop(0, count, one, jnp.int32(0))
 
             @pl.when(wg == nwg)
             def _():
                 if set_regs:
                     plgpu.set_max_registers(cfg.registers[1], action="decrease")
-                producer_wg(k_ref, v_ref, ones_ref, smem, bars, kvh, bi, hi_cta)
+                if use_mma_rowsum:
+                    plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
+
+                def one(k, base):
+                    _, _, bi, kvh, hi_cta = item_at(k)
+                    producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base)
+                    return base + hi_cta
+
+                drain(bars, lax.fori_loop(0, count, one, jnp.int32(0)))
 
         pl.run_scoped(body, scratch, barriers, collective_axes="wg")
 
@@ -672,8 +724,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
                   jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
-        grid=(n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b),
-        grid_names=("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"),
+        grid=((cfg.persistent,) if cfg.persistent else
+              (n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b)),
+        grid_names=(("cta",) if cfg.persistent else
+                    ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b")),
         num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
