@@ -56,6 +56,7 @@ flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
 flags.DEFINE_list("peers", ["pallas_mha", "cudnn"], "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
+                                   "fused:dq=fused", "fused-inplace:dq=fused:accumulate=inplace",
                                    "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
                                    "pairs:pair_products=True", "noregs:registers=None"],
                   "Mosaic backward variants timed by --backward_speed: name[:key=value...] "
@@ -205,12 +206,12 @@ def check_backward(results: list) -> None:
         tri = pv.backward(q, k, v, None, out, lse, do, dlse, causal=causal, scale=scale,
                           interpret=False)
         first = None
-        # The fresh-accumulation launches must agree in bits; "inplace" (last) is its
-        # own arithmetic and gets its errors only.
-        # The defaults first, then one launch parameter changed at a time.
+        # The defaults first, then one launch parameter changed at a time: these must
+        # agree in bits. "inplace" is its own arithmetic (errors only); the fused dQ has
+        # its own dQ order (errors, run-to-run and batch invariance in bits).
         configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2), dict(pair_products=False),
                    dict(registers=None), dict(semantics="warpgroup"),
-                   dict(gpu_operands=False), dict(accumulate="inplace")]
+                   dict(gpu_operands=False), dict(accumulate="inplace"), dict(dq="fused")]
         for kw in configs:
             row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
             try:
@@ -225,6 +226,16 @@ def check_backward(results: list) -> None:
                            bits_eq_pallas=[_same(a, t) for a, t in zip(g, tri, strict=True)])
                 if first is None:
                     first = g
+                elif "dq" in kw:  # its own dQ order: run-to-run and batch invariance
+                    g2 = mb.backward(q, k, v, out, lse, do, dlse, causal=causal,
+                                     scale=scale, config=cfg)
+                    g1 = mb.backward(q[:1], k[:1], v[:1], out[:1], lse[:1], do[:1],
+                                     dlse[:1], causal=causal, scale=scale, config=cfg)
+                    row.update(run_to_run=all(_same(a, c) for a, c in zip(g, g2,
+                                                                           strict=True)),
+                               batch=all(_same(a[:1], c) for a, c in zip(g, g1,
+                                                                         strict=True)),
+                               dq_bits_eq_separate=_same(g[0], first[0]))
                 elif "accumulate" not in kw:  # launch parameters: the first one's bits
                     row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
                                                                             strict=True))

@@ -277,7 +277,9 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"accumulate": "inplace"},
                                 {"accumulate": "inplace", "dkdv_wgs": 1},
                                 {"dq_wgs": 2}, {"dq_wgs": 2, "accumulate": "inplace"},
-                                {"pair_products": False}, {"registers": None}],
+                                {"pair_products": False}, {"registers": None},
+                                {"dq": "fused"}, {"dq": "fused", "dkdv_wgs": 1},
+                                {"dq": "fused", "accumulate": "inplace"}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
     """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
@@ -286,14 +288,34 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
     k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     cfg = mosaic_bwd.BwdConfig(**kw)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 3
+    # delta and dK/dV, and the dQ kernel unless dK/dV forms dQ itself
+    assert text.count("custom_call @mosaic_gpu") == (2 if cfg.dq == "fused" else 3)
+
+
+@needs_api
+def test_fused_dq_rejections(mosaic_bwd):
+    """dq='fused' needs the GPU (semaphores, atomics), and one KV head's CTAs must fit
+    on the GPU at once (a CTA waits for later ones)."""
+    cfg = mosaic_bwd.BwdConfig(dq="fused")
+    q = jnp.ones((1, 1, 64, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="interpret"):
+        mosaic_bwd.backward(q, q, q, q, lse, q, causal=True, interpret=True, config=cfg)
+    skv = 2 * mosaic_bwd.BLOCK_KV * (mosaic_bwd.FUSED_MAX_CTAS + 1)
+    qs = jax.ShapeDtypeStruct((1, 1, 128, 64), jnp.bfloat16)
+    ks = jax.ShapeDtypeStruct((1, 1, skv, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="fit on the GPU"):
+        mosaic_bwd.lower_for_cuda(qs, ks, ks, causal=True, config=cfg)
 
 
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
-               {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)}):
+               {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
+               {"dq": "atomic"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
+    with pytest.raises(ValueError, match="lane"):
+        mosaic_bwd.BwdConfig(dq="fused", semantics="warpgroup")
 
 
 @needs_api

@@ -81,6 +81,8 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
+#: ``dq="fused"``: the most dK/dV CTAs of one KV head (the H200's 132 SMs, one CTA each).
+FUSED_MAX_CTAS = 132
 
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "delta", "dkdv", "dq_accumulate",
            "interpret_params", "lower_for_cuda", "reset_interpret_state"]
@@ -119,11 +121,19 @@ class BwdConfig:
     #: Compute warpgroups of the dQ kernel (1 or 2). With 2, a CTA holds two 64-row
     #: query tiles that share one stream of KV blocks (each tile's rows see the same
     #: blocks in the same order as with 1: the same bits). Needs ``Sq`` to be a
-    #: multiple of 128 (else 1 is used).
+    #: multiple of 128, and the GPU operand path where D=128 (else 1 is used).
     dq_wgs: int = 2
     #: ``setmaxnreg`` (compute, producer) where a kernel has two compute warpgroups
     #: (three warpgroups share the register file); None: no reallocation.
     registers: tuple[int, int] | None = (240, 24)
+    #: dQ: "separate" (the dQ kernel: each tile walks its KV blocks, recomputing the
+    #: scores and dp: 7 matrix products per block pair in all) or "fused" (the dK/dV
+    #: kernel also forms each block's dS K and adds it to the tile's fp32 dQ in global
+    #: memory, in a fixed order enforced by one GMEM semaphore per tile: descending KV
+    #: block, the order in which the causal wavefront reaches a tile; 5 products).
+    #: "fused" is its own arithmetic (other dQ bits), GPU only (the interpreter has no
+    #: semaphores or atomics), and needs the "lane" semantics. Not yet run on a GPU.
+    dq: str = "separate"
 
     def __post_init__(self):
         if self.stages < 1:
@@ -137,6 +147,10 @@ class BwdConfig:
                              f"{self.accumulate!r}")
         if self.dkdv_wgs not in (1, 2):
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
+        if self.dq not in ("separate", "fused"):
+            raise ValueError(f"dq must be 'separate' or 'fused', got {self.dq!r}")
+        if self.dq == "fused" and self.semantics != "lane":
+            raise ValueError("dq='fused' needs semantics='lane' (atomic adds)")
         if self.dq_wgs not in (1, 2):
             raise ValueError(f"dq_wgs must be 1 or 2, got {self.dq_wgs}")
         if self.registers is not None and (
@@ -335,13 +349,53 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     if inplace and (not gpu_operands or interpret is not None):
         raise ValueError("accumulate='inplace' needs the GPU operand path (and no "
                          "interpret mode)")
+    fused = cfg.dq == "fused"
+    if fused and (not gpu_operands or interpret is not None):
+        raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
+                         "the interpreter has no semaphores or atomics)")
+    if fused and skv // (nwg * bkv) > FUSED_MAX_CTAS:
+        # A CTA waits for the CTAs of later KV blocks of its head, launched after it:
+        # they must all fit on the GPU at once (one CTA per SM), or none can go on.
+        raise ValueError(f"dq='fused' needs the {skv // (nwg * bkv)} CTAs of one KV head "
+                         f"(Skv={skv}) to fit on the GPU at once (at most "
+                         f"{FUSED_MAX_CTAS}); use dq='separate'")
     group, n_q, offset = hq // hkv, sq // BLOCK_Q, skv - sq
+    n_kv = skv // bkv
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
 
+    def add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, kb):
+        """Fused dQ: this block's share ``dS K`` of the query tile of step ``t``, into
+        the tile's fp32 dQ in global memory once every later KV block has added its
+        share (the tile's semaphore counts them). The first share is stored (no zero
+        fill is needed); rows that see no key at all are zeroed by the caller."""
+        i = first + lax.rem(t, n)
+        h = kvh * group + lax.div(t, n)
+        hi = _last_kvblock(i * bq, causal=causal, offset=offset, n_kv=n_kv)
+
+        @pl.when(kb < hi)  # this block is one of the tile's [0, hi)
+        def _():
+            sm["dsq"][...] = ds_t.astype(dtype)  # [keys, queries]
+            plgpu.commit_smem()
+            part = _wgmma(_t(sm["dsq"]), sm["k"], (bq, d))  # dS [q, keys] @ K
+            rank = hi - 1 - kb
+            sem = sems.at[(bi * hq + h) * n_q + i]
+            plgpu.semaphore_wait(sem, rank, decrement=False, memory_scope="gpu")
+            dst = dq_ref.at[bi, h, pl.ds(i * bq, bq)]
+
+            @pl.when(rank == 0)
+            def _():
+                dst[...] = part
+
+            @pl.when(rank > 0)
+            def _():
+                plgpu.atomic_add(dst, part)
+
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
     def compute_wg(w, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
-                   total):
+                   total, dq_ref=None, sems=None):
         # Warpgroup w holds the CTA's w-th KV block; the query stream starts at the
         # CTA's ``first`` (that of its first block), so where this block's own first
         # visible query block is later, the steps before it are fully masked.
@@ -349,6 +403,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
+        if fused:
+            sm.update(dsq=sm["dsq"].at[w])
         plgpu.copy_gmem_to_smem(k_ref.at[bi, kvh, pl.ds(start, bkv)], sm["k"],
                                 bars["misc"].at[2 * w])
         plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(start, bkv)], sm["v"],
@@ -390,6 +446,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 pv, dsq = _wgmma_pair(p_op, do_s, (bkv, d), ds_op, q_s, (bkv, d),
                                       cfg.pair_products)
                 dv, dk = dv + pv, dk + dsq
+            if fused:
+                add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, start // bkv)
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dk, dv
 
@@ -425,7 +483,11 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     names = ["q", "do", "lse", "delta"] + ([] if gpu_operands else ["qt", "dot"])
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        *t_refs, dk_ref, dv_ref = rest
+        if fused:
+            *t_refs, dk_ref, dv_ref, dq_ref = rest
+            sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,)))
+        else:
+            (*t_refs, dk_ref, dv_ref), dq_ref, sems = rest, None, None
         kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
         start = kb * (nwg * bkv)
         first = _first_qblock(start, causal=causal, offset=offset, n_q=n_q)
@@ -449,6 +511,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 dot=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
                 p=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)),
                 ds=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)))
+        if fused:
+            spec["dsq"] = plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq))
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=2 * nwg)
@@ -460,7 +524,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             def _():
                 _set_registers(cfg, nwg, interpret, 0)
                 compute_wg(wg, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first,
-                           n, total)
+                           n, total, dq_ref, sems)
 
             @pl.when(wg == nwg)
             def _():
@@ -472,7 +536,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, hkv, skv, d), dtype),
-                  jax.ShapeDtypeStruct((b, hkv, skv, d), dtype)),
+                  jax.ShapeDtypeStruct((b, hkv, skv, d), dtype))
+        + ((jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),) if fused else ()),
         grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"),
         num_threads=nwg + 1, thread_name="wg",
         compiler_params=_compiler_params(cfg), interpret=interpret)
@@ -494,7 +559,9 @@ def _last_kvblock(q0, *, causal, offset, n_kv):
 def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
               interpret):
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
-    nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 else 1
+    # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
+    # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there.
+    nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64) else 1
     group, n_kv, offset = hq // hkv, skv // BLOCK_KV, skv - sq
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
@@ -662,7 +729,9 @@ def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None =
 def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=False,
          config: BwdConfig | None = None):
     """dK, dV ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype, given the final lse
-    and delta of every query row (``pallas_triton_vjp.dkdv``'s contract)."""
+    and delta of every query row (``pallas_triton_vjp.dkdv``'s contract); with
+    ``BwdConfig(dq="fused")`` also the unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]``
+    (:func:`dq_accumulate`'s contract, its own order)."""
     cfg, interp, gpu_operands, dims = _setup(q, k, v, interpret, config)
     _check_rows("d_out", d_out, q.shape)
     _check_rows("lse", lse, q.shape[:3], jnp.float32)
@@ -671,7 +740,17 @@ def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=F
                        gpu_operands=gpu_operands, interpret=interp)
     d_out = d_out.astype(q.dtype)
     extra = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    return call(q, k, v, d_out, lse, delta_, *extra)
+    outs = call(q, k, v, d_out, lse, delta_, *extra)
+    if cfg.dq != "fused":
+        return outs
+    dk, dv, acc = outs
+    if causal:
+        # Rows that see no key (query i sees key j iff j <= i + Skv - Sq): no KV block
+        # adds to their tiles, which are never written; their gradient is zero.
+        sq, skv = q.shape[2], k.shape[2]
+        seen = jnp.arange(sq) + (skv - sq) >= 0
+        acc = jnp.where(seen[:, None], acc, 0.0)
+    return dk, dv, acc
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -700,8 +779,11 @@ def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kw = dict(causal=causal, scale=scale, interpret=interpret, config=config)
     dl = delta(out, d_out.astype(out.dtype), d_lse, interpret=interpret, config=config)
-    dk, dv = dkdv(q, k, v, d_out, lse, dl, **kw)
-    acc = dq_accumulate(q, k, v, d_out, lse, dl, **kw)
+    if (config or BwdConfig()).dq == "fused":
+        dk, dv, acc = dkdv(q, k, v, d_out, lse, dl, **kw)
+    else:
+        dk, dv = dkdv(q, k, v, d_out, lse, dl, **kw)
+        acc = dq_accumulate(q, k, v, d_out, lse, dl, **kw)
     return (acc * scale).astype(q.dtype), dk, dv
 
 
