@@ -30,10 +30,13 @@ that the two backends can be compared op for op:
   Output: the unscaled fp32 accumulator, as ``pallas_triton_vjp.dq_accumulate``;
   :func:`backward` scales and casts it in XLA exactly as ``pallas_triton_vjp.backward``.
 
-Every accumulation (``dV``, ``dK``, ``dQ``) is ``acc + (fresh wgmma product)``, the
-Triton source's ``acc + dot(...)``: the wgmma accumulates into a *fresh* accumulator
-that is added to the running value in registers. No atomics; the order never depends
-on the shapes. Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
+By default every accumulation (``dV``, ``dK``, ``dQ``) is ``acc + (fresh wgmma
+product)``, the Triton source's ``acc + dot(...)``: the wgmma accumulates into a *fresh*
+accumulator that is added to the running value in registers. No atomics; the order
+never depends on the shapes. Options with their own bits (:class:`BwdConfig`):
+``accumulate="inplace"`` (dK/dV summed in the wgmma accumulators) and ``dq="fused"``
+(dQ formed in the dK/dV kernel and added in global memory in a semaphore-enforced
+order). Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
 and ``p = 0`` exactly: zero gradients.
 
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
