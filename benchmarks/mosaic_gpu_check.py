@@ -153,6 +153,8 @@ def check_forward(results: list) -> None:
                                                                  fin)),
                                nan=bool(np.isnan(np.asarray(o, np.float32)).any()),
                                out_bits_eq_pallas=_same(o, po))
+                    if first is None and fam == FLAGS.families[0]:
+                        row.update(_masked(mf, reference, q, k, v, causal, cfg))
                     if first is None:
                         first = (o, lse, cfg)
                         if fam == FLAGS.families[0]:
@@ -164,6 +166,19 @@ def check_forward(results: list) -> None:
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                 results.append(row)
                 print(row, flush=True)
+
+
+def _masked(mf, reference, q, k, v, causal, cfg) -> dict:
+    """A random key padding mask (one sequence with every key dropped): the error
+    against the reference with that mask, NaN, and 0 / -inf for the dropped sequence."""
+    b, skv = k.shape[0], k.shape[2]
+    mask = jax.random.bernoulli(jax.random.key(skv), 0.8, (b, skv)).at[-1].set(False)
+    o, lse = mf.forward(q, k, v, causal=causal, config=cfg, key_padding_mask=mask)
+    ro, _ = reference.forward_fp32_with_lse(q, k, v, causal=causal, key_padding_mask=mask)
+    return dict(mask_err=_rel(o.astype(jnp.float32), ro),
+                mask_nan=bool(np.isnan(np.asarray(o, np.float32)).any()),
+                mask_dropped_ok=bool(not np.asarray(o[-1], np.float32).any()
+                                     and np.all(np.asarray(lse[-1]) == -np.inf)))
 
 
 def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
@@ -185,6 +200,16 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
                 row[name] = _same(oc, o[:, :, -n:]) and _same(lc, lse[:, :, -n:])
         o2, l2 = mf.forward(q, k, v, causal=causal, config=cfg)
         row["run_to_run"] = _same(o2, o) and _same(l2, lse)
+        # Tail key padding: 100 more keys (and, causal, 100 more queries), dropped by a
+        # key padding mask, give the rows of the unpadded call.
+        pad = ((0, 0), (0, 0), (0, 100), (0, 0))
+        skv = k.shape[2]
+        keep = jnp.broadcast_to(jnp.arange(skv + 100) < skv, (k.shape[0], skv + 100))
+        op, lp = mf.forward(jnp.pad(q, pad) if causal else q, jnp.pad(k, pad),
+                            jnp.pad(v, pad), causal=causal, config=cfg,
+                            key_padding_mask=keep)
+        n = q.shape[2]
+        row["tail_padding"] = _same(op[:, :, :n], o) and _same(lp[:, :, :n], lse)
     except Exception as e:  # reported; the rest goes on
         row["error"] = f"{type(e).__name__}: {e}"[:400]
     results.append(row)
@@ -243,6 +268,50 @@ def check_backward(results: list) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             results.append(row)
             print(row, flush=True)
+
+
+def check_backward_tails(results: list) -> None:
+    """The backward at Sq=Skv=1000 (padded inside) with a random key padding mask:
+    errors against the fp32 reference's gradients with that mask, zero gradients for
+    the dropped keys; and 1000 tokens padded to 1100 with the padding keys dropped (zero
+    cotangent on the padding rows) against the 1000 alone, in bits. Defaults and the
+    fused dQ."""
+    from jaxattn import reference
+    from jaxattn.kernels import mosaic_bwd as mb
+    for causal, kw in itertools.product([True, False], [{}, dict(dq="fused")]):
+        row = {"kind": "backward-tails", "causal": causal, **kw}
+        try:
+            cfg = mb.BwdConfig(**kw)
+            q, k, v, do = _inputs(2, 8, 2, 1000, 1000, 128, seed=11)
+            mask = jax.random.bernoulli(jax.random.key(3), 0.8, (2, 1000))
+            out, lse = reference.forward_with_lse(q, k, v, causal=causal,
+                                                  key_padding_mask=mask)
+            g = mb.backward(q, k, v, out, lse, do, causal=causal, config=cfg,
+                            key_padding_mask=mask)
+            ref = jax.vjp(lambda q, k, v, c=causal, m=mask: reference.forward_fp32(
+                q, k, v, causal=c, key_padding_mask=m), q, k, v)[1](do.astype(jnp.float32))
+            dropped = ~np.asarray(mask)
+            row.update(errs=[_rel(a.astype(jnp.float32), r) for a, r in zip(g, ref,
+                                                                             strict=True)],
+                       nan=any(bool(np.isnan(np.asarray(a, np.float32)).any()) for a in g),
+                       dropped_zero=all(not np.asarray(a, np.float32)[i][:, dropped[i]].any()
+                                        for a in g[1:] for i in range(2)))
+            pad = ((0, 0), (0, 0), (0, 100), (0, 0))
+            o1, l1 = reference.forward_with_lse(q, k, v, causal=causal)
+            alone = mb.backward(q, k, v, o1, l1, do, causal=causal, config=cfg)
+            tail = jnp.broadcast_to(jnp.arange(1100) < 1000, (2, 1100))
+            qp = jnp.pad(q, pad) if causal else q
+            dop = jnp.pad(do, pad) if causal else do
+            o2, l2 = reference.forward_with_lse(qp, jnp.pad(k, pad), jnp.pad(v, pad),
+                                                causal=causal, key_padding_mask=tail)
+            padded = mb.backward(qp, jnp.pad(k, pad), jnp.pad(v, pad), o2, l2, dop,
+                                 causal=causal, config=cfg, key_padding_mask=tail)
+            row["tail_padding"] = all(_same(a, p_[:, :, :1000]) for a, p_ in zip(
+                alone, padded, strict=True))
+        except Exception as e:  # reported; the rest goes on
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        results.append(row)
+        print(row, flush=True)
 
 
 def _variant(spec: str):
@@ -338,6 +407,7 @@ def main(argv):
     if FLAGS.checks:
         check_forward(results)
         if FLAGS.backward:
+            check_backward_tails(results)
             check_backward(results)
     if FLAGS.speed:
         time_speed(results)

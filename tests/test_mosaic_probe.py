@@ -185,6 +185,50 @@ def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
 
 @needs_sync
 @needs_interpret
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpret_key_mask(mosaic_fwd, causal):
+    """A key padding mask: accuracy against the reference with random dropped keys (a
+    block with none dropped keeps the unmasked path) and a sequence whose keys are all
+    dropped (0 / -inf); a sequence padded with dropped keys from 100 to 130 gives the
+    bits of the unpadded one (its last block masked by its length, the padded call's
+    by the mask; the blocks after it add nothing)."""
+    seed, q, k, v = _inputs(2, 1, 1, 100 if causal else 40, 130, 64)
+    mask = np.array(jax.random.bernoulli(jax.random.key(seed), 0.8, (2, 130)))
+    mask[:, :64] = True  # block 0 drops nothing: the unmasked path where the row sees it
+    mask[1] = False
+    mask = jnp.asarray(mask)
+    cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
+    out, lse = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True, config=cfg,
+                                  key_padding_mask=mask)
+    ref_out, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal,
+                                                       key_padding_mask=mask)
+    out32 = np.asarray(out.astype(jnp.float32))
+    assert not np.isnan(out32).any() and not np.isnan(np.asarray(lse)).any()
+    err = np.max(np.abs(out32 - np.asarray(ref_out))) / np.max(np.abs(np.asarray(ref_out)))
+    assert err < 1e-2, f"max|out-ref|/max|ref| = {err:.3g} (seed {seed})"
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)),
+                                  np.isfinite(np.asarray(ref_lse)), err_msg=f"seed {seed}")
+    assert not out32[1].any() and np.all(np.asarray(lse)[1] == -np.inf)
+    # Tail padding: keys [100, 130) dropped vs the first 100 keys alone (causal: the
+    # first 100 queries; the padded call's rows are the same tiles).
+    tail = jnp.broadcast_to(jnp.arange(130)[None, :] < 100, (2, 130))
+    qq = q[:, :, :100] if causal else q
+    qp = jnp.pad(qq, ((0, 0), (0, 0), (0, 30), (0, 0))) if causal else q
+    padded = mosaic_fwd.forward(qp, k, v, causal=causal, interpret=True, config=cfg,
+                                key_padding_mask=tail)
+    alone = mosaic_fwd.forward(qq, k[:, :, :100], v[:, :, :100], causal=causal,
+                               interpret=True, config=cfg)
+    n = qq.shape[2]
+    for x, y in zip(alone, padded, strict=True):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
+                                                         else np.uint32),
+                                      np.asarray(y[:, :, :n]).view(
+                                          np.uint16 if y.dtype.itemsize == 2 else np.uint32),
+                                      err_msg=f"seed {seed}")
+
+
+@needs_sync
+@needs_interpret
 def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
     """A token's row has the same bits in a full causal prefill, in a chunk of 70
     queries (a start that is not a multiple of 64) and as a decode row: the padding
@@ -216,8 +260,8 @@ def test_interpret_tests_in_subprocess():
     result; a wrong result fails)."""
     out = run_interpret_tests_in_subprocess(
         __file__, "interpret_forward or interpret_launch or interpret_rows or "
-        "interpret_persistent")
-    assert f"{len(_CASES) + 4} passed" in out, out[-3000:]
+        "interpret_persistent or interpret_key_mask")
+    assert f"{len(_CASES) + 6} passed" in out, out[-3000:]
 
 
 @needs_api
@@ -269,6 +313,34 @@ def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
     for cfg in (mosaic_fwd.MosaicConfig(), mosaic_fwd.MosaicConfig(overlap="smem")):
         lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=cfg)
         assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_api
+@pytest.mark.parametrize("kw", [{}, {"overlap": "registers"}, {"persistent": 132},
+                                {"rowsum": "mma", "accumulate": "fresh"}],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
+                         or "default")
+@pytest.mark.parametrize("sq", [300, 1])
+def test_key_mask_lowers_for_cuda(mosaic_fwd, kw, sq):
+    """A key padding mask (keep values streamed with V, per-block flags choosing the
+    masked path) lowers, for prefill and stacked decode."""
+    q = jax.ShapeDtypeStruct((2, 8, sq, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 1000, 128), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 1000), jnp.bool_)
+    for causal in (True, False):
+        lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=mask,
+                                            config=mosaic_fwd.MosaicConfig(**kw))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_api
+def test_rejects_bad_key_mask(mosaic_fwd):
+    q = jnp.ones((1, 1, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mosaic_fwd.forward(q, q, q, interpret=True, key_padding_mask=jnp.ones((1, 63), bool))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        mosaic_fwd.forward(q, q, q, interpret=True,
+                           key_padding_mask=jnp.ones((1, 64), jnp.int32))
 
 
 @needs_api

@@ -48,9 +48,10 @@ Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
   to ``[..., D, S]`` and TMA loads ``[D, 64]`` tiles, and the A operands are staged
   through SMEM (``commit_smem`` before the wgmma).
 
-Restrictions (prototype): bf16/fp16, D in {64, 128}, ``Sq`` and ``Skv`` positive
-multiples of 64 (ValueError otherwise), no key padding mask, no per-sequence causal
-offsets, no dQ continuation (``acc``) across key ranges.
+:func:`backward` takes any positive ``Sq`` and ``Skv`` (padded inside as the forward
+pads) and a key padding mask; :func:`dkdv` and :func:`dq_accumulate` keep the whole-tile
+contract (multiples of 64, no mask). Restrictions (prototype): bf16/fp16, D in {64, 128},
+no per-sequence causal offsets, no dQ continuation (``acc``) across key ranges.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from jaxattn.kernels.mosaic_fwd import (
     _smem_transforms,
     check_inputs,
     interpret_params,
+    padding,
     reset_interpret_state,
     resolve_interpret,
 )
@@ -345,7 +347,11 @@ def _first_qblock(start, *, causal, offset, n_q):
 
 
 def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-                interpret):
+                interpret, offset=None, key_mask=False):
+    """dK/dV (and with ``dq="fused"`` dQ) for ``sq`` query rows and ``skv`` keys (both
+    multiples of 64); query row i sees key j iff ``j <= i + offset`` when causal
+    (default ``skv - sq``). ``key_mask``: the kernel also takes ``keep`` (fp32
+    ``[B, skv]``, 1 = keep) and drops the other keys."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
     inplace = cfg.accumulate == "inplace"
@@ -362,7 +368,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         raise ValueError(f"dq='fused' needs the {skv // (nwg * bkv)} CTAs of one KV head "
                          f"(Skv={skv}) to fit on the GPU at once (at most "
                          f"{FUSED_MAX_CTAS}); use dq='separate'")
-    group, n_q, offset = hq // hkv, sq // BLOCK_Q, skv - sq
+    group, n_q = hq // hkv, sq // BLOCK_Q
+    offset = skv - sq if offset is None else offset
     n_kv = skv // bkv
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
@@ -398,7 +405,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
     def compute_wg(w, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
-                   total, dq_ref=None, sems=None):
+                   total, dq_ref=None, sems=None, keep_ref=None):
         # Warpgroup w holds the CTA's w-th KV block; the query stream starts at the
         # CTA's ``first`` (that of its first block), so where this block's own first
         # visible query block is later, the steps before it are fully masked.
@@ -416,6 +423,12 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
         # [keys, queries]: visible iff start + r <= q0 + c + offset.
         diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
+        kept = None
+        if key_mask:  # the block's keys that are kept, as rows of [keys, queries]
+            plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(start, bkv)], sm["keep"].at[w],
+                                    bars["keep"].at[w])
+            plgpu.barrier_wait(bars["keep"].at[w])
+            kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[w], 1), (bkv, bq), [0]) != 0.0
 
         def step(t, carry, accs=None):
             """One query block; ``accs``: the (dK, dV) wgmma accumulators to sum into
@@ -434,8 +447,11 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
                                     cfg.pair_products)
             s_t = s_t * scale
-            if causal:
-                s_t = jnp.where(diag <= q0 + offset - start, s_t, NEG_INF)
+            visible = diag <= q0 + offset - start if causal else None
+            if kept is not None:
+                visible = kept if visible is None else visible & kept
+            if visible is not None:
+                s_t = jnp.where(visible, s_t, NEG_INF)
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
             p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
             p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
@@ -486,6 +502,9 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     names = ["q", "do", "lse", "delta"] + ([] if gpu_operands else ["qt", "dot"])
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        keep_ref = None
+        if key_mask:
+            keep_ref, *rest = rest
         if fused:
             *t_refs, dk_ref, dv_ref, dq_ref = rest
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,)))
@@ -516,9 +535,13 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 ds=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)))
         if fused:
             spec["dsq"] = plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq))
+        if key_mask:
+            spec["keep"] = plgpu.SMEM((nwg, bkv), jnp.float32)
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=2 * nwg)
+        if key_mask:
+            bar_spec["keep"] = plgpu.Barrier(num_barriers=nwg)
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
@@ -527,7 +550,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             def _():
                 _set_registers(cfg, nwg, interpret, 0)
                 compute_wg(wg, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first,
-                           n, total, dq_ref, sems)
+                           n, total, dq_ref, sems, keep_ref)
 
             @pl.when(wg == nwg)
             def _():
@@ -560,16 +583,20 @@ def _last_kvblock(q0, *, causal, offset, n_kv):
 
 
 def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-              interpret):
+              interpret, offset=None, key_mask=False):
+    """The unscaled fp32 dQ accumulator; ``offset`` and ``key_mask`` as in
+    :func:`_build_dkdv` (the keep values stream with K and V)."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
     # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there.
     nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64) else 1
-    group, n_kv, offset = hq // hkv, skv // BLOCK_KV, skv - sq
+    group, n_kv = hq // hkv, skv // BLOCK_KV
+    offset = skv - sq if offset is None else offset
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
-    names = ["k", "v"] if gpu_operands else ["k", "kt", "vt"]
+    names = (["k", "v"] if gpu_operands else ["k", "kt", "vt"]) + (["keep"] if key_mask
+                                                                  else [])
     row_names = ("q", "do", "lse", "delta")
 
     def compute_wg(w, q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, tile0,
@@ -605,8 +632,13 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             s, dp = _wgmma_pair(own["q"], kt, (bq, bkv), own["do"], vt, (bq, bkv),
                                 cfg.pair_products)
             s = s * scale
-            if causal:
-                s = jnp.where(diag <= q0 + offset - j * bkv, s, NEG_INF)
+            visible = diag <= q0 + offset - j * bkv if causal else None
+            if key_mask:
+                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0), (bq, bkv),
+                                            [1]) != 0.0
+                visible = kept if visible is None else visible & kept
+            if visible is not None:
+                s = jnp.where(visible, s, NEG_INF)
             p = jnp.exp(s - lax.broadcast_in_dim(lse_safe, (bq, bkv), [0]))
             ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
             ds_op = _a_operand(ds.astype(dtype), ds_s, gpu_operands)
@@ -633,6 +665,8 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
     def producer_wg(srcs, sm, bars, bi, kvh, hi):
         def source(name, ref, j):
             cols = pl.ds(j * bkv, bkv)
+            if name == "keep":
+                return ref.at[bi, cols]
             return ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
 
         _produce(srcs, sm, bars, stages, hi, source)
@@ -662,6 +696,8 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
                 kt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
                 vt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
                 ds=plgpu.SMEM((nwg, bq, bkv), dtype, transforms=tr(bkv)))
+        if key_mask:
+            spec["keep"] = plgpu.SMEM((stages, bkv), jnp.float32)
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=4 * nwg)
@@ -773,33 +809,115 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
 def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
-             scale: float | None = None, interpret=False, config: BwdConfig | None = None):
+             scale: float | None = None, interpret=False, config: BwdConfig | None = None,
+             key_padding_mask=None):
     """Gradients ``(dq, dk, dv)`` of attention given the forward's ``(out, lse)`` and the
     cotangents ``d_out`` (and optionally ``d_lse``); ``pallas_triton_vjp.backward``'s
     order and final scaling. ``interpret``: False (GPU), True or an
-    ``InterpretGPUParams`` (Mosaic GPU interpret mode on the CPU)."""
-    _check(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    kw = dict(causal=causal, scale=scale, interpret=interpret, config=config)
-    dl = delta(out, d_out.astype(out.dtype), d_lse, interpret=interpret, config=config)
-    if (config or BwdConfig()).dq == "fused":
-        dk, dv, acc = dkdv(q, k, v, d_out, lse, dl, **kw)
+    ``InterpretGPUParams`` (Mosaic GPU interpret mode on the CPU).
+
+    Any ``Sq``, ``Skv``: the rows are padded as the forward pads them
+    (``mosaic_fwd.padding``: causal tiles aligned to 64 absolute positions; padding rows
+    get ``lse = -inf``, so they add nothing) and the keys to whole blocks, dropped by the
+    key mask. ``key_padding_mask``: None or ``[B, Skv]`` bool, True = keep; dropped keys
+    get zero gradients."""
+    check_inputs(q, k, v)
+    cfg = config or BwdConfig()
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _check_rows("out", out, q.shape)
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
+    if d_lse is not None:
+        _check_rows("d_lse", d_lse, (b, hq, sq))
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
+            raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
+                             f"{key_padding_mask.dtype} {key_padding_mask.shape}")
+    lead, sq_pad, skv_pad = padding(sq, skv, causal, BLOCK_Q * cfg.dq_wgs)
+    rows = ((0, 0), (0, 0), (lead, sq_pad - sq - lead))
+    if (lead, sq_pad) != (0, sq):
+        q, out, d_out = (jnp.pad(x, (*rows, (0, 0))) for x in (q, out, d_out))
+        lse = jnp.pad(lse, rows, constant_values=NEG_INF)  # padding rows add nothing
+        d_lse = None if d_lse is None else jnp.pad(d_lse, rows)
+    keep = key_padding_mask
+    if skv_pad != skv:
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
+        keep = jnp.ones((b, skv), jnp.bool_) if keep is None else keep
+        keep = jnp.pad(keep, ((0, 0), (0, skv_pad - skv)))
+    dq, dk, dv = _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep,
+                                  offset=skv - sq - lead, causal=causal, scale=scale,
+                                  interpret=interpret, cfg=cfg)
+    return dq[:, :, lead:lead + sq], dk[:, :, :skv], dv[:, :, :skv]
+
+
+def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, scale,
+                     interpret, cfg):
+    """:func:`backward` on whole tiles: ``Sq`` and ``Skv`` multiples of 64, row i seeing
+    key j iff ``j <= i + offset`` (causal), ``keep`` None or bool ``[B, Skv]``."""
+    kw = dict(offset=offset, causal=causal, scale=scale, interpret=interpret, config=cfg)
+    d_out = d_out.astype(q.dtype)
+    dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg)
+    keep = None if keep is None else keep.astype(jnp.float32)
+    outs = _dkdv_blocks(q, k, v, d_out, lse, dl, keep, **kw)
+    if cfg.dq == "fused":
+        dk, dv, acc = outs
+        if causal:
+            # Rows that see no key (i + offset < 0): no KV block adds to their tiles,
+            # which are never written; their gradient is zero.
+            acc = jnp.where((jnp.arange(q.shape[2]) + offset >= 0)[:, None], acc, 0.0)
     else:
-        dk, dv = dkdv(q, k, v, d_out, lse, dl, **kw)
-        acc = dq_accumulate(q, k, v, d_out, lse, dl, **kw)
+        dk, dv = outs
+        acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
     return (acc * scale).astype(q.dtype), dk, dv
 
 
+def _block_dims(q, k, interpret, config, causal, scale, offset, keep):
+    interp = resolve_interpret(interpret)
+    gpu_operands = (config.gpu_operands if config.gpu_operands is not None
+                    else interp is None)
+    b, hq, sq, d = q.shape
+    _, hkv, skv, _ = k.shape
+    return gpu_operands, dict(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype,
+                              causal=causal, scale=scale, cfg=config,
+                              gpu_operands=gpu_operands, interpret=interp, offset=offset,
+                              key_mask=keep is not None)
+
+
+# Each kernel in a jitted function of its own (one interpreted kernel per XLA
+# computation: two in one computation deadlocked the JAX 0.10.2 interpreter).
+@functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
+                                             "config"))
+def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, *, offset, causal, scale, interpret,
+                 config):
+    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep)
+    keep_in = () if keep is None else (keep,)
+    t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
+    return _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *t_in)
+
+
+@functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
+                                             "config"))
+def _dq_blocks(q, k, v, d_out, lse, delta_, keep, *, offset, causal, scale, interpret,
+               config):
+    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep)
+    keep_in = () if keep is None else (keep,)
+    kv = (k, v) if gpu_operands else (k, _t_in(k), _t_in(v))
+    return _build_dq(**dims)(q, d_out, lse, delta_, *kv, *keep_in)
+
+
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   config: BwdConfig | None = None):
+                   config: BwdConfig | None = None, key_padding_mask=None):
     """Lower (not compile) the whole GPU backward (delta, dK/dV, dQ) for CUDA on a
-    machine without a GPU; ``q``/``k``/``v`` may be ``jax.ShapeDtypeStruct``. Returns the
-    ``jax.stages.Lowered``."""
+    machine without a GPU; ``q``/``k``/``v`` (and ``key_padding_mask``) may be
+    ``jax.ShapeDtypeStruct``. Returns the ``jax.stages.Lowered``."""
     b, hq, sq, _ = q.shape
 
-    def f(q, k, v, out, lse, d_out):
+    def f(q, k, v, out, lse, d_out, mask):
         return backward(q, k, v, out, lse, d_out, causal=causal, scale=scale,
-                        interpret=False, config=config)
+                        interpret=False, config=config, key_padding_mask=mask)
 
     lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
-    return jax.jit(f).trace(q, k, v, q, lse, q).lower(lowering_platforms=("cuda",))
+    return jax.jit(f).trace(q, k, v, q, lse, q, key_padding_mask).lower(
+        lowering_platforms=("cuda",))

@@ -306,13 +306,18 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 
 
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
-           gpu_operands: bool, interpret, position: int | None = None):
+           gpu_operands: bool, interpret, position: int | None = None,
+           key_mask: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
     row i seeing key j iff ``j <= i + offset`` when causal. ``position``: every row is
     the query at that absolute position instead (stacked decode rows, see
     :func:`forward`); its blocks and their masked/unmasked paths are then those of a
-    prefill row at that position."""
+    prefill row at that position. ``key_mask``: the kernel also takes ``keep`` (fp32
+    ``[B, skv]``, 1 = keep) and ``flags`` (int32 ``[B, blocks]``, 1 where a block drops a
+    key); a block with a dropped key takes the masked path with the keys dropped, in
+    place of the unmasked one (so a sequence padded with dropped keys gives the rows of
+    the unpadded one, whose last block is masked by its length)."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
     rows_cta = cfg.rows
@@ -352,11 +357,12 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base):
+    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
+                   flags_ref=None):
         """One (tile, head, batch) item of warpgroup ``w``; ``base``: the K/V loads of
         the CTA's earlier items (the ring's position)."""
-        q_s, k_s, v_s, p_s, ones_s, lse_s = smem
-        k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched = bars
+        q_s, k_s, v_s, p_s, ones_s, lse_s, keep_s = smem
+        k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched, m_bar = bars
         q_s, lse_s = q_s.at[w], lse_s.at[w]
         if p_s is not None:
             p_s = p_s.at[w]
@@ -386,6 +392,17 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         def slot_of(j):
             return lax.rem(base + j, jnp.int32(stages))
 
+        def keep_vec(j):
+            """Block j's keep values (1 or 0 per key) as a column vector."""
+            ref = keep_s.at[slot_of(j)]
+            if layout_hints:
+                return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            return ref[...]
+
+        def wait_keep(j):
+            if key_mask:  # every block's, to keep the barrier's phase
+                plgpu.barrier_wait(m_bar.at[slot_of(j)])
+
         def kt_of(slot):
             return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
                     else k_s.at[slot])
@@ -402,7 +419,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             # two paths on the H200.) The mask selects the max's input and the
             # exponential's output, never the exponent. (A non-causal call whose keys
             # fill whole blocks has nothing to mask under key_bound="needed".)
-            masked = masked and (key_bound or causal)
+            masked = masked and (key_bound or causal or key_mask)
             if masked:
                 # Keys from Skv on (the padding of a partial last block) are masked
                 # for every row, also where the causal bound alone would hide them.
@@ -411,6 +428,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     c = (diag <= q0 + offset - j * bn if position is None
                          else cols <= position - j * bn)
                     visible = c if visible is None else visible & c
+                if key_mask:
+                    kept = lax.broadcast_in_dim(keep_vec(j), (bm, bn), [1]) != 0.0
+                    visible = kept if visible is None else visible & kept
                 raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
             else:
                 raw_max = s.max(axis=1)
@@ -423,10 +443,20 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             l_new = None if use_mma_rowsum else l * alpha + p32.sum(axis=1)
             return p32.astype(dtype), alpha, m_new, l_new
 
+        def softmax_at(j, s, m, l, masked):
+            """``softmax`` on the block's path: with a key mask, a block that would take
+            the unmasked path takes the masked one where it drops a key."""
+            if masked or not key_mask:
+                return softmax(j, s, m, l, masked)
+            return lax.cond(flags_ref[bi, j] != 0,
+                            lambda: softmax(j, s, m, l, True),
+                            lambda: softmax(j, s, m, l, False))
+
         def block_step(j, carry, masked):
             acc, m, l = carry
             slot = slot_of(j)
             plgpu.barrier_wait(k_bar.at[slot])
+            wait_keep(j)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_s, kt_of(slot))
@@ -436,7 +466,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m_new, l_new = softmax(j, s, m, l, masked)
+            p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked)
             if gpu_operands:
                 p_op = p
             else:
@@ -502,7 +532,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                 s = plgpu.wgmma_accumulator_load(s_acc, wait_n=None)
                 plgpu.barrier_arrive(k_free.at[slot])
-                p, alpha, m_new, l_new = softmax(j, s, m, l, masked)
+                wait_keep(j)
+                p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked)
                 plgpu.wgmma_wait(0)  # P V of block j-1
 
                 @pl.when(j > lo)
@@ -572,6 +603,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         def skip(j, _):
             slot = slot_of(j)
             plgpu.barrier_wait(k_bar.at[slot])
+            wait_keep(j)
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
@@ -591,11 +623,13 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
         plgpu.wait_smem_to_gmem(0)
 
-    def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base):
+    def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
         """The K/V loads of one item: blocks [0, hi) into the ring from position
-        ``base`` on (each slot once the compute warpgroups have released it)."""
-        _, k_s, v_s, _, _, _ = smem
-        k_bar, v_bar, k_free, v_free, _, _, _ = bars
+        ``base`` on (each slot once the compute warpgroups have released it); with a
+        key mask, each block's keep values with its V (they are read up to the
+        softmax, V's slot is released after P V)."""
+        _, k_s, v_s, _, _, _, keep_s = smem
+        k_bar, v_bar, k_free, v_free, _, _, _, m_bar = bars
 
         def load(j, _):
             n = base + j
@@ -615,6 +649,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(j * bn, bn)], v_s.at[slot],
                                     v_bar.at[slot])
+            if key_mask:
+                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(j * bn, bn)], keep_s.at[slot],
+                                        m_bar.at[slot])
             return None
 
         lax.fori_loop(0, hi, load, None)
@@ -623,7 +660,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         """The producer's end: wait for the compute warpgroups' last release of every
         slot still in flight (of ``loads`` in all), so every barrier arrival is observed
         before the barriers are freed."""
-        _, _, k_free, v_free, _, _, _ = bars
+        _, _, k_free, v_free, _, _, _, _ = bars
 
         def wait(n, _):
             slot = lax.rem(n, jnp.int32(stages))
@@ -662,7 +699,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
         return count, at
 
-    def kernel(q_ref, k_ref, v_ref, ones_ref, o_ref, lse_ref):
+    def kernel(q_ref, k_ref, v_ref, ones_ref, *rest):
+        if key_mask:
+            keep_ref, flags_ref, o_ref, lse_ref = rest
+        else:
+            (o_ref, lse_ref), keep_ref, flags_ref = rest, None, None
         count, item_at = items_of_cta()
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
         scratch = [
@@ -675,6 +716,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                        transforms=_smem_transforms(ones_cols, itemsize))
             if use_mma_rowsum else None,
             plgpu.SMEM((nwg, bm), jnp.float32),
+            plgpu.SMEM((stages, bn), jnp.float32) if key_mask else None,
         ]
         barriers = (
             plgpu.Barrier(num_barriers=stages),  # K slot loaded
@@ -684,6 +726,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             plgpu.Barrier(num_barriers=nwg),  # Q tile loaded, per compute warpgroup
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
             plgpu.Barrier(num_arrivals=2, num_barriers=1) if pingpong else None,
+            plgpu.Barrier(num_barriers=stages) if key_mask else None,  # keep loaded
         )
 
         def body(smem, bars):
@@ -699,7 +742,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 def one(k, base):
                     tile0, h, bi, _, hi_cta = item_at(k)
                     compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta,
-                               base)
+                               base, flags_ref)
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, jnp.int32(0))
@@ -713,7 +756,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                 def one(k, base):
                     _, _, bi, kvh, hi_cta = item_at(k)
-                    producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base)
+                    producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base, keep_ref)
                     return base + hi_cta
 
                 drain(bars, lax.fori_loop(0, count, one, jnp.int32(0)))
@@ -737,16 +780,25 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ), ones_cols
 
 
-def _prepare(q, k, v, *, causal, scale, interpret, config):
+def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
     One query per head (decode, ``Sq == 1``) with at most 64 query heads per KV head:
     the group's heads are stacked as the rows of one 64-row warpgroup tile per (batch,
     KV head), so K and V are read once per group (``_build``'s ``position``). Otherwise
-    the rows are padded as :func:`padding` says."""
+    the rows are padded as :func:`padding` says. ``key_padding_mask`` ([B, Skv] bool,
+    True = keep) becomes the kernel's keep values (padding keys dropped) and per-block
+    flags."""
     cfg = config or MosaicConfig()
     check_inputs(q, k, v)
+    key_mask = key_padding_mask is not None
+    if key_mask:
+        if key_padding_mask.shape != (k.shape[0], k.shape[2]):
+            raise ValueError(f"key_padding_mask must be [B, Skv] = "
+                             f"{(k.shape[0], k.shape[2])}, got {key_padding_mask.shape}")
+        if key_padding_mask.dtype != jnp.bool_:
+            raise TypeError(f"key_padding_mask must be bool, got {key_padding_mask.dtype}")
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
@@ -761,7 +813,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv, offset=0, d=d,
                                  dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 position=skv - 1)
+                                 position=skv - 1, key_mask=key_mask)
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
 
         def unpad(out, lse):
@@ -772,7 +824,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv,
                                  offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                                 interpret=interpret)
+                                 interpret=interpret, key_mask=key_mask)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
 
@@ -784,32 +836,38 @@ def _prepare(q, k, v, *, causal, scale, interpret, config):
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
     ones = jnp.ones((bn, ones_cols), q.dtype)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)  # [B, Hkv, D, Skv]
-    return call, (q, k_in, v, ones), unpad
+    extra = ()
+    if key_mask:
+        keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
+        flags = (~keep).reshape(b, skv_pad // bn, bn).any(axis=2).astype(jnp.int32)
+        extra = (keep.astype(jnp.float32), flags)
+    return call, (q, k_in, v, ones, *extra), unpad
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
 def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-            interpret=False, config: MosaicConfig | None = None):
+            interpret=False, config: MosaicConfig | None = None, key_padding_mask=None):
     """Attention forward ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
 
     ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
-    CPU, default parameters) or an ``InterpretGPUParams``.
+    CPU, default parameters) or an ``InterpretGPUParams``. ``key_padding_mask``: None or
+    ``[B, Skv]`` bool, True = keep (DESIGN.md section 3).
     """
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
-                                 config=config)
+                                 config=config, key_padding_mask=key_padding_mask)
     return unpad(*call(*args))
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   config: MosaicConfig | None = None):
+                   config: MosaicConfig | None = None, key_padding_mask=None):
     """Lower (not compile) the GPU kernel for CUDA; works on a machine without a GPU.
 
     Runs the Pallas -> Mosaic GPU lowering (layouts, wgmma operand constraints, the
     SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
     """
-    def f(q, k, v):
+    def f(q, k, v, mask):
         call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
-                                     config=config)
+                                     config=config, key_padding_mask=mask)
         return unpad(*call(*args))
 
-    return jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
+    return jax.jit(f).trace(q, k, v, key_padding_mask).lower(lowering_platforms=("cuda",))
