@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 #: plgpu names both prototypes use.
@@ -16,6 +17,13 @@ NEEDED = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "barrier_
           "barrier_arrive", "transpose_ref", "layout_cast", "broadcasted_iota", "ACC", "SMEM",
           "Barrier", "TilingTransform", "SwizzleTransform", "commit_smem",
           "wait_smem_to_gmem", "LoweringSemantics")
+
+
+def bits(x):
+    """The raw bits of an array (bf16/fp16 as uint16, fp32 as uint32), for bitwise
+    comparisons."""
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 def missing_api(extra: tuple[str, ...] = ()) -> str | None:

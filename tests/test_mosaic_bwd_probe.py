@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mosaic_support import (
+    bits,
     missing_api,
     missing_interpret,
     needs_sync,
@@ -79,11 +80,6 @@ def _inputs(b, hq, hkv, sq, skv, d, dtype=jnp.bfloat16):
     for x in (q, k, v, do):
         assert float(jnp.max(jnp.abs(x.astype(jnp.float32)))) > 0.0
     return seed, q, k, v, do
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 def _triton(q, k, v, do, causal):
@@ -188,17 +184,17 @@ def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case
     out, lse, grads_t = _triton(q, k, v, do, causal)
     grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal)
     for name, g, gt in zip("qkv", grads, grads_t, strict=True):
-        np.testing.assert_array_equal(_bits(g), _bits(gt), err_msg=f"d{name} (seed {seed})")
+        np.testing.assert_array_equal(bits(g), bits(gt), err_msg=f"d{name} (seed {seed})")
     from jaxattn.kernels import pallas_triton_vjp
     dl = mosaic_bwd.delta(out, do, interpret=True)
-    np.testing.assert_array_equal(_bits(dl), _bits(pallas_triton_vjp.delta(out, do, None,
+    np.testing.assert_array_equal(bits(dl), bits(pallas_triton_vjp.delta(out, do, None,
                                                                             interpret=True)))
     scale = 1.0 / math.sqrt(d)
     acc = mosaic_bwd.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
                                    interpret=True)
     acc_t = pallas_triton_vjp.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
                                             interpret=True)
-    np.testing.assert_array_equal(_bits(acc), _bits(acc_t), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(bits(acc), bits(acc_t), err_msg=f"seed {seed}")
 
 
 @needs_sync
@@ -214,7 +210,7 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
                          config=mosaic_bwd.BwdConfig(delta="triton"))
     ref = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
     np.testing.assert_allclose(np.asarray(a), np.asarray(ref), rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"seed {seed}")
 
 
 @needs_sync
@@ -256,13 +252,13 @@ def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
                                  causal=True, interpret=True, config=cfg,
                                  key_padding_mask=tail)
     for name, a, p_ in zip("qkv", alone, padded, strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(p_[:, :, :100]),
+        np.testing.assert_array_equal(bits(a), bits(p_[:, :, :100]),
                                       err_msg=f"d{name} (seed {seed})")
 
 
 @needs_sync
 @needs_interpret
-def test_interpret_dkdv_two_warpgroups_keep_bits(mosaic_bwd):
+def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
     """Two KV blocks per CTA sharing one query stream (the second block's earlier,
     fully masked query blocks add exact zeros) give the bits of one block per CTA."""
     seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
@@ -273,12 +269,12 @@ def test_interpret_dkdv_two_warpgroups_keep_bits(mosaic_bwd):
                   mosaic_bwd.BwdConfig(dkdv_wgs=2, dq_wgs=1))
     for name, a, b in zip("qkv", one, two, strict=True):
         assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name} (seed {seed})")
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
 @needs_sync
 @needs_interpret
-def test_interpret_paired_products_keep_bits(mosaic_bwd):
+def test_interpret_paired_products_keepbits(mosaic_bwd):
     """Each step's two independent products issued together give the bits of one
     product at a time. (Two dQ tiles per CTA, ``dq_wgs=2``, are checked in bits on the
     H200 by mosaic_gpu_check: a three-warpgroup kernel hangs this interpreter too often.)"""
@@ -290,7 +286,7 @@ def test_interpret_paired_products_keep_bits(mosaic_bwd):
                   mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, pair_products=True))
     for name, a, b in zip("qkv", base, new, strict=True):
         assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"d{name} (seed {seed})")
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
 @needs_interpret

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mosaic_support import (
+    bits,
     missing_api,
     missing_interpret,
     needs_sync,
@@ -155,11 +156,7 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
                                                               q_order="ascending", stages=3))
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any()
-        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
-                                                         else np.uint32),
-                                      np.asarray(y).view(np.uint16 if y.dtype.itemsize == 2
-                                                         else np.uint32),
-                                      err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
 @needs_sync
@@ -176,11 +173,7 @@ def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
                                config=mosaic_fwd.MosaicConfig(persistent=3, **_ONE_WG))
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any(), f"seed {seed}"
-        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
-                                                         else np.uint32),
-                                      np.asarray(y).view(np.uint16 if y.dtype.itemsize == 2
-                                                         else np.uint32),
-                                      err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
 @needs_sync
@@ -220,11 +213,7 @@ def test_interpret_key_mask(mosaic_fwd, causal):
                                interpret=True, config=cfg)
     n = qq.shape[2]
     for x, y in zip(alone, padded, strict=True):
-        np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2
-                                                         else np.uint32),
-                                      np.asarray(y[:, :, :n]).view(
-                                          np.uint16 if y.dtype.itemsize == 2 else np.uint32),
-                                      err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(bits(x), bits(y[:, :, :n]), err_msg=f"seed {seed}")
 
 
 @needs_sync

@@ -728,15 +728,12 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
 # --------------------------------------------------------------------------- wrappers
 
 
-def _setup(q, k, v, interpret, config):
+def _check_whole_tiles(q, k, v, d_out, lse, delta_):
+    """:func:`dkdv`'s and :func:`dq_accumulate`'s input checks (whole tiles)."""
     _check(q, k, v)
-    cfg = config or BwdConfig()
-    interp = resolve_interpret(interpret)
-    gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interp is None
-    b, hq, sq, d = q.shape
-    _, hkv, skv, _ = k.shape
-    dims = dict(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype)
-    return cfg, interp, gpu_operands, dims
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, q.shape[:3], jnp.float32)
+    _check_rows("delta", delta_, q.shape[:3], jnp.float32)
 
 
 def _t_in(x):
@@ -771,25 +768,10 @@ def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=F
     and delta of every query row (``pallas_triton_vjp.dkdv``'s contract); with
     ``BwdConfig(dq="fused")`` also the unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]``
     (:func:`dq_accumulate`'s contract, its own order)."""
-    cfg, interp, gpu_operands, dims = _setup(q, k, v, interpret, config)
-    _check_rows("d_out", d_out, q.shape)
-    _check_rows("lse", lse, q.shape[:3], jnp.float32)
-    _check_rows("delta", delta_, q.shape[:3], jnp.float32)
-    call = _build_dkdv(**dims, causal=causal, scale=float(scale), cfg=cfg,
-                       gpu_operands=gpu_operands, interpret=interp)
-    d_out = d_out.astype(q.dtype)
-    extra = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    outs = call(q, k, v, d_out, lse, delta_, *extra)
-    if cfg.dq != "fused":
-        return outs
-    dk, dv, acc = outs
-    if causal:
-        # Rows that see no key (query i sees key j iff j <= i + Skv - Sq): no KV block
-        # adds to their tiles, which are never written; their gradient is zero.
-        sq, skv = q.shape[2], k.shape[2]
-        seen = jnp.arange(sq) + (skv - sq) >= 0
-        acc = jnp.where(seen[:, None], acc, 0.0)
-    return dk, dv, acc
+    _check_whole_tiles(q, k, v, d_out, lse, delta_)
+    return _dkdv_blocks(q, k, v, d_out.astype(q.dtype), lse, delta_, None,
+                        offset=k.shape[2] - q.shape[2], causal=causal, scale=float(scale),
+                        interpret=interpret, config=config or BwdConfig())
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -797,14 +779,10 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
                   interpret=False, config: BwdConfig | None = None):
     """The unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]`` over all keys
     (``pallas_triton_vjp.dq_accumulate`` without ``acc``)."""
-    cfg, interp, gpu_operands, dims = _setup(q, k, v, interpret, config)
-    _check_rows("d_out", d_out, q.shape)
-    _check_rows("lse", lse, q.shape[:3], jnp.float32)
-    _check_rows("delta", delta_, q.shape[:3], jnp.float32)
-    call = _build_dq(**dims, causal=causal, scale=float(scale), cfg=cfg,
-                     gpu_operands=gpu_operands, interpret=interp)
-    kv = (k, v) if gpu_operands else (k, _t_in(k), _t_in(v))
-    return call(q, d_out.astype(q.dtype), lse, delta_, *kv)
+    _check_whole_tiles(q, k, v, d_out, lse, delta_)
+    return _dq_blocks(q, k, v, d_out.astype(q.dtype), lse, delta_, None,
+                      offset=k.shape[2] - q.shape[2], causal=causal, scale=float(scale),
+                      interpret=interpret, config=config or BwdConfig())
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -863,10 +841,6 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     outs = _dkdv_blocks(q, k, v, d_out, lse, dl, keep, **kw)
     if cfg.dq == "fused":
         dk, dv, acc = outs
-        if causal:
-            # Rows that see no key (i + offset < 0): no KV block adds to their tiles,
-            # which are never written; their gradient is zero.
-            acc = jnp.where((jnp.arange(q.shape[2]) + offset >= 0)[:, None], acc, 0.0)
     else:
         dk, dv = outs
         acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
@@ -894,7 +868,13 @@ def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, *, offset, causal, scale, in
     gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep)
     keep_in = () if keep is None else (keep,)
     t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    return _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *t_in)
+    outs = _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *t_in)
+    if config.dq != "fused" or not causal:
+        return outs
+    dk, dv, acc = outs
+    # Rows that see no key (i + offset < 0): no KV block adds to their tiles, which are
+    # never written; their gradient is zero.
+    return dk, dv, jnp.where((jnp.arange(q.shape[2]) + offset >= 0)[:, None], acc, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
