@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -67,28 +68,36 @@ needs_sync = pytest.mark.skipif(async_dispatch(), reason="interpret tests run in
                                 "test_interpret_tests_in_subprocess (async CPU dispatch)")
 
 
-def run_interpret_tests_in_subprocess(test_file: str, k_expr: str) -> str:
-    """Run ``test_file``'s tests selected by ``k_expr`` in a child process with
-    synchronous CPU dispatch; returns its stdout. Synchronous dispatch makes the
-    interpreter's deadlock rare but, on 2 cores, not impossible (1 hang in ~10 runs): a
-    hung child is retried once, and a second hang is a skip (a hang is not a wrong
-    result; a wrong result fails)."""
+def run_interpret_tests_in_subprocess(test_file: str, groups: list[str],
+                                      timeout: float = 100) -> int:
+    """Run ``test_file``'s tests selected by each ``-k`` expression of ``groups``, each
+    group in its own child process with synchronous CPU dispatch; returns how many
+    tests passed in all. Synchronous dispatch makes the interpreter's deadlock rare but,
+    on 2 cores, not impossible (about 1 hang in 10 runs of a whole file): a hung child
+    is retried once (small groups keep what a hang costs to one group's time), and a
+    second hang is a skip (a hang is not a wrong result; a wrong result fails)."""
     if not async_dispatch():
         pytest.skip("synchronous CPU dispatch: the interpret tests run in this process")
     code = ("import sys, jax; jax.config.update('jax_cpu_enable_async_dispatch', False); "
             "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", test_file, "-k",
-           k_expr]
     cwd = os.path.dirname(os.path.dirname(os.path.abspath(test_file)))
-    for attempt in range(2):
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
-            break
-        except subprocess.TimeoutExpired:
-            if attempt:
-                pytest.skip("the Mosaic GPU interpreter deadlocked twice (JAX 0.10.2's "
-                            "interpreter on few cores, docs/mosaic.md); a hang is not a "
-                            "wrong result, so this is a skip, not a pass")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "skipped" not in r.stdout, r.stdout[-3000:]
-    return r.stdout
+    passed = 0
+    for k_expr in groups:
+        cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", test_file, "-k",
+               k_expr]
+        for attempt in range(2):
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                   cwd=cwd)
+                break
+            except subprocess.TimeoutExpired:
+                if attempt:
+                    pytest.skip(f"the Mosaic GPU interpreter deadlocked twice in {k_expr!r} "
+                                "(JAX 0.10.2's interpreter on few cores, docs/mosaic.md); a "
+                                "hang is not a wrong result, so this is a skip, not a pass")
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+        assert "skipped" not in r.stdout, r.stdout[-3000:]
+        m = re.search(r"(\d+) passed", r.stdout)
+        assert m, r.stdout[-3000:]
+        passed += int(m.group(1))
+    return passed

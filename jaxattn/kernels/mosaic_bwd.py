@@ -86,9 +86,6 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
-#: ``dq="fused"``: the most dK/dV CTAs of one KV head (the H200's 132 SMs, one CTA each).
-FUSED_MAX_CTAS = 132
-
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "delta", "dkdv", "dq_accumulate",
            "interpret_params", "lower_for_cuda", "reset_interpret_state"]
 
@@ -137,7 +134,9 @@ class BwdConfig:
     #: memory, in a fixed order enforced by one GMEM semaphore per tile: descending KV
     #: block, the order in which the causal wavefront reaches a tile; 5 products).
     #: "fused" is its own arithmetic (other dQ bits), GPU only (the interpreter has no
-    #: semaphores or atomics), and needs the "lane" semantics. Not yet run on a GPU.
+    #: semaphores or atomics), and needs the "lane" semantics. With it the dK/dV CTAs
+    #: launch highest KV block first, so a CTA only ever waits for CTAs launched before
+    #: it (no co-residency needed).
     dq: str = "separate"
 
     def __post_init__(self):
@@ -362,12 +361,6 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     if fused and (not gpu_operands or interpret is not None):
         raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
                          "the interpreter has no semaphores or atomics)")
-    if fused and skv // (nwg * bkv) > FUSED_MAX_CTAS:
-        # A CTA waits for the CTAs of later KV blocks of its head, launched after it:
-        # they must all fit on the GPU at once (one CTA per SM), or none can go on.
-        raise ValueError(f"dq='fused' needs the {skv // (nwg * bkv)} CTAs of one KV head "
-                         f"(Skv={skv}) to fit on the GPU at once (at most "
-                         f"{FUSED_MAX_CTAS}); use dq='separate'")
     group, n_q = hq // hkv, sq // BLOCK_Q
     offset = skv - sq if offset is None else offset
     n_kv = skv // bkv
@@ -379,7 +372,11 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         """Fused dQ: this block's share ``dS K`` of the query tile of step ``t``, into
         the tile's fp32 dQ in global memory once every later KV block has added its
         share (the tile's semaphore counts them). The first share is stored (no zero
-        fill is needed); rows that see no key at all are zeroed by the caller."""
+        fill is needed); rows that see no key at all are zeroed by the caller.
+
+        The semaphores are global: they outlive the launch. The tile's last share
+        (block 0) takes the count back to zero as it waits and signals nothing, so
+        every launch starts from zeros (a launch cut short would leave them dirty)."""
         i = first + lax.rem(t, n)
         h = kvh * group + lax.div(t, n)
         hi = _last_kvblock(i * bq, causal=causal, offset=offset, n_kv=n_kv)
@@ -391,7 +388,16 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             part = _wgmma(_t(sm["dsq"]), sm["k"], (bq, d))  # dS [q, keys] @ K
             rank = hi - 1 - kb
             sem = sems.at[(bi * hq + h) * n_q + i]
-            plgpu.semaphore_wait(sem, rank, decrement=False, memory_scope="gpu")
+            last = kb == 0
+
+            @pl.when(~last)
+            def _():
+                plgpu.semaphore_wait(sem, rank, decrement=False, memory_scope="gpu")
+
+            @pl.when(last)
+            def _():
+                plgpu.semaphore_wait(sem, rank, decrement=True, memory_scope="gpu")
+
             dst = dq_ref.at[bi, h, pl.ds(i * bq, bq)]
 
             @pl.when(rank == 0)
@@ -402,7 +408,9 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             def _():
                 plgpu.atomic_add(dst, part)
 
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            @pl.when(~last)
+            def _():
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
     def compute_wg(w, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
                    total, dq_ref=None, sems=None, keep_ref=None):
@@ -511,6 +519,12 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         else:
             (*t_refs, dk_ref, dv_ref), dq_ref, sems = rest, None, None
         kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+        if fused:
+            # The grid is (b, h, kv) here: the last axis varies fastest in launch order
+            # (Mosaic GPU maps it to blockIdx.x), so one head's CTAs launch together,
+            # highest KV block first: each CTA waits only for CTAs launched before it,
+            # and the heads' heavy (early) blocks start at staggered times.
+            kb = jnp.int32(skv // (nwg * bkv) - 1) - kb
         start = kb * (nwg * bkv)
         first = _first_qblock(start, causal=causal, offset=offset, n_q=n_q)
         n = jnp.int32(n_q) - first
@@ -564,7 +578,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         out_type=(jax.ShapeDtypeStruct((b, hkv, skv, d), dtype),
                   jax.ShapeDtypeStruct((b, hkv, skv, d), dtype))
         + ((jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),) if fused else ()),
-        grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"),
+        **(dict(grid=(b, hkv, skv // (nwg * bkv)), grid_names=("b", "h", "kv")) if fused
+           else dict(grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"))),
         num_threads=nwg + 1, thread_name="wg",
         compiler_params=_compiler_params(cfg), interpret=interpret)
 
