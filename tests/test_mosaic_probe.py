@@ -202,18 +202,21 @@ def test_interpret_key_mask(mosaic_fwd, causal):
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)),
                                   np.isfinite(np.asarray(ref_lse)), err_msg=f"seed {seed}")
     assert not out32[1].any() and np.all(np.asarray(lse)[1] == -np.inf)
-    # Tail padding: keys [100, 130) dropped vs the first 100 keys alone (causal: the
-    # first 100 queries; the padded call's rows are the same tiles).
-    tail = jnp.broadcast_to(jnp.arange(130)[None, :] < 100, (2, 130))
+    # Tail padding: keys [100, 130) or [100, 128) (whole blocks) dropped vs the first
+    # 100 keys alone (causal: the first 100 queries; the padded call's rows are the
+    # same tiles).
     qq = q[:, :, :100] if causal else q
-    qp = jnp.pad(qq, ((0, 0), (0, 0), (0, 30), (0, 0))) if causal else q
-    padded = mosaic_fwd.forward(qp, k, v, causal=causal, interpret=True, config=cfg,
-                                key_padding_mask=tail)
     alone = mosaic_fwd.forward(qq, k[:, :, :100], v[:, :, :100], causal=causal,
                                interpret=True, config=cfg)
     n = qq.shape[2]
-    for x, y in zip(alone, padded, strict=True):
-        np.testing.assert_array_equal(bits(x), bits(y[:, :, :n]), err_msg=f"seed {seed}")
+    for skv in (130, 128):
+        tail = jnp.broadcast_to(jnp.arange(skv)[None, :] < 100, (2, skv))
+        qp = jnp.pad(qq, ((0, 0), (0, 0), (0, skv - 100), (0, 0))) if causal else q
+        padded = mosaic_fwd.forward(qp, k[:, :, :skv], v[:, :, :skv], causal=causal,
+                                    interpret=True, config=cfg, key_padding_mask=tail)
+        for x, y in zip(alone, padded, strict=True):
+            np.testing.assert_array_equal(bits(x), bits(y[:, :, :n]),
+                                          err_msg=f"Skv {skv} (seed {seed})")
 
 
 @needs_sync

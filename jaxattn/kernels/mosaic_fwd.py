@@ -117,11 +117,13 @@ class MosaicConfig:
     #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
     #: benchmarks/mosaic_gpu_check.py).
     stack_decode: bool = True
-    #: Masked blocks also mask keys from Skv on: "needed" (only non-causal calls with
-    #: a partial last block need it: a causal row never sees a key beyond Skv, padding
-    #: rows are dropped) or "always" (the same code for every shape). "needed" ran 9%
-    #: faster on the H200 (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/mosaic.md
-    #: section 8) with the bits of "always" at every checked shape, causal or not.
+    #: Masked blocks also mask keys from Skv on: "needed" (never in the kernel: a
+    #: causal row never sees a key beyond Skv, padding rows are dropped, and a
+    #: non-causal call with a partial last block drops its padding keys by a key
+    #: padding mask instead, the kernel a caller's padding with dropped keys gets) or
+    #: "always" (the same code for every shape). "needed" ran 9% faster on the H200
+    #: (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8) with the
+    #: bits of "always" at every checked shape, causal or not.
     key_bound: str = "needed"
     #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
     #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
@@ -792,13 +794,21 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     flags."""
     cfg = config or MosaicConfig()
     check_inputs(q, k, v)
-    key_mask = key_padding_mask is not None
-    if key_mask:
+    if key_padding_mask is not None:
         if key_padding_mask.shape != (k.shape[0], k.shape[2]):
             raise ValueError(f"key_padding_mask must be [B, Skv] = "
                              f"{(k.shape[0], k.shape[2])}, got {key_padding_mask.shape}")
         if key_padding_mask.dtype != jnp.bool_:
             raise TypeError(f"key_padding_mask must be bool, got {key_padding_mask.dtype}")
+    # A non-causal call with a partial last block (key_bound="needed"): its padding keys
+    # are dropped by a key mask, not by the key bound, so the kernel is the one a
+    # caller's padding with dropped keys gets (the same code on every block; on the
+    # H200 the key-bound kernel's rows differed from it in the last bits).
+    synth = (not causal and k.shape[2] % schedule.BLOCK_N != 0
+             and cfg.key_bound == "needed")
+    if synth and key_padding_mask is None:
+        key_padding_mask = jnp.ones((k.shape[0], k.shape[2]), jnp.bool_)
+    key_mask = key_padding_mask is not None
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
@@ -807,11 +817,12 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bn = schedule.BLOCK_N
     skv_pad = -(-skv // bn) * bn
+    skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
     if sq == 1 and group <= bn and cfg.stack_decode:
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
-        call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv, offset=0, d=d,
-                                 dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
+        call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
+                                 d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  position=skv - 1, key_mask=key_mask)
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
@@ -821,7 +832,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     lse[:, :, :group].reshape(b, hq, 1))
     else:
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
-        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv,
+        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                                  offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                                  interpret=interpret, key_mask=key_mask)
