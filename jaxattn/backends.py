@@ -4,6 +4,8 @@ GPU priority: ``pallas`` (Triton lowering, sm80+), then ``triton`` (the same sch
 raw Triton through jax-triton; an optional dependency), then ``reference``. CPU:
 ``reference`` only; ``backend="pallas"`` on a CPU runs the same kernels in interpret mode
 and ``backend="triton"`` runs its kernels in Triton's interpreter (slow; for tests).
+``mosaic`` (Mosaic GPU, sm90 only) is chosen only when asked for by name: it does not
+yet serve every call ``pallas`` serves (:mod:`jaxattn.kernels.mosaic_backend`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import jax
 
 from jaxattn import reference
-from jaxattn.kernels import pallas_triton, pallas_triton_vjp, triton_backend
+from jaxattn.kernels import mosaic_backend, pallas_triton, pallas_triton_vjp, triton_backend
 from jaxattn.registry import Backend, current_platform, register
 from jaxattn.validation import Dims, resolve_scale
 
@@ -71,6 +73,15 @@ def _triton_unsupported(dims: Dims) -> str | None:
     return triton_backend.check_supported(dims.head_dim)
 
 
+def _mosaic_forward_with_lse(q, k, v, *, causal, scale, key_padding_mask):
+    return mosaic_backend.attention(q, k, v, key_padding_mask, causal=bool(causal),
+                                    scale=resolve_scale(scale, q.shape[-1]))
+
+
+def _mosaic_unsupported(dims: Dims) -> str | None:
+    return mosaic_backend.check_supported(dims.head_dim, dims.dtype)
+
+
 register("attention", Backend(
     name="reference",
     platforms=("cpu", "gpu", "tpu"),
@@ -98,4 +109,15 @@ register("attention", Backend(
     unsupported=_triton_unsupported,
     description="raw Triton kernels (jax-triton; Triton's interpreter on a CPU) on the "
                 "canonical schedule",
+))
+
+register("attention", Backend(
+    name="mosaic",
+    platforms=("gpu",),
+    priority={},  # explicit backend="mosaic" only, until it serves every call (issue 8)
+    forward_with_lse=_mosaic_forward_with_lse,
+    available=mosaic_backend.unavailable_reason,
+    unsupported=_mosaic_unsupported,
+    description="Pallas Mosaic GPU kernels (Hopper: wgmma, TMA) on the canonical schedule; "
+                "bf16/fp16, D <= 128",
 ))

@@ -32,12 +32,20 @@ class BackendSpec:
     head_dims: tuple[int, ...]
     #: ``jaxattn.cp`` has a backend of this name (CP over this backend's partial states).
     cp: bool = True
+    #: ``jaxattn.paged`` serves this backend.
+    paged: bool = True
+    #: Input dtypes it serves (others raise ValueError: checked below).
+    dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 
 BACKENDS = [
     BackendSpec("reference", follows_schedule=False, head_dims=(16, 24, 64, 128, 256)),
     BackendSpec("pallas", follows_schedule=True, head_dims=(16, 64, 128, 256)),
     BackendSpec("triton", follows_schedule=True, head_dims=(16, 64, 128, 256), cp=False),
+    # Mosaic GPU (sm90 only; skipped elsewhere with its reason): explicit selection only,
+    # since it does not serve fp32, D=256, paged KV or CP yet (issue 8).
+    BackendSpec("mosaic", follows_schedule=True, head_dims=(16, 64, 128), cp=False,
+                paged=False, dtypes=("bfloat16", "float16")),
 ]
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
@@ -61,6 +69,20 @@ def _op(spec):
     return jaxattn.get_op("attention", backend=spec.name)
 
 
+def _need_dtype(spec, dtype) -> None:
+    """Skip (with the reason) where ``spec`` does not serve ``dtype``; the refusal
+    itself is tested in test_unserved_calls_raise."""
+    name = jnp.dtype(dtype).name
+    if name not in spec.dtypes:
+        pytest.skip(f"{spec.name} does not serve {name}")
+
+
+def _widest(spec):
+    """fp32 where the backend serves it, else bf16: (dtype, forward tolerance)."""
+    dt = jnp.float32 if "float32" in spec.dtypes else jnp.bfloat16
+    return dt, TOL[dt]
+
+
 def _fwd(spec, **kw):
     op = _op(spec)
     return jax.jit(lambda q, k, v, m=None: op.forward_with_lse(q, k, v, key_padding_mask=m,
@@ -73,6 +95,7 @@ def _fwd(spec, **kw):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("sq,skv", [(70, 70), (1, 130), (33, 200), (100, 40)])
 def test_forward_accuracy(spec, dtype, causal, sq, skv):
+    _need_dtype(spec, dtype)
     q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, dtype)
     out, lse = _fwd(spec, causal=causal)(q, k, v)
     ref_out, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=causal)
@@ -87,6 +110,7 @@ def test_forward_accuracy(spec, dtype, causal, sq, skv):
 
 
 def test_forward_fp32_accuracy_against_float64(spec):
+    _need_dtype(spec, jnp.float32)
     q, k, v = rand_qkv(1, 4, 1, 40, 90, 32)
     out, lse = _op(spec).forward_fp32_with_lse(q, k, v)
     ref_out, ref_lse = np_attention(q, k, v)
@@ -118,9 +142,10 @@ def test_gqa_groups(spec, hq, hkv):
 
 @pytest.mark.parametrize("scale", [None, 0.0, 0.05, 1.3])
 def test_scale(spec, scale):
-    q, k, v = rand_qkv(1, 2, 1, 16, 80, 64, jnp.float32)
+    dt, tol = _widest(spec)
+    q, k, v = rand_qkv(1, 2, 1, 16, 80, 64, dt)
     out = _op(spec)(q, k, v, scale=scale)
-    assert rel_err(out, np_attention(q, k, v, scale=scale)[0]) < 1e-5
+    assert rel_err(out, np_attention(q, k, v, scale=scale)[0]) < tol
 
 
 def test_padding_mask_and_rows_with_no_visible_key(spec):
@@ -173,12 +198,28 @@ def test_inputs_not_mutated(spec):
     assert all(bits_equal(x, c) for x, c in zip((q, k, v), copies, strict=True))
 
 
+def test_unserved_calls_raise(spec):
+    """A dtype or head dim the backend does not serve raises ValueError with the reason
+    (never a silent hand-off to another backend)."""
+    unserved = [(jnp.dtype(d), 64) for d in ("bfloat16", "float16", "float32")
+                if jnp.dtype(d).name not in spec.dtypes]
+    unserved += [(jnp.dtype(jnp.bfloat16), d) for d in (16, 64, 128, 256)
+                 if d not in spec.head_dims]
+    if not unserved:
+        pytest.skip(f"{spec.name} serves every dtype and head dim of the battery")
+    for dt, d in unserved:
+        q, k, v = rand_qkv(1, 2, 1, 8, 8, d, dt)
+        with pytest.raises(ValueError, match=spec.name):
+            _op(spec)(q, k, v)
+
+
 # ---------------------------------------------------------------------------- gradients
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("causal,sq,skv,masked", [(True, 70, 70, False), (True, 20, 130, True),
                                                  (False, 50, 33, True), (True, 90, 40, False)])
 def test_gradients_match_reference(spec, dtype, causal, sq, skv, masked):
+    _need_dtype(spec, dtype)
     q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, dtype)
     mask = None
     if masked:
@@ -266,8 +307,8 @@ def test_tail_padding_vs_unpadded(spec):
 def test_gqa_and_fp32_invariance(spec):
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
-    p = dataclasses.replace(PROBLEM, num_q_heads=8, num_kv_heads=1, dtype="float32",
-                            seq_len=80)
+    p = dataclasses.replace(PROBLEM, num_q_heads=8, num_kv_heads=1,
+                            dtype=jnp.dtype(_widest(spec)[0]).name, seq_len=80)
     _assert_all(invariance.check_decode(_op(spec), p, [0, 40, 79]))
     _assert_all(invariance.check_chunked_prefill(_op(spec), p, [50]))
 
@@ -298,6 +339,8 @@ def test_paged_kv_equals_contiguous(spec):
     equal contiguous KV in bits (pallas reads pages in place; triton gathers them)."""
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
+    if not spec.paged:
+        pytest.skip(f"jaxattn.paged does not serve {spec.name!r}")
     p = dataclasses.replace(PROBLEM, batch=2, seq_len=150)
     _assert_all(invariance.check_paged(_op(spec), p, [64, 128], steps=[0, 63, 64, 149]))
 
@@ -332,7 +375,7 @@ def test_property_against_reference(b, hkv, g, sq, extra, causal, dtype, masked,
     if masked:
         mask = jax.random.uniform(jax.random.PRNGKey(seed + 1), (b, skv)) > 0.3
     for spec in BACKENDS:
-        if _unavailable(spec) is not None:
+        if _unavailable(spec) is not None or dt.name not in spec.dtypes:
             continue
         out, lse = _fwd(spec, causal=causal)(q, k, v, mask)
         ref, ref_lse = np_attention(q, k, v, causal=causal,

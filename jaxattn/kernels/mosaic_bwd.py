@@ -1,7 +1,7 @@
 """Prototype Pallas Mosaic GPU (Hopper: wgmma + TMA) attention backward.
 
-NOT a registered backend: nothing in the library imports this module. It is the
-backward companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU machine in
+The backward of the ``"mosaic"`` backend (:mod:`jaxattn.kernels.mosaic_backend`, by
+name only). It is the backward companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU machine in
 Mosaic GPU interpret mode and checked there by lowering for CUDA (no GPU). See
 docs/mosaic.md, "Backward prototype".
 

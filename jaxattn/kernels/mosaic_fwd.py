@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
 
-NOT a registered backend yet: nothing in the library imports this module (docs/mosaic.md
-says what is missing). Developed on a CPU machine (Mosaic GPU interpret mode, lowering
+Registered as the ``"mosaic"`` backend through :mod:`jaxattn.kernels.mosaic_backend`
+(by name only; docs/mosaic.md says what is missing before the registry may choose it). Developed on a CPU machine (Mosaic GPU interpret mode, lowering
 for CUDA) and measured on an H200.
 
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,

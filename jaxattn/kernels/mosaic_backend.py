@@ -1,0 +1,115 @@
+"""The ``"mosaic"`` backend: the Mosaic GPU (Hopper) forward and backward
+(:mod:`jaxattn.kernels.mosaic_fwd`, :mod:`jaxattn.kernels.mosaic_bwd`) behind the
+registry's ``forward_with_lse`` contract, differentiable through ``jax.custom_vjp``.
+
+Explicit selection only (``backend="mosaic"``): the registry does not choose it by
+itself until it serves every call the ``"pallas"`` backend serves (issue 8;
+docs/mosaic.md says what is missing). What it serves now, and the reason it gives
+otherwise (:func:`check_supported`, raised as ValueError by the op):
+
+* bf16 or fp16 inputs (the wgmma operand types); fp32 is refused;
+* head dims 1 to 128: D < 64 runs zero-padded to 64, 64 < D < 128 to 128. The padding
+  adds exact zeros to every dot product, and a given D always runs the same padded
+  kernel, so the invariance matrix is unaffected; the scale is that of the real D;
+* any B, Hq, Hkv with Hq a multiple of Hkv, any Sq and Skv (padded inside the kernels;
+  Sq = 0 or Skv = 0 are answered without a kernel: no rows, or rows with no visible
+  key: 0 and lse = -inf), causal or not, with or without a key padding mask;
+* an NVIDIA GPU of compute capability 9.0 (wgmma and TMA as sm90a has them).
+
+Not served: paged KV (:mod:`jaxattn.paged` refuses this backend), CP (:mod:`jaxattn.cp`
+has no Mosaic partial states), fp32, D > 128.
+
+The Mosaic modules are imported on first use, so importing jaxattn never depends on
+``jax.experimental.pallas.mosaic_gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Head dims the kernels take natively; others are zero-padded to the next one.
+NATIVE_HEAD_DIMS = (64, 128)
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def check_supported(head_dim: int, dtype) -> str | None:
+    """Why the Mosaic kernels cannot serve a call of this head dim and dtype, or None."""
+    if np.dtype(dtype) not in DTYPES:
+        return (f"dtype {np.dtype(dtype).name} is not supported by the Mosaic GPU kernels "
+                f"(bf16 or fp16: the wgmma operand types; use backend='pallas' for fp32)")
+    if not 1 <= head_dim <= NATIVE_HEAD_DIMS[-1]:
+        return (f"head dim D={head_dim} is not supported by the Mosaic GPU kernels "
+                f"(1 to {NATIVE_HEAD_DIMS[-1]}; D=256 not yet)")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot run the Mosaic GPU kernels, or None."""
+    platform = jax.default_backend()
+    if platform not in ("gpu", "cuda"):
+        return (f"the Mosaic GPU kernels need an NVIDIA Hopper GPU (sm90), the platform is "
+                f"{platform!r} (their interpret-mode tests: tests/test_mosaic_*.py)")
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if cc != "9.0":
+        return f"the Mosaic GPU kernels need compute capability 9.0 (sm90a), got {cc!r}"
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the installed JAX
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+    return None
+
+
+def _padded_head_dim(d: int) -> int:
+    return next(n for n in NATIVE_HEAD_DIMS if d <= n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _core(q, k, v, key_padding_mask, causal, scale, interpret, fwd_config, bwd_config):
+    from jaxattn.kernels import mosaic_fwd
+    return mosaic_fwd.forward(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                              config=fwd_config, key_padding_mask=key_padding_mask)
+
+
+def _core_fwd(q, k, v, key_padding_mask, causal, scale, interpret, fwd_config, bwd_config):
+    out, lse = _core(q, k, v, key_padding_mask, causal, scale, interpret, fwd_config,
+                     bwd_config)
+    return (out, lse), (q, k, v, key_padding_mask, out, lse)
+
+
+def _core_bwd(causal, scale, interpret, fwd_config, bwd_config, residuals, cotangents):
+    from jaxattn.kernels import mosaic_bwd
+    q, k, v, key_padding_mask, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = mosaic_bwd.backward(q, k, v, out, lse, d_out.astype(out.dtype), d_lse,
+                                     causal=causal, scale=scale, interpret=interpret,
+                                     config=bwd_config, key_padding_mask=key_padding_mask)
+    return dq, dk, dv, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
+              interpret=False, fwd_config=None, bwd_config=None):
+    """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable (the
+    Mosaic backward; dK/dV and dQ kernels). ``interpret`` and the configs are for tests
+    (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations)."""
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    if 0 in (b, hq, sq, skv):
+        # No kernel: no rows, or rows that see no key (0 and -inf; zero gradients).
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    dp = _padded_head_dim(d)
+    if dp != d:
+        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    out, lse = _core(q, k, v, key_padding_mask, bool(causal), float(scale), interpret,
+                     fwd_config, bwd_config)
+    return (out[..., :d] if dp != d else out), lse

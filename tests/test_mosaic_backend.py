@@ -1,0 +1,134 @@
+"""The registered ``"mosaic"`` backend (jaxattn/kernels/mosaic_backend.py): explicit
+selection only, its refusals, its CUDA lowering (forward and gradient) on a CPU, and its
+wrapper (head-dim padding, the custom VJP) in Mosaic GPU interpret mode. On an sm90 GPU
+the parameterised battery (tests/test_backends.py) runs it natively."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ON_GPU, rand_qkv, rel_err
+from mosaic_support import (
+    missing_api,
+    missing_interpret,
+    needs_sync,
+    run_interpret_tests_in_subprocess,
+)
+
+import jaxattn
+from jaxattn import reference, registry
+from jaxattn.kernels import mosaic_backend
+
+needs_api = pytest.mark.skipif(missing_api(("load", "Layout")) is not None,
+                               reason=str(missing_api(("load", "Layout"))))
+_why_interp = missing_interpret(("load", "Layout"))
+needs_interpret = pytest.mark.skipif(_why_interp is not None, reason=str(_why_interp))
+
+
+def test_registered_for_explicit_selection_only():
+    be = registry._backends("attention")["mosaic"]
+    assert be.priority == {} and be.platforms == ("gpu",)
+    for platform in ("cpu", "gpu"):
+        try:
+            chosen = registry.resolve("attention", platform=platform).name
+        except RuntimeError:
+            continue
+        assert chosen != "mosaic"
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the backend may be available")
+def test_unavailable_off_hopper_with_the_reason():
+    with pytest.raises((RuntimeError, ValueError), match="mosaic"):
+        jaxattn.get_op("attention", backend="mosaic")
+    assert "sm90" in mosaic_backend.unavailable_reason()
+
+
+def test_check_supported_reasons():
+    bf16 = jnp.dtype(jnp.bfloat16)
+    for d in (1, 16, 48, 64, 100, 128):
+        assert mosaic_backend.check_supported(d, bf16) is None, d
+        assert mosaic_backend.check_supported(d, jnp.float16) is None, d
+    assert "fp32" in mosaic_backend.check_supported(64, jnp.float32)
+    assert "D=256" in mosaic_backend.check_supported(256, bf16)
+    assert "D=0" in mosaic_backend.check_supported(0, bf16)
+    q = jnp.ones((1, 1, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match="fp32"):
+        mosaic_backend.attention(q, q, q, causal=True, scale=0.125)
+
+
+def test_empty_calls_need_no_kernel():
+    """Skv = 0: rows that see no key (0, -inf) and zero gradients; Sq = 0: no rows.
+    Neither launches a kernel, so both run on any platform."""
+    q, k, v = rand_qkv(2, 4, 2, 5, 0, 64, jnp.bfloat16)
+    out, lse = mosaic_backend.attention(q, k, v, causal=True, scale=0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.asarray(out, np.float32).any() and np.isneginf(np.asarray(lse)).all()
+    g = jax.grad(lambda q: mosaic_backend.attention(q, k, v, causal=True, scale=0.125)[0]
+                 .astype(jnp.float32).sum())(q)
+    assert not np.asarray(g, np.float32).any()
+    q0 = q[:, :, :0]
+    k1, v1 = rand_qkv(2, 4, 2, 1, 7, 64, jnp.bfloat16)[1:]
+    out, lse = mosaic_backend.attention(q0, k1, v1, causal=False, scale=0.125)
+    assert out.shape == (2, 4, 0, 64) and lse.shape == (2, 4, 0)
+
+
+@needs_api
+@pytest.mark.parametrize("d", [16, 128])
+def test_forward_and_gradient_lower_for_cuda(d):
+    """The backend's forward and its gradient (delta, dK/dV, dQ) go through the Pallas
+    -> Mosaic GPU lowering for CUDA on a CPU-only machine, D=16 zero-padded to 64."""
+    q = jax.ShapeDtypeStruct((2, 4, 100, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 150, d), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 150), jnp.bool_)
+
+    def loss(q, k, v, m):
+        out, lse = mosaic_backend.attention(q, k, v, m, causal=True, scale=0.3)
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isinf(lse), 0, lse).sum()
+
+    f = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+    text = f.trace(q, k, k, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 4  # forward, delta, dK/dV, dQ
+
+
+@needs_sync
+@needs_interpret
+def test_interpret_backend_wrapper():
+    """The wrapper in interpret mode (one warpgroup per kernel): D=16 zero-padded to 64,
+    a key padding mask, causal with Sq < Skv; forward and gradients (through the custom
+    VJP, eagerly: one interpreted kernel per computation) against the fp32 reference."""
+    from jaxattn.kernels import mosaic_bwd, mosaic_fwd
+    seed = int(np.random.default_rng().integers(2**16))
+    q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, jnp.bfloat16, seed=seed)
+    mask = jnp.asarray(np.arange(70)[None] % 9 != 4)
+    kw = dict(causal=True, scale=0.25, interpret=True,
+              fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
+              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+    out, lse = mosaic_backend.attention(q, k, v, mask, **kw)
+    ref, ref_lse = reference.forward_fp32_with_lse(q, k, v, causal=True, scale=0.25,
+                                                   key_padding_mask=mask)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref) < 2e-2, f"seed {seed}"
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2)
+    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+
+    got = jax.grad(loss(lambda q, k, v: mosaic_backend.attention(q, k, v, mask, **kw)[0]),
+                   (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: reference.forward_fp32(
+        q, k, v, causal=True, scale=0.25, key_padding_mask=mask)), (0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, r in zip("qkv", got, want, strict=True):
+        assert g.shape == r.shape and g.dtype == jnp.bfloat16, name
+        assert not np.isnan(np.asarray(g, np.float32)).any(), name
+        assert rel_err(g, r) < 5e-2, f"d{name} (seed {seed})"
+
+
+@needs_interpret
+def test_interpret_tests_in_subprocess():
+    """The interpret test above, in a child process with synchronous CPU dispatch."""
+    assert run_interpret_tests_in_subprocess(__file__, ["interpret_backend_wrapper"]) == 1
