@@ -53,7 +53,8 @@ flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
                                    "accumulate=fresh:rowsum=mma"],
                   "Mosaic forward variants timed by --speed: name[:key=value...] "
                   "(MosaicConfig fields).")
-flags.DEFINE_list("peers", ["pallas_mha", "cudnn"], "Peers timed beside (benchmarks/systems).")
+flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
+                  "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
                                    "fused:dq=fused", "fused-inplace:dq=fused:accumulate=inplace",

@@ -14,6 +14,8 @@ Systems (``--backends`` names):
 - ``cudnn`` and ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
 - ``pallas_mha``: JAX's built-in Pallas Triton ``mha`` (no GQA: K and V are repeated to
   Hq heads in ``prepare``, outside any timed region; Sq must fill its 128-row blocks);
+- ``pallas_mgpu``: JAX's built-in Pallas Mosaic GPU attention (Hopper; GQA native;
+  causal only with ``Sq == Skv``; forward only where causal);
 - ``torch_flash``, ``torch_cudnn``, ``torch_efficient``, ``torch_math``: torch's
   ``scaled_dot_product_attention`` pinned to one backend with ``sdpa_kernel``; GQA via
   ``enable_gqa`` where the backend takes it, else K and V repeated in ``prepare``.
@@ -35,7 +37,7 @@ import numpy as np
 
 import jaxattn
 
-JAX_PEERS = ("cudnn", "xla", "pallas_mha")
+JAX_PEERS = ("cudnn", "xla", "pallas_mha", "pallas_mgpu")
 TORCH_PEERS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
                "torch_efficient": "EFFICIENT_ATTENTION", "torch_math": "MATH"}
 
@@ -140,6 +142,32 @@ def _pallas_mha() -> System:
                   notes="no GQA: K, V repeated to Hq heads outside timing")
 
 
+def _pallas_mgpu(block_kv: int = 128) -> System:
+    """JAX's own Pallas Mosaic GPU attention (``jax.experimental.pallas.ops.gpu.
+    attention_mgpu``, FlashAttention-3-like, Hopper only): the in-tree peer of the
+    ``"mosaic"`` backend. Forward only where causal (its backward is non-causal only)."""
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+        if kv_lens is not None or (causal and q.shape[1] != k.shape[1]):
+            raise Unsupported("Pallas mgpu: no key padding, causal only with Sq == Skv")
+        if k.shape[1] % block_kv or q.shape[1] % 64:
+            raise Unsupported(f"Pallas mgpu: Skv a multiple of {block_kv}, Sq of 64")
+        cfg = mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
+                                causal=causal)
+        return _bshd(mgpu.attention(q, k, v, cfg))
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        if causal:
+            raise Unsupported("Pallas mgpu: its backward is non-causal only")
+        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
+                         q, k, v)
+        return tuple(_bshd(g) for g in vjp(do))
+
+    return System("pallas_mgpu", "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)),
+                  fwd, fwdbwd, lambda x: x, jax.block_until_ready, _jax_to_numpy,
+                  notes=f"jax attention_mgpu, block_q=64 block_kv={block_kv}, 2 stages")
+
+
 # ---------------------------------------------------------------------------- torch
 
 
@@ -239,6 +267,8 @@ def make(name: str) -> System:
         return _dpa(name)
     if name == "pallas_mha":
         return _pallas_mha()
+    if name == "pallas_mgpu":
+        return _pallas_mgpu()
     if name in TORCH_PEERS:
         reason = torch_available()
         if reason:
