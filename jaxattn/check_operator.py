@@ -26,8 +26,9 @@ from jaxattn.testing import comparison as cmp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("op", "attention", ["attention"], "Operator to check.")
-flags.DEFINE_enum("candidate", "pallas", ["pallas", "triton", "reference"],
-                  "Backend under test (triton: the raw Triton backend, its extra).")
+flags.DEFINE_enum("candidate", "pallas", ["pallas", "triton", "mosaic", "reference"],
+                  "Backend under test (triton: the raw Triton backend, its extra; mosaic: "
+                  "the Mosaic GPU backend, sm90 only).")
 flags.DEFINE_enum("dtype", "bf16", ["fp32", "bf16", "fp16"], "Input dtype.")
 flags.DEFINE_integer("batch", 2, "Batch (Qwen3-8B GPU check: 8).")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")

@@ -14,7 +14,9 @@ page sizes would split a block across two pages; the Pallas backend refuses them
 ValueError rather than change the reduction order. The triton and reference backends
 gather the pages into contiguous K and V first (a copy, off the Pallas hot path) and
 accept any page size; the triton backend's result then equals its contiguous call in
-bits. Any other backend raises (no silent fallback to another backend).
+bits. The mosaic backend gathers too, and runs its forward with per-sequence causal
+offsets (its rows' bits are those of its contiguous call). Any other backend raises (no
+silent fallback to another backend).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jaxattn.registry import resolve
 from jaxattn.validation import SUPPORTED_DTYPES, resolve_scale
 
 #: The backends with a paged path: pallas reads pages in place, the others gather them.
-BACKENDS = ("pallas", "triton", "reference")
+BACKENDS = ("pallas", "triton", "mosaic", "reference")
 
 
 def _is_concrete(x) -> bool:
@@ -129,6 +131,13 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
                 raise ValueError(f"backend 'triton' cannot serve this call: {reason}")
             out, lse = triton_backend.forward(q, k, v, keep, seq_lens - sq,
                                               causal=bool(causal), scale=sc)
+        elif be == "mosaic":
+            from jaxattn.kernels import mosaic_backend
+            reason = mosaic_backend.check_supported(q.shape[-1], q.dtype)
+            if reason:
+                raise ValueError(f"backend 'mosaic' cannot serve this call: {reason}")
+            out, lse = mosaic_backend.paged_forward(q, k, v, keep, seq_lens - sq,
+                                                    causal=bool(causal), scale=sc)
         else:
             q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None, :]
             k_pos = jnp.broadcast_to(jnp.arange(cap), keep.shape)
@@ -138,7 +147,7 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
                                                   key_positions=k_pos)
     else:
         raise ValueError(f"backend {be!r} has no paged KV path (pallas reads pages in "
-                         f"place; triton and reference gather them)")
+                         f"place; triton, mosaic and reference gather them)")
     return (out, lse) if return_lse else out
 
 

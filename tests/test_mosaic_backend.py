@@ -97,7 +97,8 @@ def test_forward_and_gradient_lower_for_cuda(d):
 def test_interpret_backend_wrapper():
     """The wrapper in interpret mode (one warpgroup per kernel): D=16 zero-padded to 64,
     a key padding mask, causal with Sq < Skv; forward and gradients (through the custom
-    VJP, eagerly: one interpreted kernel per computation) against the fp32 reference."""
+    VJP, eagerly: one interpreted kernel per computation) against the fp32 reference;
+    the paged entry against the op in bits."""
     from jaxattn.kernels import mosaic_bwd, mosaic_fwd
     seed = int(np.random.default_rng().integers(2**16))
     q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, jnp.bfloat16, seed=seed)
@@ -126,6 +127,15 @@ def test_interpret_backend_wrapper():
         assert g.shape == r.shape and g.dtype == jnp.bfloat16, name
         assert not np.isnan(np.asarray(g, np.float32)).any(), name
         assert rel_err(g, r) < 5e-2, f"d{name} (seed {seed})"
+    # The paged entry (per-sequence offsets; here the static one, Skv - Sq = 30) gives
+    # the same bits as the op, D padding included.
+    po, pl_ = mosaic_backend.paged_forward(q, k, v, mask, jnp.array([30], jnp.int32),
+                                           causal=True, scale=0.25, interpret=True,
+                                           fwd_config=kw["fwd_config"])
+    np.testing.assert_array_equal(np.asarray(po).view(np.uint16),
+                                  np.asarray(out).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(pl_).view(np.uint32),
+                                  np.asarray(lse).view(np.uint32))
 
 
 @needs_interpret

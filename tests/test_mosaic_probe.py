@@ -252,8 +252,66 @@ def test_interpret_tests_in_subprocess():
     result; a wrong result fails)."""
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_forward", "interpret_launch or interpret_rows",
-                   "interpret_persistent", "interpret_key_mask"])
-    assert passed == len(_CASES) + 6
+                   "interpret_persistent", "interpret_key_mask",
+                   "interpret_causal_offsets"])
+    assert passed == len(_CASES) + 7
+
+
+@needs_sync
+@needs_interpret
+def test_interpret_causal_offsets(mosaic_fwd):
+    """Per-sequence causal offsets (a paged cache's ``seq_lens - Sq``) with the keys
+    past each sequence's length dropped: every sequence's rows equal, in bits, those of
+    a call of its own whose static offset is that sequence's (its keys cut at its
+    length), for a chunk of 40 rows and for a decode row (the GQA group stacked). The
+    dropped keys hold NaN and inf (a paged cache's unused slots): nothing leaks."""
+    cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
+    seed, q, k, v = _inputs(2, 2, 1, 40, 150, 64)
+    for sq, lens in ((40, (150, 97)), (1, (130, 70))):
+        qq = q[:, :, -sq:]
+        keep = jnp.arange(150)[None, :] < jnp.asarray(lens)[:, None]
+        offs = jnp.asarray(lens, jnp.int32) - sq
+        drop = ~keep[:, None, :, None]
+        k_bad = jnp.where(drop, jnp.nan, k).astype(k.dtype)
+        v_bad = jnp.where(drop, jnp.inf, v).astype(v.dtype)
+        out, lse = mosaic_fwd.forward(qq, k_bad, v_bad, causal=True, interpret=True,
+                                      config=cfg, key_padding_mask=keep,
+                                      causal_offsets=offs)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+        for bi, n in enumerate(lens):
+            o1, l1 = mosaic_fwd.forward(qq[bi:bi + 1], k[bi:bi + 1, :, :n],
+                                        v[bi:bi + 1, :, :n], causal=True, interpret=True,
+                                        config=cfg)
+            np.testing.assert_array_equal(bits(o1), bits(out[bi:bi + 1]),
+                                          err_msg=f"Sq {sq} seq {bi} (seed {seed})")
+            np.testing.assert_array_equal(bits(l1), bits(lse[bi:bi + 1]),
+                                          err_msg=f"Sq {sq} seq {bi} lse (seed {seed})")
+
+
+@needs_api
+@pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("sq", [1, 100])
+def test_causal_offsets_lower_for_cuda(mosaic_fwd, sq, semantics):
+    """Per-sequence causal offsets (read by the kernel from GMEM) lower for CUDA, for
+    prefill tiles and the stacked decode row, with and without a key padding mask."""
+    q = jax.ShapeDtypeStruct((2, 8, sq, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 1000, 128), jnp.bfloat16)
+    offs = jax.ShapeDtypeStruct((2,), jnp.int32)
+    cfg = mosaic_fwd.MosaicConfig(semantics=semantics,
+                                  **({"accumulate": "inplace"} if semantics == "warpgroup"
+                                     else {}))
+    for mask in (None, jax.ShapeDtypeStruct((2, 1000), jnp.bool_)):
+        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg,
+                                         key_padding_mask=mask, causal_offsets=offs).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_causal_offsets_are_checked(mosaic_fwd):
+    q = jnp.ones((2, 1, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="causal_offsets"):
+        mosaic_fwd.forward(q, q, q, causal=True, causal_offsets=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="causal_offsets"):
+        mosaic_fwd.forward(q, q, q, causal=True, causal_offsets=jnp.zeros((2,), jnp.float32))
 
 
 @needs_api

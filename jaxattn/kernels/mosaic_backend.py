@@ -16,8 +16,11 @@ otherwise (:func:`check_supported`, raised as ValueError by the op):
   key: 0 and lse = -inf), causal or not, with or without a key padding mask;
 * an NVIDIA GPU of compute capability 9.0 (wgmma and TMA as sm90a has them).
 
-Not served: paged KV (:mod:`jaxattn.paged` refuses this backend), CP (:mod:`jaxattn.cp`
-has no Mosaic partial states), fp32, D > 128.
+Paged KV (:mod:`jaxattn.paged`): the pages are gathered into contiguous K and V and
+:func:`paged_forward` runs the forward with per-sequence causal offsets (``seq_lens -
+Sq``) and the keys past each sequence's length dropped, so a row's bits are those of
+its contiguous call. Not served: CP (:mod:`jaxattn.cp` has no Mosaic partial states),
+fp32, D > 128.
 
 The Mosaic modules are imported on first use, so importing jaxattn never depends on
 ``jax.experimental.pallas.mosaic_gpu``.
@@ -112,4 +115,28 @@ def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     out, lse = _core(q, k, v, key_padding_mask, bool(causal), float(scale), interpret,
                      fwd_config, bwd_config)
+    return (out[..., :d] if dp != d else out), lse
+
+
+def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
+                  interpret=False, fwd_config=None):
+    """Forward only (rollout) over contiguous ``k, v [B, Hkv, cap, D]`` gathered from a
+    paged cache: ``keep [B, cap]`` drops the keys past each sequence's length (whatever
+    they hold) and row i of sequence b sees key j iff ``j <= i + causal_offsets[b]``
+    when causal. ``(out, lse)`` as :func:`attention`."""
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    from jaxattn.kernels import mosaic_fwd
+    b, hq, sq, d = q.shape
+    if 0 in (b, hq, sq, k.shape[2]):
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    dp = _padded_head_dim(d)
+    if dp != d:
+        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    out, lse = mosaic_fwd.forward(q, k, v, causal=bool(causal), scale=float(scale),
+                                  interpret=interpret, config=fwd_config,
+                                  key_padding_mask=keep,
+                                  causal_offsets=causal_offsets if causal else None)
     return (out[..., :d] if dp != d else out), lse

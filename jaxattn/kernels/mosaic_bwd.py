@@ -1,9 +1,9 @@
-"""Prototype Pallas Mosaic GPU (Hopper: wgmma + TMA) attention backward.
+"""Pallas Mosaic GPU (Hopper: wgmma + TMA) attention backward.
 
 The backward of the ``"mosaic"`` backend (:mod:`jaxattn.kernels.mosaic_backend`, by
-name only). It is the backward companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU machine in
-Mosaic GPU interpret mode and checked there by lowering for CUDA (no GPU). See
-docs/mosaic.md, "Backward prototype".
+name only), the companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU
+machine in Mosaic GPU interpret mode and checked there by lowering for CUDA (no GPU).
+See docs/mosaic.md, "Backward prototype".
 
 It follows the canonical backward order of :mod:`jaxattn.kernels.pallas_triton_vjp`
 (DESIGN.md section 4) with the same tiles (``block_q = block_kv = 64``, the Triton
@@ -828,6 +828,11 @@ def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
         if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
             raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
                              f"{key_padding_mask.dtype} {key_padding_mask.shape}")
+    if key_padding_mask is not None:
+        # Dropped keys may hold anything (NaN, inf): their p is 0, but 0 * inf in the
+        # products would be NaN. Zero them (their gradients are zero anyway).
+        drop = ~key_padding_mask[:, None, :, None]
+        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
     lead, sq_pad, skv_pad = padding(sq, skv, causal, BLOCK_Q * cfg.dq_wgs)
     rows = ((0, 0), (0, 0), (lead, sq_pad - sq - lead))
     if (lead, sq_pad) != (0, sq):

@@ -1,8 +1,9 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
 
 Registered as the ``"mosaic"`` backend through :mod:`jaxattn.kernels.mosaic_backend`
-(by name only; docs/mosaic.md says what is missing before the registry may choose it). Developed on a CPU machine (Mosaic GPU interpret mode, lowering
-for CUDA) and measured on an H200.
+(by name only; docs/mosaic.md says what is missing before the registry may choose it).
+Developed on a CPU machine (Mosaic GPU interpret mode, lowering for CUDA) and measured
+on an H200.
 
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
 k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
@@ -309,7 +310,7 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret, position: int | None = None,
-           key_mask: bool = False):
+           key_mask: bool = False, dyn_offsets: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
     row i seeing key j iff ``j <= i + offset`` when causal. ``position``: every row is
@@ -319,7 +320,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ``[B, skv]``, 1 = keep) and ``flags`` (int32 ``[B, blocks]``, 1 where a block drops a
     key); a block with a dropped key takes the masked path with the keys dropped, in
     place of the unmasked one (so a sequence padded with dropped keys gives the rows of
-    the unpadded one, whose last block is masked by its length)."""
+    the unpadded one, whose last block is masked by its length). ``dyn_offsets``: the
+    kernel also takes ``offs`` (int32 ``[B]``), sequence b's ``offset`` (a multiple of
+    ``BLOCK_N``) or, with ``position``, its ``position``, in place of the static one."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
     rows_cta = cfg.rows
@@ -356,6 +359,22 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     def layout(x, lay):
         return plgpu.layout_cast(x, lay) if layout_hints else x
 
+    # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
+    # the kernel puts its ref in ``dyn`` before the first use).
+    dyn = {}
+
+    def offset_of(bi):
+        return dyn["offs"][bi] if dyn_offsets and position is None else offset
+
+    def position_of(bi):
+        if position is None:
+            return None
+        return dyn["offs"][bi] if dyn_offsets else position
+
+    def block_start(x):
+        """The start of the BLOCK_N block that holds position ``x`` (floor)."""
+        return x - x % bn
+
     wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -369,10 +388,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         if p_s is not None:
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
+        offset, position = offset_of(bi), position_of(bi)
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
         # prefill tiles to multiples of BLOCK_N).
-        p0 = q0 if position is None else q0 * 0 + (position - position % bn)
+        p0 = q0 if position is None else q0 * 0 + block_start(position)
         hi = _visited_blocks(p0, block_m=bm, offset=offset, total=total, causal=causal)
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
         # block ran 27% slower on the H200, docs/mosaic.md).
@@ -681,9 +701,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         if cfg.q_order == "descending":
             qi = (n_tiles - 1) - qi
         tile0 = qi * rows_cta
+        pos = position_of(bi)
         hi_cta = _visited_blocks(
-            tile0 if position is None else tile0 * 0 + (position - position % bn),
-            block_m=rows_cta, offset=offset, total=total, causal=causal)
+            tile0 if pos is None else tile0 * 0 + block_start(pos),
+            block_m=rows_cta, offset=offset_of(bi), total=total, causal=causal)
         return tile0, h, bi, lax.div(h, jnp.int32(group)), hi_cta
 
     def items_of_cta():
@@ -702,6 +723,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         return count, at
 
     def kernel(q_ref, k_ref, v_ref, ones_ref, *rest):
+        if dyn_offsets:
+            *rest, offs_ref, o_ref, lse_ref = rest
+            dyn["offs"] = offs_ref
+            rest = (*rest, o_ref, lse_ref)
         if key_mask:
             keep_ref, flags_ref, o_ref, lse_ref = rest
         else:
@@ -782,7 +807,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ), ones_cols
 
 
-def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None):
+def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
+             causal_offsets=None):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -791,9 +817,25 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     KV head), so K and V are read once per group (``_build``'s ``position``). Otherwise
     the rows are padded as :func:`padding` says. ``key_padding_mask`` ([B, Skv] bool,
     True = keep) becomes the kernel's keep values (padding keys dropped) and per-block
-    flags."""
+    flags.
+
+    ``causal_offsets`` ([B] int, causal only; default ``Skv - Sq`` for every sequence):
+    row i of sequence b sees key j iff ``j <= i + causal_offsets[b]`` (a paged cache's
+    ``seq_lens - Sq``). Each sequence's rows are placed at its own lead
+    (``offset mod BLOCK_N``, in ``BLOCK_N - 1 + Sq`` rows rounded up to the CTA's), so
+    its tiles sit where :func:`padding` puts them for that offset: the rows' bits are
+    those of a call whose static offset is the sequence's. A partial last key block is
+    then dropped by a key mask (a row could see past Skv)."""
     cfg = config or MosaicConfig()
     check_inputs(q, k, v)
+    dyn = causal and causal_offsets is not None
+    if dyn:
+        causal_offsets = jnp.asarray(causal_offsets)
+        if causal_offsets.shape != (q.shape[0],) or not jnp.issubdtype(
+                causal_offsets.dtype, jnp.integer):
+            raise ValueError(f"causal_offsets must be int [B] = [{q.shape[0]}], got "
+                             f"{causal_offsets.dtype} {causal_offsets.shape}")
+        causal_offsets = causal_offsets.astype(jnp.int32)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (k.shape[0], k.shape[2]):
             raise ValueError(f"key_padding_mask must be [B, Skv] = "
@@ -804,11 +846,16 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     # are dropped by a key mask, not by the key bound, so the kernel is the one a
     # caller's padding with dropped keys gets (the same code on every block; on the
     # H200 the key-bound kernel's rows differed from it in the last bits).
-    synth = (not causal and k.shape[2] % schedule.BLOCK_N != 0
+    synth = ((not causal or dyn) and k.shape[2] % schedule.BLOCK_N != 0
              and cfg.key_bound == "needed")
     if synth and key_padding_mask is None:
         key_padding_mask = jnp.ones((k.shape[0], k.shape[2]), jnp.bool_)
     key_mask = key_padding_mask is not None
+    if key_mask:
+        # Dropped keys may hold anything (a paged cache's unused slots, NaN padding):
+        # their probabilities are 0, but 0 * inf in P V would be NaN. Zero them here.
+        drop = ~key_padding_mask[:, None, :, None]
+        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
@@ -824,12 +871,30 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 position=skv - 1, key_mask=key_mask)
+                                 position=skv - 1, key_mask=key_mask, dyn_offsets=dyn)
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
+        offs = causal_offsets  # the one row's position
 
         def unpad(out, lse):
             return (out[:, :, :group].reshape(b, hq, 1, d),
                     lse[:, :, :group].reshape(b, hq, 1))
+    elif dyn:
+        rows = cfg.rows
+        sq_pad = -(-(bn - 1 + sq) // rows) * rows
+        lead = causal_offsets % bn  # [B], floor mod: 0..63
+        offs = causal_offsets - lead  # multiples of BLOCK_N
+        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel, offset=0,
+                                 d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
+                                 gpu_operands=gpu_operands, interpret=interpret,
+                                 key_mask=key_mask, dyn_offsets=True)
+        q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
+            jnp.zeros((hq, sq_pad, d), x.dtype), x, (0, at, 0)))(q, lead)
+
+        def unpad(out, lse):
+            return (jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at, 0), (hq, sq, d)))(
+                        out, lead),
+                    jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
+                        lse, lead))
     else:
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
@@ -852,33 +917,41 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
         flags = (~keep).reshape(b, skv_pad // bn, bn).any(axis=2).astype(jnp.int32)
         extra = (keep.astype(jnp.float32), flags)
+    if dyn:
+        extra = (*extra, offs)
     return call, (q, k_in, v, ones, *extra), unpad
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
 def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-            interpret=False, config: MosaicConfig | None = None, key_padding_mask=None):
+            interpret=False, config: MosaicConfig | None = None, key_padding_mask=None,
+            causal_offsets=None):
     """Attention forward ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
 
     ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
     CPU, default parameters) or an ``InterpretGPUParams``. ``key_padding_mask``: None or
-    ``[B, Skv]`` bool, True = keep (DESIGN.md section 3).
+    ``[B, Skv]`` bool, True = keep (DESIGN.md section 3). ``causal_offsets``: None or
+    ``[B]`` int, per-sequence causal offsets (:func:`_prepare`; ignored when not causal).
     """
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
-                                 config=config, key_padding_mask=key_padding_mask)
+                                 config=config, key_padding_mask=key_padding_mask,
+                                 causal_offsets=causal_offsets)
     return unpad(*call(*args))
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   config: MosaicConfig | None = None, key_padding_mask=None):
+                   config: MosaicConfig | None = None, key_padding_mask=None,
+                   causal_offsets=None):
     """Lower (not compile) the GPU kernel for CUDA; works on a machine without a GPU.
 
     Runs the Pallas -> Mosaic GPU lowering (layouts, wgmma operand constraints, the
     SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
     """
-    def f(q, k, v, mask):
+    def f(q, k, v, mask, offs):
         call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
-                                     config=config, key_padding_mask=mask)
+                                     config=config, key_padding_mask=mask,
+                                     causal_offsets=offs)
         return unpad(*call(*args))
 
-    return jax.jit(f).trace(q, k, v, key_padding_mask).lower(lowering_platforms=("cuda",))
+    return jax.jit(f).trace(q, k, v, key_padding_mask, causal_offsets).lower(
+        lowering_platforms=("cuda",))
