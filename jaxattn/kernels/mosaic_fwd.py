@@ -7,8 +7,9 @@ on an H200.
 
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
 k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
-head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq``, no padding
-mask, any ``Sq`` and ``Skv`` (padded internally: :func:`padding`).
+head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq`` (or one per
+sequence: ``causal_offsets``), optional key padding mask, any ``Sq`` and ``Skv`` (padded
+internally: :func:`padding`).
 
 Structure (FlashAttention-3's, on the canonical schedule): one CTA per (query tile,
 query head, batch), heaviest causal tiles first, with ``compute_wgs`` compute
