@@ -237,7 +237,9 @@ def check_backward(results: list) -> None:
         # its own dQ order (errors, run-to-run and batch invariance in bits).
         configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2), dict(pair_products=False),
                    dict(registers=None), dict(semantics="warpgroup"),
-                   dict(gpu_operands=False), dict(accumulate="inplace"), dict(dq="fused")]
+                   dict(gpu_operands=False), dict(accumulate="inplace"), dict(dq="fused"),
+                   dict(dq="fused", dq_add="atomic")]
+        fused = None
         for kw in configs:
             row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
             try:
@@ -264,6 +266,11 @@ def check_backward(results: list) -> None:
                                batch=all(_same(a[:1], c) for a, c in zip(g, g1,
                                                                          strict=True)),
                                dq_bits_eq_separate=_same(g[0], first[0]))
+                    if "dq_add" in kw:  # the same additions in the same order
+                        row["bits_eq_fused_tma"] = fused is not None and all(
+                            _same(a, f) for a, f in zip(g, fused, strict=True))
+                    else:
+                        fused = g
                 elif "accumulate" not in kw:  # launch parameters: the first one's bits
                     row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
                                                                             strict=True))

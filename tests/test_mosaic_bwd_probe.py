@@ -327,7 +327,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"dq_wgs": 2}, {"dq_wgs": 2, "accumulate": "inplace"},
                                 {"pair_products": False}, {"registers": None},
                                 {"dq": "fused"}, {"dq": "fused", "dkdv_wgs": 1},
-                                {"dq": "fused", "accumulate": "inplace"}],
+                                {"dq": "fused", "accumulate": "inplace"},
+                                {"dq": "fused", "dq_add": "atomic"}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
     """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
@@ -383,7 +384,7 @@ def test_fused_dq_lowers_beyond_one_wave(mosaic_bwd):
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
                {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
-               {"dq": "atomic"}):
+               {"dq": "atomic"}, {"dq_add": "red"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
     with pytest.raises(ValueError, match="lane"):

@@ -138,6 +138,12 @@ class BwdConfig:
     #: launch highest KV block first, so a CTA only ever waits for CTAs launched before
     #: it (no co-residency needed).
     dq: str = "separate"
+    #: With ``dq="fused"``, how a share reaches GMEM: "tma" (staged in SMEM, stored or
+    #: reduce-added by a TMA bulk copy, whose completion is awaited before the
+    #: semaphore is signalled) or "atomic" (per-element fp32 atomic adds from registers:
+    #: 70 TFLOP/s on the H200 at B=2 S=4096, against 306 for the separate dQ, stop 17).
+    #: The same additions in the same order: the same bits.
+    dq_add: str = "tma"
 
     def __post_init__(self):
         if self.stages < 1:
@@ -153,6 +159,8 @@ class BwdConfig:
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
         if self.dq not in ("separate", "fused"):
             raise ValueError(f"dq must be 'separate' or 'fused', got {self.dq!r}")
+        if self.dq_add not in ("tma", "atomic"):
+            raise ValueError(f"dq_add must be 'tma' or 'atomic', got {self.dq_add!r}")
         if self.dq == "fused" and self.semantics != "lane":
             raise ValueError("dq='fused' needs semantics='lane' (atomic adds)")
         if self.dq_wgs not in (1, 2):
@@ -399,14 +407,29 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 plgpu.semaphore_wait(sem, rank, decrement=True, memory_scope="gpu")
 
             dst = dq_ref.at[bi, h, pl.ds(i * bq, bq)]
+            if cfg.dq_add == "tma":
+                # Staged in SMEM; the bulk copy stores (first share) or adds in L2, and
+                # its writes are complete before the signal.
+                sm["dqs"][...] = part
+                plgpu.commit_smem()
 
-            @pl.when(rank == 0)
-            def _():
-                dst[...] = part
+                @pl.when(rank == 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(sm["dqs"], dst)
 
-            @pl.when(rank > 0)
-            def _():
-                plgpu.atomic_add(dst, part)
+                @pl.when(rank > 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(sm["dqs"], dst, reduction_op="add")
+
+                plgpu.wait_smem_to_gmem(0)
+            else:
+                @pl.when(rank == 0)
+                def _():
+                    dst[...] = part
+
+                @pl.when(rank > 0)
+                def _():
+                    plgpu.atomic_add(dst, part)
 
             @pl.when(~last)
             def _():
@@ -423,6 +446,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
         if fused:
             sm.update(dsq=sm["dsq"].at[w])
+            if cfg.dq_add == "tma":
+                sm.update(dqs=sm["dqs"].at[w])
         plgpu.copy_gmem_to_smem(k_ref.at[bi, kvh, pl.ds(start, bkv)], sm["k"],
                                 bars["misc"].at[2 * w])
         plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(start, bkv)], sm["v"],
@@ -549,6 +574,9 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                 ds=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)))
         if fused:
             spec["dsq"] = plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq))
+            if cfg.dq_add == "tma":
+                spec["dqs"] = plgpu.SMEM((nwg, bq, d), jnp.float32,
+                                         transforms=_smem_transforms(d, itemsize=4))
         if key_mask:
             spec["keep"] = plgpu.SMEM((nwg, bkv), jnp.float32)
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
