@@ -44,15 +44,11 @@ flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); 
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
                   "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
 flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
-                                   "kb-always:key_bound=always",
-                                   "nopp:pingpong=False", "ov-smem:overlap=smem",
-                                   "ov-regs:overlap=registers",
-                                   "fresh-mma:accumulate=fresh:rowsum=mma", "s3:stages=3",
-                                   "r240:registers=240/24",
-                                   "v1:compute_wgs=1:block_m=128:q_order=ascending:"
-                                   "accumulate=fresh:rowsum=mma"],
+                                   "pers-pf:persistent=132:prefetch_q=True",
+                                   "nopp:pingpong=False"],
                   "Mosaic forward variants timed by --speed: name[:key=value...] "
-                  "(MosaicConfig fields).")
+                  "(MosaicConfig fields; earlier ones: kb-always:key_bound=always, "
+                  "ov-regs:overlap=registers, s3:stages=3, r240:registers=240/24, ...).")
 flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
                   "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
@@ -106,6 +102,7 @@ LAUNCH_VARIANTS = {
     "overlap-registers": dict(overlap="registers"),
     "key-bound-always": dict(key_bound="always"),
     "persistent": dict(persistent=132),  # the H200's SM count
+    "persistent-prefetch": dict(persistent=132, prefetch_q=True),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

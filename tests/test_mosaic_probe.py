@@ -164,16 +164,19 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
     """A persistent grid of 3 CTAs walks the 8 (tile, head) items (3, 3 and 2 per CTA,
-    its K/V ring running on across items) and gives the bits of one CTA per tile;
-    non-causal with a partial last key block."""
+    its K/V ring running on across items) and gives the bits of one CTA per tile, with
+    and without the next item's Q loaded during this one (two Q buffers); non-causal
+    with a partial last key block."""
     seed, q, k, v = _inputs(1, 2, 1, 256, 256 if causal else 200, 64)
     base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                               config=mosaic_fwd.MosaicConfig(**_ONE_WG))
-    other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
-                               config=mosaic_fwd.MosaicConfig(persistent=3, **_ONE_WG))
-    for x, y in zip(base, other, strict=True):
-        assert not np.isnan(np.asarray(x, np.float32)).any(), f"seed {seed}"
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+    for kw in ({}, {"prefetch_q": True}):
+        other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(persistent=3, **kw,
+                                                                  **_ONE_WG))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any(), f"seed {seed}"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{kw} seed {seed}")
 
 
 @needs_sync
@@ -341,6 +344,7 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"overlap": "registers", "compute_wgs": 1, "stages": 3},
     {"key_bound": "always"},
     {"persistent": 132},
+    {"persistent": 132, "prefetch_q": True},
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
@@ -397,7 +401,7 @@ def test_rejects_bad_key_mask(mosaic_fwd):
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
-               {"key_bound": "never"}, {"persistent": -1}):
+               {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

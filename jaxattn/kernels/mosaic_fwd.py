@@ -141,6 +141,10 @@ class MosaicConfig:
     #: ``q_order`` (heavy causal tiles first by default), its K/V ring running on
     #: across items. The rows' operations are those of one CTA per tile: the same bits.
     persistent: int = 0
+    #: With ``persistent``: two Q buffers per compute warpgroup, and the next item's Q
+    #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
+    #: overlap), instead of after this item's output store. The same operations.
+    prefetch_q: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -164,6 +168,8 @@ class MosaicConfig:
                              f"{self.key_bound!r}")
         if self.persistent < 0:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
+        if self.prefetch_q and not self.persistent:
+            raise ValueError("prefetch_q needs a persistent grid (persistent > 0)")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -380,12 +386,18 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
-                   flags_ref=None):
+                   flags_ref=None, qbuf=None, after_q=None):
         """One (tile, head, batch) item of warpgroup ``w``; ``base``: the K/V loads of
-        the CTA's earlier items (the ring's position)."""
+        the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
+        the Q buffer already being loaded for this item, and ``after_q``, called once
+        this item's Q is in (it starts the next item's load)."""
         q_s, k_s, v_s, p_s, ones_s, lse_s, keep_s = smem
         k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched, m_bar = bars
-        q_s, lse_s = q_s.at[w], lse_s.at[w]
+        if qbuf is None:
+            q_s, q_b = q_s.at[w], q_bar.at[w]
+        else:
+            q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * nwg + w]
+        lse_s = lse_s.at[w]
         if p_s is not None:
             p_s = p_s.at[w]
         q0 = tile0 + w * bm
@@ -398,8 +410,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
         # block ran 27% slower on the H200, docs/mosaic.md).
         full = _full_blocks(p0, hi, offset=offset, whole=whole, causal=causal)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_bar.at[w])
-        plgpu.barrier_wait(q_bar.at[w])
+        if qbuf is None:
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_b)
+        plgpu.barrier_wait(q_b)
+        if after_q is not None:
+            after_q()
         rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
         # visible iff key <= query + offset, i.e. (cols - rows) <= q0 + offset - j * bn.
@@ -734,8 +749,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             (o_ref, lse_ref), keep_ref, flags_ref = rest, None, None
         count, item_at = items_of_cta()
         k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
+        qbufs = (2,) if cfg.prefetch_q else ()
         scratch = [
-            plgpu.SMEM((nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
             plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
             plgpu.SMEM((stages, bn, d), dtype, transforms=_smem_transforms(d, itemsize)),
             None if gpu_operands and cfg.overlap != "smem" else
@@ -751,7 +767,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             plgpu.Barrier(num_barriers=stages),  # V slot loaded
             plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot consumed
             plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot consumed
-            plgpu.Barrier(num_barriers=nwg),  # Q tile loaded, per compute warpgroup
+            # Q tile loaded, per compute warpgroup (and Q buffer)
+            plgpu.Barrier(num_barriers=nwg * (2 if cfg.prefetch_q else 1)),
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
             plgpu.Barrier(num_arrivals=2, num_barriers=1) if pingpong else None,
             plgpu.Barrier(num_barriers=stages) if key_mask else None,  # keep loaded
@@ -767,10 +784,31 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 if use_mma_rowsum:
                     plgpu.barrier_wait(bars[5].at[0])
 
+                def issue_q(tile0, h, bi, buf):
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[bi, h, pl.ds(tile0 + wg * bm, bm)], smem[0].at[buf, wg],
+                        bars[4].at[buf * nwg + wg])
+
                 def one(k, base):
                     tile0, h, bi, _, hi_cta = item_at(k)
+                    qbuf = after_q = None
+                    if cfg.prefetch_q:
+                        qbuf = lax.rem(k, jnp.int32(2))
+
+                        @pl.when(k == 0)
+                        def _():
+                            issue_q(tile0, h, bi, 0)
+
+                        def after_q():
+                            # The other buffer held item k - 1's output, whose store
+                            # was awaited at that item's end.
+                            @pl.when(k + 1 < count)
+                            def _():
+                                t1, h1, b1, _, _ = item_at(k + 1)
+                                issue_q(t1, h1, b1, 1 - qbuf)
+
                     compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta,
-                               base, flags_ref)
+                               base, flags_ref, qbuf, after_q)
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, jnp.int32(0))
