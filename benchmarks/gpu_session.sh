@@ -4,8 +4,8 @@
 #   STAGES=env,tests,check,operator,bench,bridge bash benchmarks/gpu_session.sh
 #
 # env: versions and nvidia-smi; tests: the pytest suite on the GPU (GPU-marked tests
-# included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py" -- no
-# quoted -k expressions, they do not survive the word splitting); check: the invariance
+# included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py", and
+# PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
 # matrix + accuracy at GPU sizes; operator: the check_operator CLI at Qwen3-8B shapes
 # (B=8, S=4096); bench: benchmarks/attention_bench.py at the shapes; bridge: the
 # torch bridge's overhead (benchmarks/bridge_bench.py); peers: the invariance matrix of
@@ -48,7 +48,8 @@ if has env; then
   tail -5 "$OUT/env.txt"
 fi
 if has tests; then
-  $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.txt" | tail -25
+  $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+      | tee "$OUT/pytest.txt" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has check; then
