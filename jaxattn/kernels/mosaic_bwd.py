@@ -397,6 +397,9 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             rank = hi - 1 - kb
             sem = sems.at[(bi * hq + h) * n_q + i]
             last = kb == 0
+            if cfg.dq_add == "tma":  # staged in SMEM before the wait, not after
+                sm["dqs"][...] = part
+                plgpu.commit_smem()
 
             @pl.when(~last)
             def _():
@@ -408,11 +411,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
 
             dst = dq_ref.at[bi, h, pl.ds(i * bq, bq)]
             if cfg.dq_add == "tma":
-                # Staged in SMEM; the bulk copy stores (first share) or adds in L2, and
-                # its writes are complete before the signal.
-                sm["dqs"][...] = part
-                plgpu.commit_smem()
-
+                # The bulk copy stores (first share) or adds in L2, and its writes are
+                # complete before the signal.
                 @pl.when(rank == 0)
                 def _():
                     plgpu.copy_smem_to_gmem(sm["dqs"], dst)
