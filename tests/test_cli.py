@@ -18,7 +18,10 @@ from jaxattn import check, reference, registry
 def test_check_main_job_passes_and_writes_json(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxattn.check", "--num_q_heads=4", "--num_kv_heads=2",
+        # pallas and reference: the raw Triton backend's interpreter is slow and has its
+        # own battery (tests/test_backends.py).
+        [sys.executable, "-m", "jaxattn.check", "--backends=pallas,reference",
+         "--num_q_heads=4", "--num_kv_heads=2",
          "--head_dim=64", "--seq_len=80", "--decode_steps=4", "--chunk_sizes=32,50",
          f"--json_out={out}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -298,9 +298,9 @@ def test_interpret_tests_in_subprocess():
     """Run the interpret tests of this file in a child process whose CPU client uses
     synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
     passed = run_interpret_tests_in_subprocess(
-        __file__, ["interpret_backward_accuracy", "bits_equal",
-                   "delta_triton or interpret_backward_tails", "two_warpgroups",
-                   "paired_products"])
+        __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
+                   "interpret_backward_tails or paired_products",
+                   "two_warpgroups"])  # three warpgroups: the likeliest to hang, alone
     assert passed == len(_CASES) + 2 + 4
 
 
