@@ -52,6 +52,9 @@ flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
 flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
                   "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
+flags.DEFINE_list("decode_speed", [], "B:Skv points: time decode (one query per head, "
+                  "Hq=32, Hkv=8, D=128, bf16) of the Mosaic forward (in-kernel fold and "
+                  "split_decode) beside the Pallas backend; GB/s of K and V read.")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
                                    "fused:dq=fused", "fused-inplace:dq=fused:accumulate=inplace",
                                    "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
@@ -192,7 +195,8 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
         # group stacked as the rows of one tile, and unstacked).
         for name, n, c in (("chunk", 128, cfg), ("chunk70", 70, cfg), ("decode", 1, cfg),
                            ("decode_unstacked", 1,
-                            dataclasses.replace(cfg, stack_decode=False))):
+                            dataclasses.replace(cfg, stack_decode=False)),
+                           ("decode_split", 1, dataclasses.replace(cfg, split_decode=True))):
             if q.shape[2] > n:
                 oc, lc = mf.forward(q[:, :, -n:], k, v, causal=causal, config=c)
                 row[name] = _same(oc, o[:, :, -n:]) and _same(lc, lse[:, :, -n:])
@@ -421,6 +425,44 @@ def time_speed(results: list) -> None:
             print(row, flush=True)
 
 
+def time_decode(results: list) -> None:
+    """Decode: one query per head against Skv keys, causal, bf16, Hq=32, Hkv=8, D=128;
+    GB/s counts the K and V bytes read (the floor of a decode step)."""
+    from jaxattn.kernels import mosaic_fwd as mf
+    from jaxattn.kernels import pallas_triton as pt
+    hq, hkv, d = 32, 8, 128
+    scale = 1 / np.sqrt(d)
+    for spec in FLAGS.decode_speed:
+        b, s = (int(x) for x in spec.split(":"))
+        sets = [_inputs(b, hq, hkv, 1, s, d, seed=7 + i)[:3] for i in range(3)]
+        kv_bytes = 2 * b * hkv * s * d * 2
+        fns = {
+            "pallas": lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
+                                                 interpret=False),
+            "mosaic:fold-in-kernel": functools.partial(mf.forward, causal=True, scale=scale),
+            "mosaic:split_decode": functools.partial(
+                mf.forward, causal=True, scale=scale,
+                config=mf.MosaicConfig(split_decode=True)),
+        }
+        outs = {}
+        for name, fn in fns.items():
+            row = {"kind": "decode-speed", "system": name, "B": b, "Skv": s}
+            try:
+                fn = jax.jit(fn)
+                outs[name] = jax.block_until_ready(fn(*sets[0]))
+                sec, reps = report.sampled_seconds(fn, sets, jax.block_until_ready,
+                                                   FLAGS.iters, 3, 50, 0.03)
+                row.update(us=sec * 1e6, gbps=kv_bytes / sec / 1e9, reps=reps)
+                if name == "mosaic:split_decode" and "mosaic:fold-in-kernel" in outs:
+                    row["bits_eq_fold_in_kernel"] = all(
+                        _same(a, c) for a, c in zip(outs[name], outs["mosaic:fold-in-kernel"],
+                                                    strict=True))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            results.append(row)
+            print(row, flush=True)
+
+
 def main(argv):
     del argv
     results = [{"jax": jax.__version__, "device": jax.devices()[0].device_kind}]
@@ -432,6 +474,8 @@ def main(argv):
             check_backward(results)
     if FLAGS.speed:
         time_speed(results)
+    if FLAGS.decode_speed:
+        time_decode(results)
     report.write(FLAGS.out_dir, results, default=str)
 
 

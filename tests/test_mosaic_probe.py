@@ -255,8 +255,9 @@ def test_interpret_tests_in_subprocess():
     result; a wrong result fails)."""
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_forward", "interpret_launch or interpret_rows or "
-                   "interpret_persistent", "interpret_key_mask or interpret_causal_offsets"])
-    assert passed == len(_CASES) + 7
+                   "interpret_persistent", "interpret_key_mask or interpret_causal_offsets",
+                   "interpret_split_decode"])
+    assert passed == len(_CASES) + 8
 
 
 @needs_sync
@@ -288,6 +289,38 @@ def test_interpret_causal_offsets(mosaic_fwd):
                                           err_msg=f"Sq {sq} seq {bi} (seed {seed})")
             np.testing.assert_array_equal(bits(l1), bits(lse[bi:bi + 1]),
                                           err_msg=f"Sq {sq} seq {bi} lse (seed {seed})")
+
+
+@needs_sync
+@needs_interpret
+def test_interpret_split_decode_keeps_bits(mosaic_fwd):
+    """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
+    gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
+    with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
+    other split is empty)."""
+    s = schedule.SPLIT + 100
+    seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
+    keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
+    offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
+    for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
+        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(split_decode=split), **kw)
+                for split in (False, True)]
+        for x, y in zip(*outs, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"{list(kw)} (seed {seed})")
+
+
+@needs_api
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
+    q = jax.ShapeDtypeStruct((2, 32, 1, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 8, 5000, 128), jnp.bfloat16)
+    text = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal,
+                                     config=mosaic_fwd.MosaicConfig(split_decode=True)
+                                     ).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @needs_api

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
+from jaxattn.merge import fold as fold_states
 
 NEG_INF = float("-inf")
 _LOG2E = math.log2(math.e)
@@ -145,6 +146,12 @@ class MosaicConfig:
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
     prefetch_q: bool = False
+    #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
+    #: split writes the split's partial state and :func:`jaxattn.merge.fold` folds them
+    #: in key order (as the Pallas backend's split-KV decode), so a long cache is read
+    #: by many CTAs instead of one per (batch, KV head). The in-kernel fold merges the
+    #: same states with the same operations (:func:`merge_rows`).
+    split_decode: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -317,7 +324,7 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret, position: int | None = None,
-           key_mask: bool = False, dyn_offsets: bool = False):
+           key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
     row i seeing key j iff ``j <= i + offset`` when causal. ``position``: every row is
@@ -329,7 +336,12 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     place of the unmasked one (so a sequence padded with dropped keys gives the rows of
     the unpadded one, whose last block is masked by its length). ``dyn_offsets``: the
     kernel also takes ``offs`` (int32 ``[B]``), sequence b's ``offset`` (a multiple of
-    ``BLOCK_N``) or, with ``position``, its ``position``, in place of the static one."""
+    ``BLOCK_N``) or, with ``position``, its ``position``, in place of the static one.
+    ``split_out``: one CTA per (tile, head, batch, SPLIT) writes that split's partial
+    state, ``out [B, Hq, n_splits, sq, D]`` and ``lse [B, Hq, n_splits, sq]`` fp32
+    (``(0, -inf)`` where the split has nothing visible), for :func:`jaxattn.merge.fold`
+    to fold: split-parallel decode. One compute warpgroup, no persistent grid, no
+    overlap."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
     rows_cta = cfg.rows
@@ -366,6 +378,16 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     def layout(x, lay):
         return plgpu.layout_cast(x, lay) if layout_hints else x
 
+    per_split = schedule.BLOCKS_PER_SPLIT
+    n_splits_all = -(-total // per_split)
+    if split_out and (nwg != 1 or cfg.persistent or cfg.overlap):
+        raise ValueError("split_out needs one compute warpgroup, no persistent grid and "
+                         "no overlap")
+
+    def split_lo():
+        """The first block of the CTA's split (split_out), else 0."""
+        return lax.axis_index("s") * per_split if split_out else jnp.int32(0)
+
     # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
     # the kernel puts its ref in ``dyn`` before the first use).
     dyn = {}
@@ -391,7 +413,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
         the Q buffer already being loaded for this item, and ``after_q``, called once
         this item's Q is in (it starts the next item's load)."""
-        q_s, k_s, v_s, p_s, ones_s, lse_s, keep_s = smem
+        q_s, k_s, v_s, p_s, ones_s, lse_s, keep_s, o32_s = smem
         k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched, m_bar = bars
         if qbuf is None:
             q_s, q_b = q_s.at[w], q_bar.at[w]
@@ -605,7 +627,6 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             return plgpu.wgmma_accumulator_load(o_acc, wait_n=None), m, l
 
-        per_split = schedule.BLOCKS_PER_SPLIT
         n_splits = lax.div(hi + (per_split - 1), jnp.int32(per_split))
 
         def split_step(si, state, accs=None):
@@ -623,10 +644,22 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 acc, m, l = lax.fori_loop(mid, end,
                                           functools.partial(block_step, masked=True), carry)
             part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
-            return merge_rows(*state, *part)
+            return part if state is None else merge_rows(*state, *part)
 
         init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                 layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
+        if split_out:
+            # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
+            # >= hi: then finalize gives (0, -inf)); the fold happens outside.
+            out, lse = split_step(lax.axis_index("s"), None)
+            o32_s[...] = out
+            lse_s[...] = lse
+            plgpu.commit_smem()
+            si = lax.axis_index("s")
+            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[bi, h, si, pl.ds(q0, bm)])
+            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, si, pl.ds(q0, bm)])
+            plgpu.wait_smem_to_gmem(0)
+            return
         if cfg.overlap:
             # The score and output accumulators live across blocks (wgmma registers).
             out, lse = pl.run_scoped(
@@ -662,11 +695,11 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
-        """The K/V loads of one item: blocks [0, hi) into the ring from position
-        ``base`` on (each slot once the compute warpgroups have released it); with a
+        """The K/V loads of one item: blocks [split_lo(), hi) into the ring, block j at
+        position ``base + j`` (each slot once the compute warpgroups have released it); with a
         key mask, each block's keep values with its V (they are read up to the
         softmax, V's slot is released after P V)."""
-        _, k_s, v_s, _, _, _, keep_s = smem
+        _, k_s, v_s, _, _, _, keep_s, _ = smem
         k_bar, v_bar, k_free, v_free, _, _, _, m_bar = bars
 
         def load(j, _):
@@ -692,7 +725,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                                         m_bar.at[slot])
             return None
 
-        lax.fori_loop(0, hi, load, None)
+        lax.fori_loop(split_lo(), hi, load, None)
 
     def drain(bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
@@ -721,6 +754,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         hi_cta = _visited_blocks(
             tile0 if pos is None else tile0 * 0 + block_start(pos),
             block_m=rows_cta, offset=offset_of(bi), total=total, causal=causal)
+        if split_out:  # the CTA's split only: blocks [lo, end)
+            hi_cta = lax.max(lax.min(split_lo() + per_split, hi_cta), split_lo())
         return tile0, h, bi, lax.div(h, jnp.int32(group)), hi_cta
 
     def items_of_cta():
@@ -761,6 +796,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             if use_mma_rowsum else None,
             plgpu.SMEM((nwg, bm), jnp.float32),
             plgpu.SMEM((stages, bn), jnp.float32) if key_mask else None,
+            # split_out: the split's fp32 output, staged for its TMA store
+            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
+            if split_out else None,
         ]
         barriers = (
             plgpu.Barrier(num_barriers=stages),  # K slot loaded
@@ -811,7 +849,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                                base, flags_ref, qbuf, after_q)
                     return base + hi_cta
 
-                lax.fori_loop(0, count, one, jnp.int32(0))
+                lax.fori_loop(0, count, one, -split_lo())
 
             @pl.when(wg == nwg)
             def _():
@@ -825,18 +863,26 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base, keep_ref)
                     return base + hi_cta
 
-                drain(bars, lax.fori_loop(0, count, one, jnp.int32(0)))
+                drain(bars, lax.fori_loop(0, count, one, -split_lo()))
 
         pl.run_scoped(body, scratch, barriers, collective_axes="wg")
 
+    grid = ((cfg.persistent,) if cfg.persistent else
+            (n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b))
+    grid_names = (("cta",) if cfg.persistent else
+                  ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"))
+    if split_out:
+        out_type = (jax.ShapeDtypeStruct((b, hq, n_splits_all, sq, d), jnp.float32),
+                    jax.ShapeDtypeStruct((b, hq, n_splits_all, sq), jnp.float32))
+        grid, grid_names = (n_splits_all, *grid), ("s", *grid_names)
+    else:
+        out_type = (jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
+                    jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
-                  jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
-        grid=((cfg.persistent,) if cfg.persistent else
-              (n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b)),
-        grid_names=(("cta",) if cfg.persistent else
-                    ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b")),
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
         num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -907,14 +953,21 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     if sq == 1 and group <= bn and cfg.stack_decode:
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
+        split = (cfg.split_decode and not cfg.persistent
+                 and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 position=skv - 1, key_mask=key_mask, dyn_offsets=dyn)
+                                 position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
+                                 split_out=split)
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
         offs = causal_offsets  # the one row's position
+        out_dtype = q.dtype
 
         def unpad(out, lse):
+            if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
+                out, lse = fold_states(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0))
+                out = out.astype(out_dtype)
             return (out[:, :, :group].reshape(b, hq, 1, d),
                     lse[:, :, :group].reshape(b, hq, 1))
     elif dyn:
