@@ -256,8 +256,8 @@ def test_interpret_tests_in_subprocess():
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_forward", "interpret_launch or interpret_rows or "
                    "interpret_persistent", "interpret_key_mask or interpret_causal_offsets",
-                   "interpret_split_decode"])
-    assert passed == len(_CASES) + 8
+                   "interpret_split_decode or interpret_split_partials"])
+    assert passed == len(_CASES) + 9
 
 
 @needs_sync
@@ -312,6 +312,31 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
                                           err_msg=f"{list(kw)} (seed {seed})")
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
+    """Each SPLIT's partial state, folded outside the kernel by jaxattn.merge.fold and
+    cast, gives the forward's bits: past one SPLIT, causal with a per-sequence offset
+    and a key mask, and non-causal (the seed of context parallelism)."""
+    from jaxattn.merge import fold
+    s = schedule.SPLIT + 100
+    seed, q, k, v = _inputs(1, 1, 1, 40, s, 64)
+    keep = jnp.asarray(np.arange(s) % 13 != 5)[None]
+    cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
+    for kw in ({"causal": True, "key_padding_mask": keep,
+                "causal_offsets": jnp.array([s - 70], jnp.int32)},
+               {"causal": False}):
+        out, lse = mosaic_fwd.forward(q, k, v, interpret=True, config=cfg, **kw)
+        outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg, **kw)
+        assert outs.shape == (2, *q.shape) and lses.shape == (2, *q.shape[:3])
+        assert outs.dtype == lses.dtype == jnp.float32
+        fo, fl = fold(outs, lses)
+        np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
+                                      err_msg=f"{kw['causal']} (seed {seed})")
+        np.testing.assert_array_equal(bits(fl), bits(lse),
+                                      err_msg=f"{kw['causal']} lse (seed {seed})")
+
+
 @needs_api
 @pytest.mark.parametrize("causal", [True, False])
 def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
@@ -321,6 +346,13 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
                                      config=mosaic_fwd.MosaicConfig(split_decode=True)
                                      ).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+    # and the partial states of prefill tiles (per-sequence offsets)
+    qp = jax.ShapeDtypeStruct((2, 32, 300, 128), jnp.bfloat16)
+    offs = jax.ShapeDtypeStruct((2,), jnp.int32)
+    lowered = jax.jit(lambda q, k, o: mosaic_fwd.split_partials(
+        q, k, k, causal=causal, causal_offsets=o)).trace(qp, k, offs).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
 
 
 @needs_api

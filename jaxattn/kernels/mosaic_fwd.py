@@ -893,7 +893,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
-             causal_offsets=None):
+             causal_offsets=None, partials=False):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -910,8 +910,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     (``offset mod BLOCK_N``, in ``BLOCK_N - 1 + Sq`` rows rounded up to the CTA's), so
     its tiles sit where :func:`padding` puts them for that offset: the rows' bits are
     those of a call whose static offset is the sequence's. A partial last key block is
-    then dropped by a key mask (a row could see past Skv)."""
+    then dropped by a key mask (a row could see past Skv).
+
+    ``partials``: the kernel writes each SPLIT's partial state instead of folding them
+    (one compute warpgroup of 64 rows: launch choices never change a row's bits), and
+    ``unpad`` returns ``(out [n_splits, B, Hq, Sq, D], lse [n_splits, B, Hq, Sq])`` fp32."""
     cfg = config or MosaicConfig()
+    if partials:
+        cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=schedule.BLOCK_N,
+                                  persistent=0, prefetch_q=False, overlap=None)
     check_inputs(q, k, v)
     dyn = causal and causal_offsets is not None
     if dyn:
@@ -953,8 +960,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     if sq == 1 and group <= bn and cfg.stack_decode:
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
-        split = (cfg.split_decode and not cfg.persistent
-                 and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
+        split = partials or (cfg.split_decode and not cfg.persistent
+                             and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
@@ -965,6 +972,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         out_dtype = q.dtype
 
         def unpad(out, lse):
+            if partials:  # [B, Hkv, n_splits, 64, ...] -> [n_splits, B, Hq, 1, ...]
+                n = out.shape[2]
+                return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
+                        jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
             if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
                 out, lse = fold_states(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0))
                 out = out.astype(out_dtype)
@@ -978,11 +989,17 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 key_mask=key_mask, dyn_offsets=True)
+                                 key_mask=key_mask, dyn_offsets=True, split_out=partials)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((hq, sq_pad, d), x.dtype), x, (0, at, 0)))(q, lead)
 
         def unpad(out, lse):
+            if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
+                n = out.shape[2]
+                return (jnp.moveaxis(jax.vmap(lambda x, at: lax.dynamic_slice(
+                            x, (0, 0, at, 0), (hq, n, sq, d)))(out, lead), 2, 0),
+                        jnp.moveaxis(jax.vmap(lambda x, at: lax.dynamic_slice(
+                            x, (0, 0, at), (hq, n, sq)))(lse, lead), 2, 0))
             return (jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at, 0), (hq, sq, d)))(
                         out, lead),
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
@@ -992,11 +1009,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                                  offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                                 interpret=interpret, key_mask=key_mask)
+                                 interpret=interpret, key_mask=key_mask, split_out=partials)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
 
         def unpad(out, lse):
+            if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
+                return (jnp.moveaxis(out[:, :, :, lead:lead + sq], 2, 0),
+                        jnp.moveaxis(lse[:, :, :, lead:lead + sq], 2, 0))
             if (lead, sq_pad) == (0, sq):
                 return out, lse
             return out[:, :, lead:lead + sq], lse[:, :, lead:lead + sq]
@@ -1028,6 +1048,21 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
                                  causal_offsets=causal_offsets)
+    return unpad(*call(*args))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
+                   interpret=False, config: MosaicConfig | None = None,
+                   key_padding_mask=None, causal_offsets=None):
+    """Each SPLIT's partial state, ``(out [n_splits, B, Hq, Sq, D], lse [n_splits, B,
+    Hq, Sq])`` fp32 (``(0, -inf)`` where a row sees nothing of a split): the states
+    :func:`forward` folds in the kernel, for a fold outside it (context parallelism,
+    split-parallel decode). :func:`jaxattn.merge.fold` of them, cast to the input
+    dtype, is :func:`forward`'s result. Arguments as :func:`forward`'s."""
+    call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                                 config=config, key_padding_mask=key_padding_mask,
+                                 causal_offsets=causal_offsets, partials=True)
     return unpad(*call(*args))
 
 
