@@ -293,6 +293,71 @@ def test_interpret_paired_products_keepbits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_backward_over_ranges(mosaic_bwd):
+    """Per-sequence causal offsets and the keys in two ranges (dK/dV per range, dQ
+    continued from the first range to the second): each sequence's gradients equal, in
+    bits, those of its own call with the static offset (its keys cut where its rows
+    stop seeing them); the keys past that get zero dK and dV."""
+    cfg = mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1)
+    seed, q, k, v, do = _inputs(2, 1, 1, 40, 200, 64)
+    lens = (200, 140)  # sequence b's rows see keys j <= i + lens[b] - 40
+    outs, lses = [], []
+    for bi, n in enumerate(lens):
+        o, l_ = reference.forward_with_lse(q[bi:bi + 1], k[bi:bi + 1, :, :n],
+                                           v[bi:bi + 1, :, :n], causal=True)
+        outs.append(o)
+        lses.append(l_)
+    out, lse = jnp.concatenate(outs), jnp.concatenate(lses)
+    offs = jnp.asarray(lens, jnp.int32) - 40
+    got = mosaic_bwd.backward_over_ranges(q, k, v, out, lse, do, ranges=[(0, 128),
+                                                                         (128, 200)],
+                                          offsets=offs, causal=True, interpret=True,
+                                          config=cfg)
+    for bi, n in enumerate(lens):
+        want = mosaic_bwd.backward(q[bi:bi + 1], k[bi:bi + 1, :, :n], v[bi:bi + 1, :, :n],
+                                   out[bi:bi + 1], lse[bi:bi + 1], do[bi:bi + 1],
+                                   causal=True, interpret=True, config=cfg)
+        for name, g, w in zip("qkv", got, want, strict=True):
+            g = g[bi:bi + 1] if name == "q" else g[bi:bi + 1, :, :n]
+            assert not np.isnan(np.asarray(g, np.float32)).any(), name
+            np.testing.assert_array_equal(bits(g), bits(w),
+                                          err_msg=f"d{name} seq {bi} (seed {seed})")
+        for g in got[1:]:
+            assert not np.asarray(g[bi, :, n:], np.float32).any()
+
+
+def test_backward_over_ranges_rejects_bad_ranges(mosaic_bwd):
+    q = jnp.ones((1, 1, 64, 64), jnp.bfloat16)
+    k = jnp.ones((1, 1, 300, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 1, 64), jnp.float32)
+    offs = jnp.array([236], jnp.int32)
+    for ranges in ([(0, 100), (100, 300)], [(0, 128)], [(0, 128), (192, 300)],
+                   [(128, 300), (0, 128)]):
+        with pytest.raises(ValueError, match="ranges"):
+            mosaic_bwd.backward_over_ranges(q, k, k, q, lse, q, ranges=ranges, offsets=offs,
+                                            causal=True)
+    with pytest.raises(ValueError, match="offsets"):
+        mosaic_bwd.backward_over_ranges(q, k, k, q, lse, q, ranges=[(0, 300)],
+                                        offsets=jnp.zeros((2,), jnp.int32), causal=True)
+
+
+@needs_api
+def test_backward_over_ranges_lowers_for_cuda(mosaic_bwd):
+    q = jax.ShapeDtypeStruct((2, 8, 300, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 2100, 128), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 8, 300), jnp.float32)
+    offs = jax.ShapeDtypeStruct((2,), jnp.int32)
+    f = jax.jit(lambda q, k, o, l_, offs: mosaic_bwd.backward_over_ranges(
+        q, k, k, o, l_, o, ranges=[(0, 1024), (1024, 2048), (2048, 2100)], offsets=offs,
+        causal=True))
+    text = f.trace(q, k, q, lse, offs).lower(lowering_platforms=("cuda",)).as_text()
+    # delta; dK/dV: one kernel for the two whole ranges (same shapes), one for the last;
+    # dQ: the first range (from zero), the second (continued), the last (continued).
+    assert text.count("custom_call @mosaic_gpu") == 6
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
     """Run the interpret tests of this file in a child process whose CPU client uses
@@ -300,8 +365,9 @@ def test_interpret_tests_in_subprocess():
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
                    "interpret_backward_tails or paired_products",
+                   "interpret_backward_over_ranges",
                    "two_warpgroups"])  # three warpgroups: the likeliest to hang, alone
-    assert passed == len(_CASES) + 2 + 4
+    assert passed == len(_CASES) + 2 + 5
 
 
 @needs_api

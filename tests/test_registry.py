@@ -43,7 +43,8 @@ def test_explicit_backend_is_used_and_reported():
 
 
 def test_unknown_names_raise():
-    with pytest.raises(ValueError, match=r"unknown backend 'cuda'.*registered: pallas, reference"):
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda'.*registered: mosaic, pallas, "
+                                         r"reference"):
         jaxattn.get_op("attention", backend="cuda")
     with pytest.raises(KeyError, match=r"unknown op 'attn'; known ops: .*attention"):
         jaxattn.get_op("attn")

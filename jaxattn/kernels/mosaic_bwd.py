@@ -86,8 +86,9 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
-__all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "delta", "dkdv", "dq_accumulate",
-           "interpret_params", "lower_for_cuda", "reset_interpret_state"]
+__all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges", "delta",
+           "dkdv", "dq_accumulate", "interpret_params", "lower_for_cuda",
+           "reset_interpret_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,11 +355,12 @@ def _first_qblock(start, *, causal, offset, n_q):
 
 
 def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-                interpret, offset=None, key_mask=False):
+                interpret, offset=None, key_mask=False, dyn_offsets=False):
     """dK/dV (and with ``dq="fused"`` dQ) for ``sq`` query rows and ``skv`` keys (both
     multiples of 64); query row i sees key j iff ``j <= i + offset`` when causal
     (default ``skv - sq``). ``key_mask``: the kernel also takes ``keep`` (fp32
-    ``[B, skv]``, 1 = keep) and drops the other keys."""
+    ``[B, skv]``, 1 = keep) and drops the other keys. ``dyn_offsets``: the kernel also
+    takes ``offs`` (int32 ``[B]``, last), sequence b's offset in place of ``offset``."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
     inplace = cfg.accumulate == "inplace"
@@ -370,11 +372,15 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
                          "the interpreter has no semaphores or atomics)")
     group, n_q = hq // hkv, sq // BLOCK_Q
-    offset = skv - sq if offset is None else offset
+    static_offset = skv - sq if offset is None else offset
     n_kv = skv // bkv
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
+    dyn = {}  # the kernel puts its ``offs`` ref here (dyn_offsets)
+
+    def offset_of(bi):
+        return dyn["offs"][bi] if dyn_offsets else static_offset
 
     def add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, kb):
         """Fused dQ: this block's share ``dS K`` of the query tile of step ``t``, into
@@ -387,7 +393,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         every launch starts from zeros (a launch cut short would leave them dirty)."""
         i = first + lax.rem(t, n)
         h = kvh * group + lax.div(t, n)
-        hi = _last_kvblock(i * bq, causal=causal, offset=offset, n_kv=n_kv)
+        hi = _last_kvblock(i * bq, causal=causal, offset=offset_of(bi), n_kv=n_kv)
 
         @pl.when(kb < hi)  # this block is one of the tile's [0, hi)
         def _():
@@ -441,6 +447,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         # CTA's ``first`` (that of its first block), so where this block's own first
         # visible query block is later, the steps before it are fully masked.
         start = start + w * bkv
+        offset = offset_of(bi)
         sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
@@ -538,6 +545,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
         keep_ref = None
         if key_mask:
             keep_ref, *rest = rest
+        if dyn_offsets:
+            dyn["offs"], *rest = rest
         if fused:
             *t_refs, dk_ref, dv_ref, dq_ref = rest
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,)))
@@ -551,7 +560,7 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             # and the heads' heavy (early) blocks start at staggered times.
             kb = jnp.int32(skv // (nwg * bkv) - 1) - kb
         start = kb * (nwg * bkv)
-        first = _first_qblock(start, causal=causal, offset=offset, n_q=n_q)
+        first = _first_qblock(start, causal=causal, offset=offset_of(bi), n_q=n_q)
         n = jnp.int32(n_q) - first
         total = n * group
         n = lax.max(n, jnp.int32(1))  # a divisor; total == 0 when no block is visible
@@ -626,15 +635,24 @@ def _last_kvblock(q0, *, causal, offset, n_kv):
 
 
 def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-              interpret, offset=None, key_mask=False):
-    """The unscaled fp32 dQ accumulator; ``offset`` and ``key_mask`` as in
-    :func:`_build_dkdv` (the keep values stream with K and V)."""
+              interpret, offset=None, key_mask=False, dyn_offsets=False,
+              continue_acc=False):
+    """The unscaled fp32 dQ accumulator; ``offset``, ``key_mask`` and ``dyn_offsets`` as
+    in :func:`_build_dkdv` (the keep values stream with K and V). ``continue_acc``: the
+    kernel also takes ``acc`` (fp32 ``[B, Hq, sq, D]``, after ``offs``) and goes on from
+    it instead of from zero (dQ over key ranges in ascending order: context
+    parallelism), the same additions as one call over their union."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
     # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there.
     nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64) else 1
     group, n_kv = hq // hkv, skv // BLOCK_KV
-    offset = skv - sq if offset is None else offset
+    static_offset = skv - sq if offset is None else offset
+    dyn = {}  # the kernel puts its ``offs`` and ``acc`` refs here
+
+    def offset_of(bi):
+        return dyn["offs"][bi] if dyn_offsets else static_offset
+
     itemsize = jnp.dtype(dtype).itemsize
     lay = _Layouts(interpret)
     tr = functools.partial(_smem_transforms, itemsize=itemsize)
@@ -648,15 +666,18 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
         # see ([0, hi)) exactly as a CTA of one warpgroup would, and releases the
         # blocks only the other warpgroup needs ([hi, hi_cta)) unread.
         q0 = tile0 + w * bq
+        offset = offset_of(bi)
         hi = _last_kvblock(q0, causal=causal, offset=offset, n_kv=n_kv)
         rows_sl = pl.ds(q0, bq)
         own = {name: sm[name].at[w] for name in (*row_names, "out")}
-        srcs = zip(row_names, (q_ref, do_ref, lse_ref, delta_ref), strict=True)
+        srcs = [*zip(row_names, (q_ref, do_ref, lse_ref, delta_ref), strict=True)]
+        if continue_acc:  # the accumulator so far, into the output tile's SMEM
+            srcs.append(("out", dyn["acc"]))
         for i, (name, ref) in enumerate(srcs):
             plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], own[name],
-                                    bars["misc"].at[4 * w + i])
-        for i in range(4):
-            plgpu.barrier_wait(bars["misc"].at[4 * w + i])
+                                    bars["misc"].at[5 * w + i])
+        for i in range(len(srcs)):
+            plgpu.barrier_wait(bars["misc"].at[5 * w + i])
         lse = lay.vec(own["lse"], 1)
         dlt = lay.vec(own["delta"], 1)
         lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
@@ -689,7 +710,8 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dq
 
-        dq = lax.fori_loop(0, hi, step, lay.zeros((bq, d)))
+        dq = lax.fori_loop(0, hi, step,
+                           lay.tile(own["out"]) if continue_acc else lay.zeros((bq, d)))
 
         def skip(j, _):
             slot = lax.rem(j, jnp.int32(stages))
@@ -716,12 +738,16 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
 
     def kernel(q_ref, do_ref, lse_ref, delta_ref, *rest):
         *kv_refs, acc_ref = rest
+        if continue_acc:
+            *kv_refs, dyn["acc"] = kv_refs
+        if dyn_offsets:
+            *kv_refs, dyn["offs"] = kv_refs
         qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
         kvh = lax.div(h, jnp.int32(group))
         tile0 = qi * (nwg * bq)
         # The blocks of the CTA's last tile: a superset of every tile's.
-        hi_cta = _last_kvblock(tile0 + (nwg - 1) * bq, causal=causal, offset=offset,
-                               n_kv=n_kv)
+        hi_cta = _last_kvblock(tile0 + (nwg - 1) * bq, causal=causal,
+                               offset=offset_of(bi), n_kv=n_kv)
         srcs = dict(zip(names, kv_refs, strict=True))
         spec = {
             "q": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
@@ -743,7 +769,7 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             spec["keep"] = plgpu.SMEM((stages, bkv), jnp.float32)
         bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
-        bar_spec["misc"] = plgpu.Barrier(num_barriers=4 * nwg)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=5 * nwg)
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
@@ -878,6 +904,99 @@ def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
     return dq[:, :, lead:lead + sq], dk[:, :, :skv], dv[:, :, :skv]
 
 
+def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offsets,
+                         causal: bool, scale: float | None = None, interpret=False,
+                         config: BwdConfig | None = None, key_padding_mask=None):
+    """Gradients ``(dq, dk, dv)`` with per-sequence causal offsets and the keys taken in
+    ``ranges`` (``[(a, e), ...]``, ascending and covering ``[0, Skv)``; context
+    parallelism's key shards): dK and dV of each range by the dK/dV kernel, dQ by the
+    dQ kernel continued from range to range (:func:`_build_dq`'s ``continue_acc``),
+    scaled and cast once. Row i of sequence b sees key j iff ``j <= i + offsets[b]``
+    (causal). The ranges' starts must be multiples of ``2 * BLOCK_KV`` (SPLIT-aligned
+    shards are): each range's CTAs then hold the key blocks one call over all keys
+    holds, and the result is that call's in bits. Each sequence's rows are placed at
+    their own lead (``offsets[b] mod 64``), as the forward places them."""
+    check_inputs(q, k, v)
+    cfg = config or BwdConfig()
+    if cfg.dq == "fused":
+        raise ValueError("backward_over_ranges continues the separate dQ kernel "
+                         "(dq='separate')")
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _check_rows("out", out, q.shape)
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
+    if d_lse is not None:
+        _check_rows("d_lse", d_lse, (b, hq, sq))
+    offsets = jnp.asarray(offsets)
+    if offsets.shape != (b,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise ValueError(f"offsets must be int [B] = [{b}], got {offsets.dtype} "
+                         f"{offsets.shape}")
+    offsets = offsets.astype(jnp.int32)
+    ranges = [(int(a), int(e)) for a, e in ranges]
+    if (not ranges or ranges[0][0] != 0 or ranges[-1][1] != skv
+            or any(e0 != a1 for (_, e0), (a1, _) in zip(ranges, ranges[1:], strict=False))
+            or any(e <= a for a, e in ranges)
+            or any(a % (2 * BLOCK_KV) for a, _ in ranges)):
+        raise ValueError(f"ranges must be ascending, non-empty, contiguous, cover "
+                         f"[0, {skv}) and start at multiples of {2 * BLOCK_KV}; got "
+                         f"{ranges}")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
+            raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
+                             f"{key_padding_mask.dtype} {key_padding_mask.shape}")
+        drop = ~key_padding_mask[:, None, :, None]
+        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
+    rows_cta = BLOCK_Q * cfg.dq_wgs
+    if causal:
+        lead = offsets % BLOCK_KV  # [B]: each sequence's tiles at 64 absolute positions
+        sq_pad = -(-(BLOCK_KV - 1 + sq) // rows_cta) * rows_cta
+
+        def place(x, fill=0.0):
+            shape = (hq, sq_pad, *x.shape[3:])
+            return jax.vmap(lambda y, at: lax.dynamic_update_slice(
+                jnp.full(shape, fill, y.dtype), y, (0, at) + (0,) * (y.ndim - 2)))(x, lead)
+
+        def unplace(x):
+            return jax.vmap(lambda y, at: lax.dynamic_slice(
+                y, (0, at, 0), (hq, sq, d)))(x, lead)
+    else:
+        lead = jnp.zeros((b,), jnp.int32)
+        sq_pad = -(-sq // rows_cta) * rows_cta
+
+        def place(x, fill=0.0):
+            pad = [(0, 0), (0, 0), (0, sq_pad - sq)] + [(0, 0)] * (x.ndim - 3)
+            return jnp.pad(x, pad, constant_values=fill)
+
+        def unplace(x):
+            return x[:, :, :sq]
+    qp, outp, dop = place(q), place(out), place(d_out.astype(q.dtype))
+    lsep = place(lse, NEG_INF)  # padding rows add nothing
+    dlsep = None if d_lse is None else place(d_lse.astype(jnp.float32))
+    offs = offsets - lead  # multiples of BLOCK_KV, in padded-row coordinates
+    kw = dict(offset=0, causal=causal, scale=scale, interpret=interpret, config=cfg)
+    dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg)
+    dks, dvs, acc = [], [], None
+    for a, e in ranges:
+        n = e - a
+        n_pad = -(-n // BLOCK_KV) * BLOCK_KV
+        kr, vr = k[:, :, a:e], v[:, :, a:e]
+        keep = None if key_padding_mask is None else key_padding_mask[:, a:e]
+        if n_pad != n:
+            kr, vr = (jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0))) for x in (kr, vr))
+            keep = jnp.ones((b, n), jnp.bool_) if keep is None else keep
+            keep = jnp.pad(keep, ((0, 0), (0, n_pad - n)))
+        keep = None if keep is None else keep.astype(jnp.float32)
+        off_r = offs - a if causal else None
+        dk, dv = _dkdv_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
+        acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
+        dks.append(dk[:, :, :n])
+        dvs.append(dv[:, :, :n])
+    dq = unplace((acc * scale).astype(q.dtype))
+    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+
+
 def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, scale,
                      interpret, cfg):
     """:func:`backward` on whole tiles: ``Sq`` and ``Skv`` multiples of 64, row i seeing
@@ -895,7 +1014,7 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     return (acc * scale).astype(q.dtype), dk, dv
 
 
-def _block_dims(q, k, interpret, config, causal, scale, offset, keep):
+def _block_dims(q, k, interpret, config, causal, scale, offset, keep, offs=None):
     interp = resolve_interpret(interpret)
     gpu_operands = (config.gpu_operands if config.gpu_operands is not None
                     else interp is None)
@@ -904,35 +1023,43 @@ def _block_dims(q, k, interpret, config, causal, scale, offset, keep):
     return gpu_operands, dict(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype,
                               causal=causal, scale=scale, cfg=config,
                               gpu_operands=gpu_operands, interpret=interp, offset=offset,
-                              key_mask=keep is not None)
+                              key_mask=keep is not None, dyn_offsets=offs is not None)
 
 
 # Each kernel in a jitted function of its own (one interpreted kernel per XLA
 # computation: two in one computation deadlocked the JAX 0.10.2 interpreter).
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
                                              "config"))
-def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, *, offset, causal, scale, interpret,
-                 config):
-    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep)
+def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, *, offset, causal, scale,
+                 interpret, config):
+    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
+                                     offs)
     keep_in = () if keep is None else (keep,)
+    offs_in = () if offs is None else (offs,)
     t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    outs = _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *t_in)
+    outs = _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in, *t_in)
     if config.dq != "fused" or not causal:
         return outs
     dk, dv, acc = outs
     # Rows that see no key (i + offset < 0): no KV block adds to their tiles, which are
     # never written; their gradient is zero.
-    return dk, dv, jnp.where((jnp.arange(q.shape[2]) + offset >= 0)[:, None], acc, 0.0)
+    off = offset if offs is None else offs[:, None, None, None]
+    rows = jnp.arange(q.shape[2])[:, None]
+    return dk, dv, jnp.where(rows + off >= 0, acc, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
                                              "config"))
-def _dq_blocks(q, k, v, d_out, lse, delta_, keep, *, offset, causal, scale, interpret,
-               config):
-    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep)
+def _dq_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, acc=None, *, offset, causal,
+               scale, interpret, config):
+    gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
+                                     offs)
     keep_in = () if keep is None else (keep,)
+    offs_in = () if offs is None else (offs,)
+    acc_in = () if acc is None else (acc,)
     kv = (k, v) if gpu_operands else (k, _t_in(k), _t_in(v))
-    return _build_dq(**dims)(q, d_out, lse, delta_, *kv, *keep_in)
+    return _build_dq(**dims, continue_acc=acc is not None)(q, d_out, lse, delta_, *kv,
+                                                           *keep_in, *offs_in, *acc_in)
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
