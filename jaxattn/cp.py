@@ -262,6 +262,12 @@ def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
         out, lse = _pallas_cp(q, k, v, key_padding_mask, (qo, ko), bool(causal), s,
                               int(cp_world_size), kv_chunk_size, interpret)
         return out, lse
+    if be == "mosaic":
+        from jaxattn.kernels import mosaic_backend
+        return mosaic_backend.cp_attention(q, k, v, key_padding_mask, qo, ko,
+                                           causal=bool(causal), scale=s,
+                                           cp_world_size=int(cp_world_size),
+                                           kv_chunk_size=kv_chunk_size)
     out, lse = _forward_states(q, k, v, key_padding_mask, qo, ko, causal=causal, scale=s,
                                backend="reference", cp_world_size=int(cp_world_size),
                                kv_chunk_size=kv_chunk_size, fp32=fp32, interpret=False)
@@ -333,6 +339,19 @@ register("cp_attention", Backend(
     available=lambda: _attention_backend("pallas").available(),
     unsupported=_unsupported_cp,
     description="CP over the Pallas kernels' per-split partial states"))
+
+
+def _unsupported_mosaic_cp(dims: Dims) -> str | None:
+    from jaxattn.kernels import mosaic_backend
+    return mosaic_backend.check_supported(dims.head_dim, dims.dtype)
+
+
+register("cp_attention", Backend(
+    name="mosaic", platforms=("gpu",), priority={},  # by name only, as for "attention"
+    forward_with_lse=_cp_forward_with_lse("mosaic"),
+    available=lambda: _attention_backend("mosaic").available(),
+    unsupported=_unsupported_mosaic_cp,
+    description="CP over the Mosaic GPU kernels' per-split partial states"))
 
 
 # --------------------------------------------------------------------------- on a mesh

@@ -138,7 +138,64 @@ def test_interpret_backend_wrapper():
                                   np.asarray(lse).view(np.uint32))
 
 
+@needs_sync
+@needs_interpret
+def test_interpret_cp_equals_single_call():
+    """CP over the Mosaic kernels (degree 2, SPLIT shrunk to 128 keys so the shards are
+    SPLIT-aligned at S=256): the forward's per-split partial states merged in global
+    order, and the backward with dK/dV per key range and dQ continued across them, equal
+    the single call's forward and gradients in bits."""
+    from jaxattn import schedule
+    from jaxattn.kernels import mosaic_bwd, mosaic_fwd
+    kw = dict(interpret=True, fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
+              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    try:
+        seed = int(np.random.default_rng().integers(2**16))
+        q, k, v = rand_qkv(1, 1, 1, 256, 256, 64, jnp.bfloat16, seed=seed)
+        w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+        zero = jnp.zeros((1,), jnp.int32)
+
+        def single(q, k, v):
+            return mosaic_backend.attention(q, k, v, causal=True, scale=0.125, **kw)
+
+        def sharded(q, k, v):
+            return mosaic_backend.cp_attention(q, k, v, None, zero, zero, causal=True,
+                                               scale=0.125, cp_world_size=2, **kw)
+
+        want = single(q, k, v)
+        got = sharded(q, k, v)
+        assert not np.isnan(np.asarray(got[0], np.float32)).any()
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint16 if x.dtype.itemsize
+                                                             == 2 else np.uint32),
+                                          np.asarray(y).view(np.uint16 if y.dtype.itemsize
+                                                             == 2 else np.uint32),
+                                          err_msg=f"forward (seed {seed})")
+
+        def grads(fn):
+            return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * w),
+                            (0, 1, 2))(q, k, v)
+
+        for name, g, h in zip("qkv", grads(sharded), grads(single), strict=True):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
+                                          np.asarray(h).view(np.uint16),
+                                          err_msg=f"d{name} (seed {seed})")
+    finally:
+        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+        jax.clear_caches()
+
+
+def test_cp_registered_by_name_only():
+    from jaxattn import cp  # noqa: F401  (registers the cp_attention op)
+    be = registry._backends("cp_attention")["mosaic"]
+    assert be.priority == {} and be.platforms == ("gpu",)
+
+
 @needs_interpret
 def test_interpret_tests_in_subprocess():
-    """The interpret test above, in a child process with synchronous CPU dispatch."""
-    assert run_interpret_tests_in_subprocess(__file__, ["interpret_backend_wrapper"]) == 1
+    """The interpret tests above, in child processes with synchronous CPU dispatch."""
+    assert run_interpret_tests_in_subprocess(
+        __file__, ["interpret_backend_wrapper", "interpret_cp"]) == 2

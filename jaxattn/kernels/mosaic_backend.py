@@ -140,3 +140,105 @@ def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
                                   key_padding_mask=keep,
                                   causal_offsets=causal_offsets if causal else None)
     return (out[..., :d] if dp != d else out), lse
+
+
+def _cp_forward(q, k, v, mask, qo, ko, *, causal, scale, cp_world_size, kv_chunk_size,
+                interpret, fwd_config):
+    """``(out fp32, lse)``: every (query shard, key range) pair's per-SPLIT partial
+    states (:func:`mosaic_fwd.split_partials`, offsets per sequence) folded by
+    :func:`jaxattn.cp.merge_partial_states` in ascending key order."""
+    from jaxattn import cp, schedule
+    from jaxattn.kernels import mosaic_fwd
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    ranges = cp._ranges(skv, cp_world_size, kv_chunk_size)
+    outs, lses = [], []
+    for qi, (qa, qb) in enumerate(cp._ranges(sq, cp_world_size, None)):
+        if qb == qa:
+            continue
+        qs = q[:, :, qa:qb]
+        order = ranges[qi % len(ranges):] + ranges[:qi % len(ranges)]
+        states = []
+        for a, e in order:
+            if e == a:
+                states.append(cp.PartialState.empty(qs.shape, a))
+                continue
+            ms = None if mask is None else mask[:, a:e]
+            o, l_ = mosaic_fwd.split_partials(
+                qs, k[:, :, a:e], v[:, :, a:e], causal=causal, scale=scale,
+                interpret=interpret, config=fwd_config, key_padding_mask=ms,
+                causal_offsets=((qo + qa) - (ko + a)) if causal else None)
+            sp = schedule.SPLIT
+            states += [cp.PartialState(o[i], l_[i], a + i * sp, a + min((i + 1) * sp, e - a))
+                       for i in range(o.shape[0])]
+        merged = cp.merge_partial_states(states)
+        outs.append(merged.out)
+        lses.append(merged.lse)
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _cp_core(q, k, v, mask, qo, ko, causal, scale, cp_world_size, kv_chunk_size, interpret,
+             fwd_config, bwd_config):
+    out, lse = _cp_forward(q, k, v, mask, qo, ko, causal=causal, scale=scale,
+                           cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size,
+                           interpret=interpret, fwd_config=fwd_config)
+    return out.astype(q.dtype), lse
+
+
+def _cp_core_fwd(q, k, v, mask, qo, ko, causal, scale, cp_world_size, kv_chunk_size,
+                 interpret, fwd_config, bwd_config):
+    out, lse = _cp_core(q, k, v, mask, qo, ko, causal, scale, cp_world_size, kv_chunk_size,
+                        interpret, fwd_config, bwd_config)
+    return (out, lse), (q, k, v, mask, qo, ko, out, lse)
+
+
+def _cp_core_bwd(causal, scale, cp_world_size, kv_chunk_size, interpret, fwd_config,
+                 bwd_config, res, cts):
+    """dK/dV per key range and dQ continued across the ranges in ascending order
+    (:func:`mosaic_bwd.backward_over_ranges`); ranges that do not start on multiples of
+    128 keys (an unaligned ``kv_chunk_size``, whose bits CP does not promise) are taken
+    as one range."""
+    from jaxattn import cp
+    from jaxattn.kernels import mosaic_bwd
+    q, k, v, mask, qo, ko, out, lse = res
+    d_out, d_lse = cts
+    skv = k.shape[2]
+    ranges = [(a, e) for a, e in cp._ranges(skv, cp_world_size, kv_chunk_size) if e > a]
+    if any(a % (2 * mosaic_bwd.BLOCK_KV) for a, _ in ranges):
+        ranges = [(0, skv)]
+    offsets = qo - ko if causal else jnp.zeros_like(qo)
+    dq, dk, dv = mosaic_bwd.backward_over_ranges(
+        q, k, v, out, lse, d_out.astype(out.dtype), d_lse, ranges=ranges, offsets=offsets,
+        causal=causal, scale=scale, interpret=interpret, config=bwd_config,
+        key_padding_mask=mask)
+    return dq, dk, dv, None, None, None
+
+
+_cp_core.defvjp(_cp_core_fwd, _cp_core_bwd)
+
+
+def cp_attention(q, k, v, key_padding_mask, query_offsets, key_offsets, *, causal: bool,
+                 scale: float, cp_world_size: int, kv_chunk_size=None, interpret=False,
+                 fwd_config=None, bwd_config=None):
+    """:mod:`jaxattn.cp`'s one-device CP over the Mosaic kernels: ``(out, lse)``,
+    differentiable. ``query_offsets`` / ``key_offsets``: ``[B]`` int, global positions
+    of query 0 and key 0. Equal in bits to :func:`attention` when every key range starts
+    on a ``SPLIT`` boundary (the per-split partial states are the ones the forward folds
+    in its kernel; dQ goes on from range to range)."""
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    b, hq, sq, d = q.shape
+    skv = k.shape[2]
+    if 0 in (b, hq, sq, skv):
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    dp = _padded_head_dim(d)
+    if dp != d:
+        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    qo = jnp.asarray(query_offsets, jnp.int32)
+    ko = jnp.asarray(key_offsets, jnp.int32)
+    out, lse = _cp_core(q, k, v, key_padding_mask, qo, ko, bool(causal), float(scale),
+                        int(cp_world_size), kv_chunk_size, interpret, fwd_config, bwd_config)
+    return (out[..., :d] if dp != d else out), lse
