@@ -19,8 +19,9 @@ otherwise (:func:`check_supported`, raised as ValueError by the op):
 Paged KV (:mod:`jaxattn.paged`): the pages are gathered into contiguous K and V and
 :func:`paged_forward` runs the forward with per-sequence causal offsets (``seq_lens -
 Sq``) and the keys past each sequence's length dropped, so a row's bits are those of
-its contiguous call. Not served: CP (:mod:`jaxattn.cp` has no Mosaic partial states),
-fp32, D > 128.
+its contiguous call. CP (:mod:`jaxattn.cp`, ``backend="mosaic"``): :func:`cp_attention`
+folds each key range's per-SPLIT partial states and runs the backward per key range.
+Not served: fp32, D > 128.
 
 The Mosaic modules are imported on first use, so importing jaxattn never depends on
 ``jax.experimental.pallas.mosaic_gpu``.

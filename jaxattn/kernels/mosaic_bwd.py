@@ -50,8 +50,9 @@ Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
 
 :func:`backward` takes any positive ``Sq`` and ``Skv`` (padded inside as the forward
 pads) and a key padding mask; :func:`dkdv` and :func:`dq_accumulate` keep the whole-tile
-contract (multiples of 64, no mask). Restrictions (prototype): bf16/fp16, D in {64, 128},
-no per-sequence causal offsets, no dQ continuation (``acc``) across key ranges.
+contract (multiples of 64, no mask); :func:`backward_over_ranges` adds per-sequence causal
+offsets and key ranges (dQ continued from range to range: context parallelism).
+Restrictions: bf16/fp16, D in {64, 128} (the backend pads smaller head dims).
 """
 
 from __future__ import annotations
