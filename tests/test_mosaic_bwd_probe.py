@@ -364,10 +364,19 @@ def test_interpret_tests_in_subprocess():
     synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
-                   "interpret_backward_tails or paired_products",
-                   "interpret_backward_over_ranges",
-                   "two_warpgroups"])  # three warpgroups: the likeliest to hang, alone
-    assert passed == len(_CASES) + 2 + 5
+                   "interpret_backward_tails", "interpret_backward_over_ranges"])
+    assert passed == len(_CASES) + 2 + 3
+
+
+@pytest.mark.slow
+@needs_interpret
+def test_slow_interpret_tests_in_subprocess():
+    """``pytest -m slow``: two dK/dV warpgroups and paired products keep the bits (also
+    checked in bits on the H200; three interpreted warpgroups hang the likeliest); out
+    of the default run to keep it near 20 minutes on 2 cores."""
+    passed = run_interpret_tests_in_subprocess(
+        __file__, ["two_warpgroups", "paired_products"])
+    assert passed == 2
 
 
 @needs_api
