@@ -145,6 +145,21 @@ def _pallas_states(q, k, v, mask, offsets, start, *, causal, scale, interpret):
                          start + min((i + 1) * sp, skv)) for i in range(n)]
 
 
+def _mosaic_states(q, k, v, mask, offsets, start, *, causal, scale, interpret, config):
+    """One PartialState per SPLIT of the key range ``[start, start + Skv)`` from the
+    Mosaic kernel's split axis (:func:`mosaic_fwd.split_partials`)."""
+    from jaxattn.kernels import mosaic_fwd
+    skv = k.shape[2]
+    if skv == 0:
+        return [PartialState.empty(q.shape, start)]
+    o_parts, lse_parts = mosaic_fwd.split_partials(
+        q, k, v, causal=causal, scale=scale, interpret=interpret, config=config,
+        key_padding_mask=mask, causal_offsets=offsets if causal else None)
+    sp = schedule.SPLIT
+    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
+                         start + min((i + 1) * sp, skv)) for i in range(o_parts.shape[0])]
+
+
 def _reference_state(q, k, v, mask, q_pos, k_pos, start, *, causal, scale, fp32):
     fn = reference.forward_fp32_with_lse if fp32 else reference.forward_with_lse
     if k.shape[2] == 0:
@@ -164,7 +179,7 @@ def _check_cp_args(cp_world_size, kv_chunk_size):
 
 
 def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_size,
-                    kv_chunk_size, fp32, interpret):
+                    kv_chunk_size, fp32, interpret, mosaic_config=None):
     """(out fp32, lse) from the partial states of every (query shard, key range)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
@@ -183,6 +198,11 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
                 off = (qo + qa) - (ko + a)
                 states += _pallas_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off, a,
                                          causal=causal, scale=scale, interpret=interpret)
+            elif backend == "mosaic":
+                off = (qo + qa) - (ko + a)
+                states += _mosaic_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off, a,
+                                         causal=causal, scale=scale, interpret=interpret,
+                                         config=mosaic_config)
             else:
                 q_pos = (qo + qa)[:, None] + jnp.arange(qb - qa, dtype=jnp.int32)
                 k_pos = ko[:, None] + jnp.arange(a, e, dtype=jnp.int32)

@@ -71,6 +71,25 @@ def _padded_head_dim(d: int) -> int:
     return next(n for n in NATIVE_HEAD_DIMS if d <= n)
 
 
+def _served(q, k, v, run):
+    """The entries' common frame: refuse what the kernels do not serve, answer empty
+    calls without a kernel (no rows, or rows that see no key: 0 and -inf, zero
+    gradients), zero-pad the head dim to a native one, ``run(q, k, v) -> (out, lse)``
+    and cut the output back to D."""
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    b, hq, sq, d = q.shape
+    if 0 in (b, hq, sq, k.shape[2]):
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    dp = _padded_head_dim(d)
+    if dp != d:
+        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    out, lse = run(q, k, v)
+    return (out[..., :d] if dp != d else out), lse
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _core(q, k, v, key_padding_mask, causal, scale, interpret, fwd_config, bwd_config):
     from jaxattn.kernels import mosaic_fwd
@@ -102,21 +121,9 @@ def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
     """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable (the
     Mosaic backward; dK/dV and dQ kernels). ``interpret`` and the configs are for tests
     (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations)."""
-    reason = check_supported(q.shape[-1], q.dtype)
-    if reason is not None:
-        raise ValueError(reason)
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
-    if 0 in (b, hq, sq, skv):
-        # No kernel: no rows, or rows that see no key (0 and -inf; zero gradients).
-        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
-    dp = _padded_head_dim(d)
-    if dp != d:
-        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    out, lse = _core(q, k, v, key_padding_mask, bool(causal), float(scale), interpret,
-                     fwd_config, bwd_config)
-    return (out[..., :d] if dp != d else out), lse
+    return _served(q, k, v, lambda q, k, v: _core(
+        q, k, v, key_padding_mask, bool(causal), float(scale), interpret, fwd_config,
+        bwd_config))
 
 
 def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
@@ -125,65 +132,23 @@ def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
     paged cache: ``keep [B, cap]`` drops the keys past each sequence's length (whatever
     they hold) and row i of sequence b sees key j iff ``j <= i + causal_offsets[b]``
     when causal. ``(out, lse)`` as :func:`attention`."""
-    reason = check_supported(q.shape[-1], q.dtype)
-    if reason is not None:
-        raise ValueError(reason)
     from jaxattn.kernels import mosaic_fwd
-    b, hq, sq, d = q.shape
-    if 0 in (b, hq, sq, k.shape[2]):
-        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
-    dp = _padded_head_dim(d)
-    if dp != d:
-        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    out, lse = mosaic_fwd.forward(q, k, v, causal=bool(causal), scale=float(scale),
-                                  interpret=interpret, config=fwd_config,
-                                  key_padding_mask=keep,
-                                  causal_offsets=causal_offsets if causal else None)
-    return (out[..., :d] if dp != d else out), lse
-
-
-def _cp_forward(q, k, v, mask, qo, ko, *, causal, scale, cp_world_size, kv_chunk_size,
-                interpret, fwd_config):
-    """``(out fp32, lse)``: every (query shard, key range) pair's per-SPLIT partial
-    states (:func:`mosaic_fwd.split_partials`, offsets per sequence) folded by
-    :func:`jaxattn.cp.merge_partial_states` in ascending key order."""
-    from jaxattn import cp, schedule
-    from jaxattn.kernels import mosaic_fwd
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
-    ranges = cp._ranges(skv, cp_world_size, kv_chunk_size)
-    outs, lses = [], []
-    for qi, (qa, qb) in enumerate(cp._ranges(sq, cp_world_size, None)):
-        if qb == qa:
-            continue
-        qs = q[:, :, qa:qb]
-        order = ranges[qi % len(ranges):] + ranges[:qi % len(ranges)]
-        states = []
-        for a, e in order:
-            if e == a:
-                states.append(cp.PartialState.empty(qs.shape, a))
-                continue
-            ms = None if mask is None else mask[:, a:e]
-            o, l_ = mosaic_fwd.split_partials(
-                qs, k[:, :, a:e], v[:, :, a:e], causal=causal, scale=scale,
-                interpret=interpret, config=fwd_config, key_padding_mask=ms,
-                causal_offsets=((qo + qa) - (ko + a)) if causal else None)
-            sp = schedule.SPLIT
-            states += [cp.PartialState(o[i], l_[i], a + i * sp, a + min((i + 1) * sp, e - a))
-                       for i in range(o.shape[0])]
-        merged = cp.merge_partial_states(states)
-        outs.append(merged.out)
-        lses.append(merged.lse)
-    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+    return _served(q, k, v, lambda q, k, v: mosaic_fwd.forward(
+        q, k, v, causal=bool(causal), scale=float(scale), interpret=interpret,
+        config=fwd_config, key_padding_mask=keep,
+        causal_offsets=causal_offsets if causal else None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def _cp_core(q, k, v, mask, qo, ko, causal, scale, cp_world_size, kv_chunk_size, interpret,
              fwd_config, bwd_config):
-    out, lse = _cp_forward(q, k, v, mask, qo, ko, causal=causal, scale=scale,
-                           cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size,
-                           interpret=interpret, fwd_config=fwd_config)
+    # Every (query shard, key range) pair's per-SPLIT partial states, folded in global
+    # key order by jaxattn.cp's one ring loop.
+    from jaxattn import cp
+    out, lse = cp._forward_states(q, k, v, mask, qo, ko, causal=causal, scale=scale,
+                                  backend="mosaic", cp_world_size=cp_world_size,
+                                  kv_chunk_size=kv_chunk_size, fp32=False,
+                                  interpret=interpret, mosaic_config=fwd_config)
     return out.astype(q.dtype), lse
 
 
@@ -227,19 +192,8 @@ def cp_attention(q, k, v, key_padding_mask, query_offsets, key_offsets, *, causa
     of query 0 and key 0. Equal in bits to :func:`attention` when every key range starts
     on a ``SPLIT`` boundary (the per-split partial states are the ones the forward folds
     in its kernel; dQ goes on from range to range)."""
-    reason = check_supported(q.shape[-1], q.dtype)
-    if reason is not None:
-        raise ValueError(reason)
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
-    if 0 in (b, hq, sq, skv):
-        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
-    dp = _padded_head_dim(d)
-    if dp != d:
-        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     qo = jnp.asarray(query_offsets, jnp.int32)
     ko = jnp.asarray(key_offsets, jnp.int32)
-    out, lse = _cp_core(q, k, v, key_padding_mask, qo, ko, bool(causal), float(scale),
-                        int(cp_world_size), kv_chunk_size, interpret, fwd_config, bwd_config)
-    return (out[..., :d] if dp != d else out), lse
+    return _served(q, k, v, lambda q, k, v: _cp_core(
+        q, k, v, key_padding_mask, qo, ko, bool(causal), float(scale), int(cp_world_size),
+        kv_chunk_size, interpret, fwd_config, bwd_config))

@@ -76,6 +76,7 @@ from jaxattn.kernels.mosaic_fwd import (
     padding,
     reset_interpret_state,
     resolve_interpret,
+    zero_dropped_keys,
 )
 
 NEG_INF = float("-inf")
@@ -855,6 +856,25 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
                       interpret=interpret, config=config or BwdConfig())
 
 
+def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask):
+    """The backward entries' input checks; returns K and V with dropped keys zeroed
+    (their gradients are zero anyway)."""
+    check_inputs(q, k, v)
+    b, hq, sq, _ = q.shape
+    skv = k.shape[2]
+    _check_rows("out", out, q.shape)
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
+    if d_lse is not None:
+        _check_rows("d_lse", d_lse, (b, hq, sq))
+    if key_padding_mask is None:
+        return k, v
+    if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
+        raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
+                         f"{key_padding_mask.dtype} {key_padding_mask.shape}")
+    return zero_dropped_keys(k, v, key_padding_mask)
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
 def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
              scale: float | None = None, interpret=False, config: BwdConfig | None = None,
@@ -869,25 +889,11 @@ def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
     get ``lse = -inf``, so they add nothing) and the keys to whole blocks, dropped by the
     key mask. ``key_padding_mask``: None or ``[B, Skv]`` bool, True = keep; dropped keys
     get zero gradients."""
-    check_inputs(q, k, v)
     cfg = config or BwdConfig()
+    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask)
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    _check_rows("out", out, q.shape)
-    _check_rows("d_out", d_out, q.shape)
-    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
-    if d_lse is not None:
-        _check_rows("d_lse", d_lse, (b, hq, sq))
-    if key_padding_mask is not None:
-        if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
-            raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
-                             f"{key_padding_mask.dtype} {key_padding_mask.shape}")
-    if key_padding_mask is not None:
-        # Dropped keys may hold anything (NaN, inf): their p is 0, but 0 * inf in the
-        # products would be NaN. Zero them (their gradients are zero anyway).
-        drop = ~key_padding_mask[:, None, :, None]
-        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
     lead, sq_pad, skv_pad = padding(sq, skv, causal, BLOCK_Q * cfg.dq_wgs)
     rows = ((0, 0), (0, 0), (lead, sq_pad - sq - lead))
     if (lead, sq_pad) != (0, sq):
@@ -917,19 +923,14 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
     shards are): each range's CTAs then hold the key blocks one call over all keys
     holds, and the result is that call's in bits. Each sequence's rows are placed at
     their own lead (``offsets[b] mod 64``), as the forward places them."""
-    check_inputs(q, k, v)
     cfg = config or BwdConfig()
     if cfg.dq == "fused":
         raise ValueError("backward_over_ranges continues the separate dQ kernel "
                          "(dq='separate')")
+    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask)
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    _check_rows("out", out, q.shape)
-    _check_rows("d_out", d_out, q.shape)
-    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
-    if d_lse is not None:
-        _check_rows("d_lse", d_lse, (b, hq, sq))
     offsets = jnp.asarray(offsets)
     if offsets.shape != (b,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise ValueError(f"offsets must be int [B] = [{b}], got {offsets.dtype} "
@@ -943,12 +944,6 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
         raise ValueError(f"ranges must be ascending, non-empty, contiguous, cover "
                          f"[0, {skv}) and start at multiples of {2 * BLOCK_KV}; got "
                          f"{ranges}")
-    if key_padding_mask is not None:
-        if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
-            raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
-                             f"{key_padding_mask.dtype} {key_padding_mask.shape}")
-        drop = ~key_padding_mask[:, None, :, None]
-        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
     rows_cta = BLOCK_Q * cfg.dq_wgs
     if causal:
         lead = offsets % BLOCK_KV  # [B]: each sequence's tiles at 64 absolute positions

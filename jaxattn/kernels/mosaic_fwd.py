@@ -260,6 +260,14 @@ def padding(sq: int, skv: int, causal: bool, rows: int) -> tuple[int, int, int]:
     return lead, -(-(lead + sq) // rows) * rows, -(-skv // bn) * bn
 
 
+def zero_dropped_keys(k, v, key_padding_mask):
+    """K and V with the keys ``key_padding_mask`` drops set to zero. Dropped keys may
+    hold anything (a paged cache's unused slots, NaN padding): their probabilities are
+    0, but 0 * inf in a product would be NaN."""
+    drop = ~key_padding_mask[:, None, :, None]
+    return (jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype))
+
+
 def _rows(x, shape):
     """``x[:, None]`` broadcast to ``shape`` in one step (Mosaic GPU cannot hold the
     ``[M, 1]`` intermediate of ``x[..., None]``: "Tiling ... does not apply to shape
@@ -944,10 +952,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         key_padding_mask = jnp.ones((k.shape[0], k.shape[2]), jnp.bool_)
     key_mask = key_padding_mask is not None
     if key_mask:
-        # Dropped keys may hold anything (a paged cache's unused slots, NaN padding):
-        # their probabilities are 0, but 0 * inf in P V would be NaN. Zero them here.
-        drop = ~key_padding_mask[:, None, :, None]
-        k, v = jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype)
+        k, v = zero_dropped_keys(k, v, key_padding_mask)
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     b, hq, sq, d = q.shape
