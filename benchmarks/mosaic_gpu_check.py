@@ -202,6 +202,14 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
                 row[name] = _same(oc, o[:, :, -n:]) and _same(lc, lse[:, :, -n:])
         o2, l2 = mf.forward(q, k, v, causal=causal, config=cfg)
         row["run_to_run"] = _same(o2, o) and _same(l2, lse)
+        # Each SPLIT's partial state, folded outside the kernel (context parallelism):
+        # by the Mosaic fold kernel (promised equal) and by XLA's merge.fold (reported).
+        from jaxattn.merge import fold
+        outs, lses = mf.split_partials(q, k, v, causal=causal, config=cfg)
+        for name, fn in (("split_fold_mosaic", mf.fold_partials_jit),
+                         ("split_fold_xla", jax.jit(fold))):
+            fo, fl = fn(outs, lses)
+            row[name] = _same(fo.astype(o.dtype), o) and _same(fl, lse)
         # Tail key padding: 100 more keys (and, causal, 100 more queries), dropped by a
         # key padding mask, give the rows of the unpadded call.
         pad = ((0, 0), (0, 0), (0, 100), (0, 0))

@@ -71,9 +71,10 @@ class PartialState:
                    at, at)
 
 
-def merge_partial_states(states: Sequence[PartialState]) -> PartialState:
+def merge_partial_states(states: Sequence[PartialState], fold_fn=fold) -> PartialState:
     """Fold partial states in ascending key order (:func:`jaxattn.merge.fold`: ``lax.scan``
-    over :func:`jaxattn.merge.merge`).
+    over :func:`jaxattn.merge.merge`; ``fold_fn``, with the same signature, in its place:
+    the ``"mosaic"`` backend's :func:`jaxattn.kernels.mosaic_fwd.fold_partials`).
 
     The states may come in any order; they must tile one contiguous key range with no
     gap and no overlap (empty ranges are allowed anywhere inside it).
@@ -102,7 +103,8 @@ def merge_partial_states(states: Sequence[PartialState]) -> PartialState:
     end = nonempty[-1].end if nonempty else ordered[0].end
     if not nonempty:
         return ordered[0]
-    out, lse = fold(jnp.stack([s.out for s in nonempty]), jnp.stack([s.lse for s in nonempty]))
+    out, lse = fold_fn(jnp.stack([s.out for s in nonempty]),
+                       jnp.stack([s.lse for s in nonempty]))
     return PartialState(out, lse, start, end)
 
 
@@ -184,6 +186,12 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
+    fold_fn = fold
+    if backend == "mosaic":
+        # Folded by Mosaic GPU, as the single call folds in its kernel (XLA's merge
+        # differed from it in the last bit on the H200).
+        from jaxattn.kernels import mosaic_fwd
+        fold_fn = functools.partial(mosaic_fwd.fold_partials, interpret=interpret)
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
     for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
         if qb == qa:
@@ -209,7 +217,7 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
                 states.append(_reference_state(qs, k[:, :, a:e], v[:, :, a:e], ms, q_pos,
                                                k_pos, a, causal=causal, scale=scale,
                                                fp32=fp32))
-        merged = merge_partial_states(states)
+        merged = merge_partial_states(states, fold_fn=fold_fn)
         outs.append(merged.out)
         lses.append(merged.lse)
     if not outs:

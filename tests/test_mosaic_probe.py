@@ -7,6 +7,8 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,7 +259,7 @@ def test_interpret_tests_in_subprocess():
         __file__, ["interpret_forward", "interpret_persistent",
                    "interpret_key_mask or interpret_causal_offsets",
                    "interpret_split_decode or interpret_split_partials"])
-    assert passed == len(_CASES) + 7
+    assert passed == len(_CASES) + 8
 
 
 @pytest.mark.slow
@@ -341,11 +343,45 @@ def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
         outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg, **kw)
         assert outs.shape == (2, *q.shape) and lses.shape == (2, *q.shape[:3])
         assert outs.dtype == lses.dtype == jnp.float32
-        fo, fl = fold(outs, lses)
-        np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
-                                      err_msg=f"{kw['causal']} (seed {seed})")
-        np.testing.assert_array_equal(bits(fl), bits(lse),
-                                      err_msg=f"{kw['causal']} lse (seed {seed})")
+        for fold_fn in (fold, functools.partial(mosaic_fwd.fold_partials, interpret=True)):
+            fo, fl = fold_fn(outs, lses)
+            np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
+                                          err_msg=f"{kw['causal']} (seed {seed})")
+            np.testing.assert_array_equal(bits(fl), bits(lse),
+                                          err_msg=f"{kw['causal']} lse (seed {seed})")
+
+
+@needs_sync
+@needs_interpret
+def test_interpret_split_partials_fold_kernel(mosaic_fwd):
+    """The Mosaic fold kernel (fold_partials) equals jaxattn.merge.fold in bits in
+    interpret mode (the CPU's XLA arithmetic; on the H200 it is the forward's in-kernel
+    fold that it must equal, benchmarks/mosaic_gpu_check.py's split_fold_mosaic): one,
+    two and five states, empty states among them, rows not a multiple of 64, D 64 and
+    128; no state gives (0, -inf); bad input raises."""
+    from jaxattn.merge import fold
+    seed = np.random.SeedSequence().entropy % 2**31
+    rng = np.random.default_rng(seed)
+    for n, lead, d in ((1, (2, 3), 64), (2, (70,), 128), (5, (1, 2, 33), 64)):
+        outs = jnp.asarray(rng.standard_normal((n, *lead, d)), jnp.float32)
+        lses = jnp.asarray(3 * rng.standard_normal((n, *lead)), jnp.float32)
+        empty = rng.random((n, *lead)) < 0.3
+        lses = jnp.where(jnp.asarray(empty), -jnp.inf, lses)
+        outs = jnp.where(jnp.asarray(empty)[..., None], 0.0, outs)
+        fo, fl = mosaic_fwd.fold_partials(outs, lses, interpret=True)
+        ro, rl = fold(outs, lses)
+        assert fo.shape == (*lead, d) and fl.shape == lead
+        assert not np.isnan(np.asarray(fo)).any()
+        np.testing.assert_array_equal(bits(fo), bits(ro), err_msg=f"n={n} (seed {seed})")
+        np.testing.assert_array_equal(bits(fl), bits(rl), err_msg=f"n={n} (seed {seed})")
+    fo, fl = mosaic_fwd.fold_partials(jnp.zeros((0, 3, 64)), jnp.zeros((0, 3)))
+    assert (np.asarray(fo) == 0).all() and (np.asarray(fl) == -np.inf).all()
+    with pytest.raises(ValueError, match="D in"):
+        mosaic_fwd.fold_partials(jnp.zeros((2, 3, 32)), jnp.zeros((2, 3)))
+    with pytest.raises(TypeError, match="float32"):
+        mosaic_fwd.fold_partials(jnp.zeros((2, 3, 64), jnp.bfloat16), jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match="alike"):
+        mosaic_fwd.fold_partials(jnp.zeros((2, 3, 64)), jnp.zeros((2, 4)))
 
 
 @needs_api
@@ -356,7 +392,7 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
     text = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal,
                                      config=mosaic_fwd.MosaicConfig(split_decode=True)
                                      ).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
     # and the partial states of prefill tiles (per-sequence offsets)
     qp = jax.ShapeDtypeStruct((2, 32, 300, 128), jnp.bfloat16)
     offs = jax.ShapeDtypeStruct((2,), jnp.int32)

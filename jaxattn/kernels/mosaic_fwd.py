@@ -61,7 +61,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
-from jaxattn.merge import fold as fold_states
 
 NEG_INF = float("-inf")
 _LOG2E = math.log2(math.e)
@@ -982,7 +981,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
             if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
-                out, lse = fold_states(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0))
+                out, lse = fold_partials(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0),
+                                         interpret=interpret)
                 out = out.astype(out_dtype)
             return (out[:, :, :group].reshape(b, hq, 1, d),
                     lse[:, :, :group].reshape(b, hq, 1))
@@ -1069,6 +1069,124 @@ def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
                                  config=config, key_padding_mask=key_padding_mask,
                                  causal_offsets=causal_offsets, partials=True)
     return unpad(*call(*args))
+
+
+def _build_fold(n: int, rows: int, d: int, interpret):
+    """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
+    in order (two SMEM slots, the next state's TMA load in flight while this one is
+    merged), the running state in registers, merged by :func:`merge_rows`."""
+    bm = schedule.BLOCK_N
+    hints = interpret is None
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(o_ref, l_ref, out_ref, lse_ref):
+        r0 = lax.axis_index("t") * bm
+
+        def body(o_s, l_s, res_s, rl_s, o_bar, l_bar, free):
+            def issue(i):
+                slot = lax.rem(i, jnp.int32(2))
+                plgpu.copy_gmem_to_smem(o_ref.at[i, pl.ds(r0, bm)], o_s.at[slot],
+                                        o_bar.at[slot])
+                plgpu.copy_gmem_to_smem(l_ref.at[i, pl.ds(r0, bm)], l_s.at[slot],
+                                        l_bar.at[slot])
+
+            def step(i, state):
+                slot = lax.rem(i, jnp.int32(2))
+
+                @pl.when(i + 1 < n)
+                def _():
+                    @pl.when(i >= 1)  # the other slot held state i - 1: released?
+                    def _():
+                        plgpu.barrier_wait(free.at[1 - slot])
+                    issue(i + 1)
+
+                plgpu.barrier_wait(o_bar.at[slot])
+                plgpu.barrier_wait(l_bar.at[slot])
+                if hints:
+                    x = plgpu.load(o_s.at[slot], (), layout=plgpu.Layout.WGMMA)
+                    lx = plgpu.load(l_s.at[slot], (), layout=row_layout)
+                else:
+                    x, lx = o_s[slot], l_s[slot]
+                plgpu.barrier_arrive(free.at[slot])
+                return merge_rows(*state, x, lx)
+
+            issue(jnp.int32(0))
+            zeros = jnp.zeros((bm, d), jnp.float32)
+            empty = jnp.full((bm,), NEG_INF, jnp.float32)
+            if hints:
+                zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+                empty = plgpu.layout_cast(empty, row_layout)
+            out, lse = lax.fori_loop(0, n, step, (zeros, empty))
+
+            def drain(i, _):  # observe the last releases before the barriers go
+                plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(2))])
+                return None
+
+            lax.fori_loop(max(n - 2, 0), n, drain, None)
+            res_s[...] = out
+            rl_s[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm)])
+            plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            lambda *a: body(*a),
+            plgpu.SMEM((2, bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
+            plgpu.SMEM((2, bm), jnp.float32),
+            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
+            plgpu.SMEM((bm,), jnp.float32),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2),  # slot released (one arrival)
+        )
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((rows, d), jnp.float32),
+                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
+        grid=(rows // bm,),
+        grid_names=("t",),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=False, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+
+
+def fold_partials(outs, lses, *, interpret=False):
+    """Fold partial states stacked on the leading axis (ascending key ranges), as
+    :func:`jaxattn.merge.fold` does, but in a Mosaic GPU kernel: the merge is
+    :func:`merge_rows` compiled by Mosaic GPU, the arithmetic of :func:`forward`'s
+    in-kernel fold. XLA's compilation of :func:`jaxattn.merge.fold` contracted the
+    merge's products differently on the H200 (about one fp32 ulp on most elements,
+    docs/mosaic.md section 10), so the states :func:`split_partials` writes are folded
+    here wherever the result must equal :func:`forward` in bits (context parallelism,
+    split-parallel decode).
+
+    ``outs``: ``[n, ..., D]`` fp32, ``D`` in {64, 128}; ``lses``: ``[n, ...]`` fp32.
+    Returns ``(out [..., D], lse [...])`` fp32; ``(0, -inf)`` when every state is empty.
+    """
+    if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
+        raise ValueError(f"outs must be [n, ..., D] and lses [n, ...] alike, got "
+                         f"{outs.shape} and {lses.shape}")
+    if outs.dtype != jnp.float32 or lses.dtype != jnp.float32:
+        raise TypeError(f"partial states must be float32, got {outs.dtype}, {lses.dtype}")
+    n, d = outs.shape[0], outs.shape[-1]
+    if d not in (64, 128):
+        raise ValueError(f"fold_partials supports D in (64, 128), got {d}")
+    lead = outs.shape[1:-1]
+    if n == 0:
+        return (jnp.zeros((*lead, d), jnp.float32), jnp.full(lead, NEG_INF, jnp.float32))
+    r = math.prod(lead)
+    bm = schedule.BLOCK_N
+    rows = max(-(-r // bm) * bm, bm)
+    o = jnp.pad(outs.reshape(n, r, d), ((0, 0), (0, rows - r), (0, 0)))
+    lse = jnp.pad(lses.reshape(n, r), ((0, 0), (0, rows - r)), constant_values=NEG_INF)
+    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret))(o, lse)
+    return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
+
+
+fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret",))
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
