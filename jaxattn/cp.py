@@ -154,9 +154,11 @@ def _mosaic_states(q, k, v, mask, offsets, start, *, causal, scale, interpret, c
     skv = k.shape[2]
     if skv == 0:
         return [PartialState.empty(q.shape, start)]
+    # The lse in the kernels' base, for mosaic_fwd.fold_partials (the fold_fn that
+    # _forward_states gives merge_partial_states for this backend).
     o_parts, lse_parts = mosaic_fwd.split_partials(
         q, k, v, causal=causal, scale=scale, interpret=interpret, config=config,
-        key_padding_mask=mask, causal_offsets=offsets if causal else None)
+        key_padding_mask=mask, causal_offsets=offsets if causal else None, kernel_lse=True)
     sp = schedule.SPLIT
     return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
                          start + min((i + 1) * sp, skv)) for i in range(o_parts.shape[0])]

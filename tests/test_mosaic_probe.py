@@ -7,8 +7,6 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -328,9 +326,11 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 @needs_sync
 @needs_interpret
 def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
-    """Each SPLIT's partial state, folded outside the kernel by jaxattn.merge.fold and
-    cast, gives the forward's bits: past one SPLIT, causal with a per-sequence offset
-    and a key mask, and non-causal (the seed of context parallelism)."""
+    """Each SPLIT's partial state, folded outside the kernel by the Mosaic fold kernel
+    (lse in the kernels' base) and cast, gives the forward's bits; folded by
+    jaxattn.merge.fold (natural-log lse) it is within an fp32 ulp or two. Past one
+    SPLIT, causal with a per-sequence offset and a key mask, and non-causal (the seed
+    of context parallelism)."""
     from jaxattn.merge import fold
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(1, 1, 1, 40, s, 64)
@@ -340,25 +340,44 @@ def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
                 "causal_offsets": jnp.array([s - 70], jnp.int32)},
                {"causal": False}):
         out, lse = mosaic_fwd.forward(q, k, v, interpret=True, config=cfg, **kw)
-        outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg, **kw)
+        outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
+                                               kernel_lse=True, **kw)
         assert outs.shape == (2, *q.shape) and lses.shape == (2, *q.shape[:3])
         assert outs.dtype == lses.dtype == jnp.float32
-        for fold_fn in (fold, functools.partial(mosaic_fwd.fold_partials, interpret=True)):
-            fo, fl = fold_fn(outs, lses)
-            np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
-                                          err_msg=f"{kw['causal']} (seed {seed})")
-            np.testing.assert_array_equal(bits(fl), bits(lse),
-                                          err_msg=f"{kw['causal']} lse (seed {seed})")
+        fo, fl = mosaic_fwd.fold_partials(outs, lses, interpret=True)
+        np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
+                                      err_msg=f"{kw['causal']} (seed {seed})")
+        np.testing.assert_array_equal(bits(fl), bits(lse),
+                                      err_msg=f"{kw['causal']} lse (seed {seed})")
+        outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
+                                                   **kw)
+        np.testing.assert_array_equal(bits(outs_n), bits(outs))
+        xo, xl = fold(outs_n, lses_n)
+        assert not np.isnan(np.asarray(xo)).any()
+        np.testing.assert_allclose(np.asarray(xl), np.asarray(lse), rtol=3e-7, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(xo), np.asarray(fo), rtol=1e-5, atol=1e-6)
+
+
+@jax.jit
+def _xla_kernel_fold(outs, lses):
+    """The fold kernel's merges under XLA (``lax.scan`` as ``jaxattn.merge.fold``)."""
+    from jaxattn.kernels import mosaic_fwd
+    init = (jnp.zeros_like(outs[0]), jnp.full_like(lses[0], -jnp.inf))
+    (o, lse), _ = jax.lax.scan(lambda acc, x: (mosaic_fwd.kernel_merge(*acc, *x), None),
+                               init, (outs, lses))
+    return o, mosaic_fwd.natural_lse(lse)
 
 
 @needs_sync
 @needs_interpret
 def test_interpret_split_partials_fold_kernel(mosaic_fwd):
-    """The Mosaic fold kernel (fold_partials) equals jaxattn.merge.fold in bits in
-    interpret mode (the CPU's XLA arithmetic; on the H200 it is the forward's in-kernel
-    fold that it must equal, benchmarks/mosaic_gpu_check.py's split_fold_mosaic): one,
-    two and five states, empty states among them, rows not a multiple of 64, D 64 and
-    128; no state gives (0, -inf); bad input raises."""
+    """The Mosaic fold kernel (fold_partials) equals the same merges under XLA
+    (mosaic_fwd.kernel_merge from the empty state, then natural_lse) in bits in
+    interpret mode (on the H200 it must equal the forward's in-kernel fold:
+    benchmarks/mosaic_gpu_check.py's split_fold_mosaic): one, two and five states,
+    empty states among them, rows not a multiple of 64, D 64 and 128, and a natural-log
+    result within rounding of jaxattn.merge.fold; no state gives (0, -inf); bad input
+    raises."""
     from jaxattn.merge import fold
     seed = np.random.SeedSequence().entropy % 2**31
     rng = np.random.default_rng(seed)
@@ -369,11 +388,16 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
         lses = jnp.where(jnp.asarray(empty), -jnp.inf, lses)
         outs = jnp.where(jnp.asarray(empty)[..., None], 0.0, outs)
         fo, fl = mosaic_fwd.fold_partials(outs, lses, interpret=True)
-        ro, rl = fold(outs, lses)
         assert fo.shape == (*lead, d) and fl.shape == lead
         assert not np.isnan(np.asarray(fo)).any()
-        np.testing.assert_array_equal(bits(fo), bits(ro), err_msg=f"n={n} (seed {seed})")
-        np.testing.assert_array_equal(bits(fl), bits(rl), err_msg=f"n={n} (seed {seed})")
+        ro, rl = _xla_kernel_fold(outs.reshape(n, -1, d), lses.reshape(n, -1))
+        np.testing.assert_array_equal(bits(fo), bits(ro.reshape(fo.shape)),
+                                      err_msg=f"n={n} (seed {seed})")
+        np.testing.assert_array_equal(bits(fl), bits(rl.reshape(fl.shape)),
+                                      err_msg=f"n={n} (seed {seed})")
+        xo, xl = fold(outs, mosaic_fwd.natural_lse(lses))
+        np.testing.assert_allclose(np.asarray(fl), np.asarray(xl), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(fo), np.asarray(xo), rtol=1e-5, atol=1e-6)
     fo, fl = mosaic_fwd.fold_partials(jnp.zeros((0, 3, 64)), jnp.zeros((0, 3)))
     assert (np.asarray(fo) == 0).all() and (np.asarray(fl) == -np.inf).all()
     with pytest.raises(ValueError, match="D in"):

@@ -274,28 +274,31 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def finalize_rows(acc, m, l):
+def finalize_rows(acc, m, l, log=jnp.log):
     """:func:`jaxattn.merge.finalize` for ``[M, D]`` tiles, with the same floating-point
     operations; only the row broadcasts are spelled for Mosaic GPU. Equal in bits to
-    ``finalize`` under XLA (tests/test_mosaic_probe.py checks it)."""
+    ``finalize`` under XLA (tests/test_mosaic_probe.py checks it). ``log=jnp.log2``:
+    the same in base 2 (``m`` and the lse in log2 units: the kernels' state, see
+    :data:`KERNEL_LSE_BASE2`)."""
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     out = jnp.where(_rows(empty, acc.shape), 0.0, acc / _rows(l_safe, acc.shape))
-    lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
+    lse = jnp.where(empty, NEG_INF, m + log(l_safe))
     return out, lse
 
 
-def merge_rows(out_left, lse_left, out_right, lse_right):
+def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.log):
     """:func:`jaxattn.merge.merge` for ``[M, D]`` tiles, with the same floating-point
-    operations in the same order (see :func:`finalize_rows`)."""
+    operations in the same order (see :func:`finalize_rows`); ``exp=jnp.exp2,
+    log=jnp.log2``: the same in base 2."""
     shape = out_left.shape
     m = jnp.maximum(lse_left, lse_right)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
-    w_left = jnp.exp(lse_left - m_safe)
-    w_right = jnp.exp(lse_right - m_safe)
+    w_left = exp(lse_left - m_safe)
+    w_right = exp(lse_right - m_safe)
     total = w_left + w_right
     total_safe = jnp.where(total == 0.0, 1.0, total)
-    lse = m_safe + jnp.log(total_safe)
+    lse = m_safe + log(total_safe)
     a_left = _rows(w_left / total_safe, shape)
     a_right = _rows(w_right / total_safe, shape)
     out = out_left * a_left + out_right * a_right
@@ -305,6 +308,37 @@ def merge_rows(out_left, lse_left, out_right, lse_right):
                     jnp.where(_rows(left_empty, shape), out_right, out))
     lse = jnp.where(right_empty, lse_left, jnp.where(left_empty, lse_right, lse))
     return out, lse
+
+
+#: The kernels' partial states (in-kernel fold, ``split_partials(kernel_lse=True)``,
+#: :func:`fold_partials`) keep the lse in the softmax's base: with
+#: ``SOFTMAX_EXP_BASE == "2"``, ``lse2 = m2 + log2(l)`` and base-2 merges, converted to
+#: the natural log (``* ln 2``, a product whose only use is the store) once, at the
+#: end. In natural units the finalize is ``m * ln 2 + log(l)``, a product feeding an
+#: add, which the compiler fused into one FMA in some kernels and not in others: on
+#: the H200 a non-causal call padded into a second (empty) SPLIT gave lses 1 ulp off
+#: on a quarter of the rows with ping-pong, and no output bit changed (stop 18,
+#: ``mosaic_gpu_check --tail_probe``). The base-2 state has no product feeding an add
+#: or a subtraction.
+KERNEL_LSE_BASE2 = schedule.SOFTMAX_EXP_BASE == "2"
+_LN2 = math.log(2.0)
+
+
+def kernel_finalize(acc, m, l):
+    """:func:`finalize_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
+    return finalize_rows(acc, m, l, log=jnp.log2 if KERNEL_LSE_BASE2 else jnp.log)
+
+
+def kernel_merge(*states):
+    """:func:`merge_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
+    if KERNEL_LSE_BASE2:
+        return merge_rows(*states, exp=jnp.exp2, log=jnp.log2)
+    return merge_rows(*states)
+
+
+def natural_lse(lse):
+    """A kernel-base lse in natural-log units (the one product, at the end)."""
+    return lse * _LN2 if KERNEL_LSE_BASE2 else lse
 
 
 def _visited_blocks(q0, *, block_m: int, offset: int, total: int, causal: bool):
@@ -650,8 +684,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                                       functools.partial(block_step, masked=False), init)
                 acc, m, l = lax.fori_loop(mid, end,
                                           functools.partial(block_step, masked=True), carry)
-            part = finalize_rows(acc, m * math.log(2.0) if base2 else m, l)
-            return part if state is None else merge_rows(*state, *part)
+            # m is in the softmax's base (log2 units when base2): the kernel's state
+            # stays in that base until the output (KERNEL_LSE_BASE2).
+            part = kernel_finalize(acc, m, l)
+            return part if state is None else kernel_merge(*state, *part)
 
         init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                 layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
@@ -695,7 +731,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         if pingpong:
             pl.when(w == 0)(sync)
         q_s[...] = out.astype(dtype)  # Q is no longer needed: its SMEM holds O.
-        lse_s[...] = lse
+        lse_s[...] = natural_lse(lse)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, o_ref.at[bi, h, pl.ds(q0, bm)])
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
@@ -1056,19 +1092,24 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     return unpad(*call(*args))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
+                                             "kernel_lse"))
 def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
                    interpret=False, config: MosaicConfig | None = None,
-                   key_padding_mask=None, causal_offsets=None):
+                   key_padding_mask=None, causal_offsets=None, kernel_lse: bool = False):
     """Each SPLIT's partial state, ``(out [n_splits, B, Hq, Sq, D], lse [n_splits, B,
     Hq, Sq])`` fp32 (``(0, -inf)`` where a row sees nothing of a split): the states
     :func:`forward` folds in the kernel, for a fold outside it (context parallelism,
-    split-parallel decode). :func:`jaxattn.merge.fold` of them, cast to the input
-    dtype, is :func:`forward`'s result. Arguments as :func:`forward`'s."""
+    split-parallel decode). ``kernel_lse=True``: the lse in the kernels' base
+    (:data:`KERNEL_LSE_BASE2`), as :func:`fold_partials` takes it; :func:`fold_partials`
+    of those, cast to the input dtype, is :func:`forward`'s result in bits. Otherwise
+    the natural-log lse (``jaxattn.merge.fold`` of those states is the forward's result
+    within rounding, not in bits). Arguments as :func:`forward`'s."""
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
                                  causal_offsets=causal_offsets, partials=True)
-    return unpad(*call(*args))
+    out, lse = unpad(*call(*args))
+    return out, (lse if kernel_lse else natural_lse(lse))
 
 
 def _build_fold(n: int, rows: int, d: int, interpret):
@@ -1108,7 +1149,7 @@ def _build_fold(n: int, rows: int, d: int, interpret):
                 else:
                     x, lx = o_s[slot], l_s[slot]
                 plgpu.barrier_arrive(free.at[slot])
-                return merge_rows(*state, x, lx)
+                return kernel_merge(*state, x, lx)
 
             issue(jnp.int32(0))
             zeros = jnp.zeros((bm, d), jnp.float32)
@@ -1124,7 +1165,7 @@ def _build_fold(n: int, rows: int, d: int, interpret):
 
             lax.fori_loop(max(n - 2, 0), n, drain, None)
             res_s[...] = out
-            rl_s[...] = lse
+            rl_s[...] = natural_lse(lse)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm)])
             plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
@@ -1155,16 +1196,17 @@ def _build_fold(n: int, rows: int, d: int, interpret):
 
 def fold_partials(outs, lses, *, interpret=False):
     """Fold partial states stacked on the leading axis (ascending key ranges), as
-    :func:`jaxattn.merge.fold` does, but in a Mosaic GPU kernel: the merge is
-    :func:`merge_rows` compiled by Mosaic GPU, the arithmetic of :func:`forward`'s
-    in-kernel fold. XLA's compilation of :func:`jaxattn.merge.fold` contracted the
-    merge's products differently on the H200 (about one fp32 ulp on most elements,
-    docs/mosaic.md section 10), so the states :func:`split_partials` writes are folded
-    here wherever the result must equal :func:`forward` in bits (context parallelism,
-    split-parallel decode).
+    :func:`jaxattn.merge.fold` does, in a Mosaic GPU kernel with the forward's own
+    merge (:func:`kernel_merge`, in the kernels' base). On the H200 XLA's compilation
+    of :func:`jaxattn.merge.fold` contracted the merge's products otherwise than the
+    kernel (one fp32 ulp on most elements; docs/mosaic.md section 11), so the states of
+    :func:`split_partials` are folded here wherever the result must equal
+    :func:`forward` in bits (context parallelism, split-parallel decode).
 
-    ``outs``: ``[n, ..., D]`` fp32, ``D`` in {64, 128}; ``lses``: ``[n, ...]`` fp32.
-    Returns ``(out [..., D], lse [...])`` fp32; ``(0, -inf)`` when every state is empty.
+    ``outs``: ``[n, ..., D]`` fp32, ``D`` in {64, 128}; ``lses``: ``[n, ...]`` fp32, in
+    the kernels' base (``split_partials(..., kernel_lse=True)``). Returns ``(out [...,
+    D], lse [...])`` fp32, the lse in natural-log units; ``(0, -inf)`` when every state
+    is empty.
     """
     if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
         raise ValueError(f"outs must be [n, ..., D] and lses [n, ...] alike, got "
