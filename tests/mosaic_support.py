@@ -69,7 +69,7 @@ needs_sync = pytest.mark.skipif(async_dispatch(), reason="interpret tests run in
 
 
 def run_interpret_tests_in_subprocess(test_file: str, groups: list[str],
-                                      timeout: float = 150) -> int:
+                                      timeout: float = 100) -> int:
     """Run ``test_file``'s tests selected by each ``-k`` expression of ``groups``, each
     group in its own child process with synchronous CPU dispatch; returns how many
     tests passed in all. Synchronous dispatch makes the interpreter's deadlock rare but,

@@ -77,7 +77,9 @@ def test_merge_rejects_gaps_overlaps_and_shape_mismatch():
         cp.merge_partial_states([])
 
 
-@pytest.mark.parametrize("world,chunk", [(1, None), (2, None), (2, 128), (4, None),
+@pytest.mark.parametrize("world,chunk", [pytest.param(1, None, marks=pytest.mark.slow),
+                                         (2, None), (2, 128),
+                                         pytest.param(4, None, marks=pytest.mark.slow),
                                          (8, None)])
 def test_cp_degrees_equal_single_call_in_bits(small_split, world, chunk):
     q, k, v = rand_qkv(2, 4, 2, 1024, 1024, 64, jnp.bfloat16)

@@ -61,7 +61,8 @@ def test_tile_launch_orders_do_not_change_bits(sq):
     multiple of the tile), straddling heads, and shorter than a tile."""
     q, k, v = rand_qkv(2, 8, 2, sq, 300, 64, jnp.bfloat16, seed=sq)
     mask = jax.random.uniform(jax.random.PRNGKey(sq), (2, 300)) > 0.2
-    for m in (None, mask):
+    # Without a mask only once (the masked kernel is the superset; CI time).
+    for m in (None, mask) if sq == 100 else (mask,):
         base = _forward(q, k, v, m, True, path="prefill")
         orders = [dict(tile_order=o) for o in ("descending", "heavy_first", "auto")]
         orders.append(dict(tile_order="auto", heavy_first_max_kv_bytes=0))  # descending
