@@ -1115,7 +1115,8 @@ def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
 def _build_fold(n: int, rows: int, d: int, interpret):
     """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
     in order (two SMEM slots, the next state's TMA load in flight while this one is
-    merged), the running state in registers, merged by :func:`merge_rows`."""
+    merged), the running state in registers, merged by :func:`kernel_merge` (the
+    forward's merge), the lse converted to natural-log units at the store."""
     bm = schedule.BLOCK_N
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -1172,7 +1173,7 @@ def _build_fold(n: int, rows: int, d: int, interpret):
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
-            lambda *a: body(*a),
+            body,
             plgpu.SMEM((2, bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
             plgpu.SMEM((2, bm), jnp.float32),
             plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
