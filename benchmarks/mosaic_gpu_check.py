@@ -479,6 +479,19 @@ def probe_tails(results: list) -> None:
     dropped by a key mask, against the unpadded call, per launch configuration; how
     many outputs and lses differ in bits."""
     from jaxattn.kernels import mosaic_fwd as mf
+
+    def padded_row(q, k, v, cfg, extra, o, lse, **row):
+        """The unpadded call's ``(o, lse)`` against ``extra`` dropped keys appended."""
+        b, skv = k.shape[0], k.shape[2]
+        pad = ((0, 0), (0, 0), (0, extra), (0, 0))
+        keep = jnp.broadcast_to(jnp.arange(skv + extra) < skv, (b, skv + extra))
+        kp, vp = jnp.pad(k, pad), jnp.pad(v, pad)
+        op, lp = mf.forward(q, kp, vp, causal=False, config=cfg, key_padding_mask=keep)
+        row = {"kind": "tail-probe", **row, "extra_keys": extra,
+               "out_diff": int((_bits(op) != _bits(o)).sum()),
+               "lse_diff": int((_bits(lp) != _bits(lse)).sum())}
+        return row, (op, lp, kp, vp, keep)
+
     q, k, v, _ = _inputs(2, 8, 2, 1000, 1000, 128, 7)
     for name, cfg in (("default", mf.MosaicConfig()),
                       ("nopp", mf.MosaicConfig(pingpong=False)),
@@ -486,15 +499,10 @@ def probe_tails(results: list) -> None:
                       ("kb-always", mf.MosaicConfig(key_bound="always"))):
         o, lse = mf.forward(q, k, v, causal=False, config=cfg)
         for extra in (30, 100, 1100):
-            pad = ((0, 0), (0, 0), (0, extra), (0, 0))
-            keep = jnp.broadcast_to(jnp.arange(1000 + extra) < 1000, (2, 1000 + extra))
-            op, lp = mf.forward(q, jnp.pad(k, pad), jnp.pad(v, pad), causal=False,
-                                config=cfg, key_padding_mask=keep)
-            row = {"kind": "tail-probe", "config": name, "extra_keys": extra,
-                   "out_diff": int((_bits(op) != _bits(o)).sum()),
-                   "lse_diff": int((_bits(lp) != _bits(lse)).sum()),
-                   "max_abs": float(np.max(np.abs(np.asarray(op, np.float32)
-                                                  - np.asarray(o, np.float32))))}
+            row, (op, lp, kp, vp, keep) = padded_row(q, k, v, cfg, extra, o, lse,
+                                                     config=name)
+            row["max_abs"] = float(np.max(np.abs(np.asarray(op, np.float32)
+                                                 - np.asarray(o, np.float32))))
             if row["lse_diff"]:
                 d = np.asarray(lp, np.float64) - np.asarray(lse, np.float64)
                 where = np.argwhere(_bits(lp) != _bits(lse))  # [n, 3]: b, h, row
@@ -502,9 +510,8 @@ def probe_tails(results: list) -> None:
                 row["lse_rows_mod128"] = np.bincount(where[:, 2] % 128 // 64).tolist()
                 row["lse_heads"] = np.bincount(where[:, 1]).tolist()
                 row["lse_tiles"] = np.bincount(where[:, 2] // 128).tolist()
-                sp_o, sp_l = mf.split_partials(q, jnp.pad(k, pad), jnp.pad(v, pad),
-                                               causal=False, config=cfg,
-                                               key_padding_mask=keep)
+                _, sp_l = mf.split_partials(q, kp, vp, causal=False, config=cfg,
+                                            key_padding_mask=keep)
                 row["split2_lse_finite"] = int(np.isfinite(np.asarray(sp_l[1])).sum())
             results.append(row)
             print(row, flush=True)
@@ -512,13 +519,7 @@ def probe_tails(results: list) -> None:
     q, k, v, _ = _inputs(1, 4, 1, 77, 1500, 64, 7)
     cfg = mf.MosaicConfig(key_bound="always")
     o, lse = mf.forward(q, k, v, causal=False, config=cfg)
-    pad = ((0, 0), (0, 0), (0, 100), (0, 0))
-    keep = jnp.broadcast_to(jnp.arange(1600) < 1500, (1, 1600))
-    op, lp = mf.forward(q, jnp.pad(k, pad), jnp.pad(v, pad), causal=False, config=cfg,
-                        key_padding_mask=keep)
-    row = {"kind": "tail-probe", "config": "kb-always", "shape": "77x1500",
-           "out_diff": int((_bits(op) != _bits(o)).sum()),
-           "lse_diff": int((_bits(lp) != _bits(lse)).sum())}
+    row, _ = padded_row(q, k, v, cfg, 100, o, lse, config="kb-always", shape="77x1500")
     results.append(row)
     print(row, flush=True)
 

@@ -129,6 +129,14 @@ def _ranges(n: int, world: int, chunk: int | None) -> list[tuple[int, int]]:
     return out
 
 
+def _split_states(o_parts, lse_parts, start, skv):
+    """One PartialState per SPLIT of the key range ``[start, start + skv)`` from
+    ``o_parts [n, B, Hq, Sq, D]`` and ``lse_parts [n, B, Hq, Sq]``."""
+    sp = schedule.SPLIT
+    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
+                         start + min((i + 1) * sp, skv)) for i in range(o_parts.shape[0])]
+
+
 def _pallas_states(q, k, v, mask, offsets, start, *, causal, scale, interpret):
     """One PartialState per SPLIT of the key range ``[start, start + Skv)``."""
     b, hq, sq, d = q.shape
@@ -137,14 +145,9 @@ def _pallas_states(q, k, v, mask, offsets, start, *, causal, scale, interpret):
         return [PartialState.empty(q.shape, start)]
     o_parts, lse_parts = pt.split_partials(q, k, v, mask, offsets, causal=causal,
                                            scale=scale, interpret=interpret)
-    hkv = k.shape[1]
     n = o_parts.shape[2]
-    o_parts = jnp.moveaxis(o_parts, 2, 0).reshape(n, b, hq, sq, d)
-    lse_parts = jnp.moveaxis(lse_parts, 2, 0).reshape(n, b, hq, sq)
-    del hkv
-    sp = schedule.SPLIT
-    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
-                         start + min((i + 1) * sp, skv)) for i in range(n)]
+    return _split_states(jnp.moveaxis(o_parts, 2, 0).reshape(n, b, hq, sq, d),
+                         jnp.moveaxis(lse_parts, 2, 0).reshape(n, b, hq, sq), start, skv)
 
 
 def _mosaic_states(q, k, v, mask, offsets, start, *, causal, scale, interpret, config):
@@ -159,9 +162,7 @@ def _mosaic_states(q, k, v, mask, offsets, start, *, causal, scale, interpret, c
     o_parts, lse_parts = mosaic_fwd.split_partials(
         q, k, v, causal=causal, scale=scale, interpret=interpret, config=config,
         key_padding_mask=mask, causal_offsets=offsets if causal else None, kernel_lse=True)
-    sp = schedule.SPLIT
-    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
-                         start + min((i + 1) * sp, skv)) for i in range(o_parts.shape[0])]
+    return _split_states(o_parts, lse_parts, start, skv)
 
 
 def _reference_state(q, k, v, mask, q_pos, k_pos, start, *, causal, scale, fp32):

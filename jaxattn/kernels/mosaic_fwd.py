@@ -61,9 +61,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
+from jaxattn.kernels.common import LN2, LOG2E
 
 NEG_INF = float("-inf")
-_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +321,6 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
 #: ``mosaic_gpu_check --tail_probe``). The base-2 state has no product feeding an add
 #: or a subtraction.
 KERNEL_LSE_BASE2 = schedule.SOFTMAX_EXP_BASE == "2"
-_LN2 = math.log(2.0)
 
 
 def kernel_finalize(acc, m, l):
@@ -338,7 +337,7 @@ def kernel_merge(*states):
 
 def natural_lse(lse):
     """A kernel-base lse in natural-log units (the one product, at the end)."""
-    return lse * _LN2 if KERNEL_LSE_BASE2 else lse
+    return lse * LN2 if KERNEL_LSE_BASE2 else lse
 
 
 def _visited_blocks(q0, *, block_m: int, offset: int, total: int, causal: bool):
@@ -391,9 +390,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     key_bound = cfg.key_bound == "always" or (not causal and skv % bn != 0)
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
-    base2 = schedule.SOFTMAX_EXP_BASE == "2"
+    base2 = KERNEL_LSE_BASE2  # the softmax's base is the kernel state's
     exp = jnp.exp2 if base2 else jnp.exp
-    s_scale = scale * _LOG2E if base2 else scale
+    s_scale = scale * LOG2E if base2 else scale
     # All-ones B operand of the row-sum wgmma. With P in registers its width only has
     # to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in SMEM
     # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
