@@ -107,6 +107,11 @@ LAUNCH_VARIANTS = {
     "key-bound-always": dict(key_bound="always"),
     "persistent": dict(persistent=132),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
+    # Two key blocks per loop step (one Q K^T wgmma of N=128): the same operations.
+    "bps2": dict(blocks_per_step=2),
+    "bps2-nopp": dict(blocks_per_step=2, pingpong=False),
+    "bps2-1wg": dict(blocks_per_step=2, compute_wgs=1),
+    "bps2-persistent-prefetch": dict(blocks_per_step=2, persistent=132, prefetch_q=True),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {
@@ -114,6 +119,7 @@ FAMILIES = {
     "fresh-mma": dict(accumulate="fresh", rowsum="mma"),
     "inplace-mma": dict(accumulate="inplace", rowsum="mma"),
     "fresh-reduce32": dict(accumulate="fresh", rowsum="reduce32"),
+    "inplace-reduce32-approx": dict(accumulate="inplace", rowsum="reduce32", approx_math=True),
 }
 
 
@@ -206,8 +212,10 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
         # Each SPLIT's partial state, folded outside the kernel (context parallelism):
         # by the Mosaic fold kernel (promised equal) and by XLA's merge.fold (reported).
         from jaxattn.merge import fold
-        for name, fn, kernel_lse in (("split_fold_mosaic", mf.fold_partials_jit, True),
-                                     ("split_fold_xla", jax.jit(fold), False)):
+        for name, fn, kernel_lse in (
+                ("split_fold_mosaic", functools.partial(mf.fold_partials_jit, config=cfg),
+                 True),
+                ("split_fold_xla", jax.jit(fold), False)):
             outs, lses = mf.split_partials(q, k, v, causal=causal, config=cfg,
                                            kernel_lse=kernel_lse)
             fo, fl = fn(outs, lses)

@@ -15,7 +15,8 @@ Systems (``--backends`` names):
 - ``pallas_mha``: JAX's built-in Pallas Triton ``mha`` (no GQA: K and V are repeated to
   Hq heads in ``prepare``, outside any timed region; Sq must fill its 128-row blocks);
 - ``pallas_mgpu``: JAX's built-in Pallas Mosaic GPU attention (Hopper; GQA native;
-  causal only with ``Sq == Skv``; forward only where causal);
+  causal only with ``Sq == Skv``; forward only where causal); ``pallas_mgpu:64`` with
+  key blocks of 64 (jaxattn's BLOCK_N) instead of 128;
 - ``torch_flash``, ``torch_cudnn``, ``torch_efficient``, ``torch_math``: torch's
   ``scaled_dot_product_attention`` pinned to one backend with ``sdpa_kernel``; GQA via
   ``enable_gqa`` where the backend takes it, else K and V repeated in ``prepare``.
@@ -170,7 +171,8 @@ def _pallas_mgpu(block_kv: int = 128) -> System:
         cast = (lambda x: x.astype(jnp.float16)) if q.dtype == jnp.bfloat16 else (lambda x: x)
         return _bshd(cast(q)), _bshd(cast(k)), _bshd(cast(v))
 
-    return System("pallas_mgpu", "jax", prepare,
+    return System("pallas_mgpu" if block_kv == 128 else f"pallas_mgpu:{block_kv}", "jax",
+                  prepare,
                   fwd, fwdbwd, lambda x: x, jax.block_until_ready, _jax_to_numpy,
                   notes=f"jax attention_mgpu, block_q=64 block_kv={block_kv}, 2 stages; "
                         "bf16 inputs run as fp16 (its SMEM scratch is fp16)")
@@ -275,8 +277,8 @@ def make(name: str) -> System:
         return _dpa(name)
     if name == "pallas_mha":
         return _pallas_mha()
-    if name == "pallas_mgpu":
-        return _pallas_mgpu()
+    if name == "pallas_mgpu" or name.startswith("pallas_mgpu:"):
+        return _pallas_mgpu(int(name.split(":", 1)[1]) if ":" in name else 128)
     if name in TORCH_PEERS:
         reason = torch_available()
         if reason:
