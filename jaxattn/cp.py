@@ -194,7 +194,8 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
         # Folded by Mosaic GPU, as the single call folds in its kernel (XLA's merge
         # differed from it in the last bit on the H200).
         from jaxattn.kernels import mosaic_fwd
-        fold_fn = functools.partial(mosaic_fwd.fold_partials, interpret=interpret)
+        fold_fn = functools.partial(mosaic_fwd.fold_partials, interpret=interpret,
+                                    config=mosaic_config)
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
     for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
         if qb == qa:

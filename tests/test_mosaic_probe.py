@@ -7,6 +7,8 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,16 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
                   - np.asarray(out_b).view(np.int32).astype(np.int64))
     assert ulps.max() <= 1
     assert np.all(np.asarray(out_b)[:5] == 0.0) and np.all(np.asarray(lse_b)[:5] == -np.inf)
+    # The kernels' normalisation (MosaicConfig.normalize="reciprocal"): acc * (1 / l),
+    # one correctly rounded reciprocal per row and one product per element.
+    out_r, lse_r = jax.jit(functools.partial(mosaic_fwd.finalize_rows, reciprocal=True))(
+        acc, m, l)
+    inv = np.float32(1.0) / np.where(np.asarray(l) == 0, np.float32(1), np.asarray(l))
+    want = np.where(np.asarray(l)[:, None] == 0, np.float32(0),
+                    np.asarray(acc) * inv[:, None])
+    np.testing.assert_array_equal(np.asarray(out_r).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(lse_r).view(np.uint32),
+                                  np.asarray(lse_b).view(np.uint32))
     ol, orr = (jnp.asarray(rng.standard_normal((m_rows, d)), jnp.float32) for _ in range(2))
     ll = jnp.asarray(rng.standard_normal(m_rows) * 4, jnp.float32).at[:3].set(-jnp.inf)
     lr = jnp.asarray(rng.standard_normal(m_rows) * 4, jnp.float32).at[2:6].set(-jnp.inf)
@@ -197,6 +209,49 @@ def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{kw} seed {seed}")
 
 
+@pytest.fixture
+def exact_interpreter_matmul(monkeypatch):
+    """The interpreter's wgmma as an exact product: float64 (exact for these bf16
+    inputs: products of 8-bit significands summed over at most 128 terms), rounded once
+    to the accumulator's type. Its own ``np.matmul`` in float32 rounds a row's results
+    differently with the matrix's N (OpenBLAS's blocking); the H200's wgmma does not
+    (``mosaic_gpu_check``'s ``bps2`` launches, stop 19)."""
+    import types
+
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    class _Numpy(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    shim = _Numpy("numpy_exact_matmul")
+    shim.matmul = lambda a, b, dtype=None: np.matmul(
+        np.asarray(a, np.float64), np.asarray(b, np.float64)).astype(dtype)
+    monkeypatch.setattr(gpu_callbacks, "np", shim)
+
+
+@needs_sync
+@needs_interpret
+def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matmul):
+    """Two key blocks per loop step (one ring slot and one Q K^T of N=128 for both; the
+    softmax and P V block by block) give the bits of one block per step: causal with an
+    odd number of blocks (a last step of one block, steps across the masked boundary,
+    a second SPLIT), two compute warpgroups with ping-pong, and non-causal with a
+    partial last block."""
+    cases = [((1, 2, 1, 200, 1100, 64), True, _ONE_WG),
+             ((1, 2, 1, 128, 320, 64), True, {}),
+             ((1, 1, 1, 64, 200, 64), False, _ONE_WG)]
+    for shape, causal, kw in cases:
+        seed, q, k, v = _inputs(*shape)
+        one = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                 config=mosaic_fwd.MosaicConfig(**kw))
+        two = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                 config=mosaic_fwd.MosaicConfig(blocks_per_step=2, **kw))
+        for x, y in zip(one, two, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any(), f"{shape} seed {seed}"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{shape} seed {seed}")
+
+
 @needs_sync
 @needs_interpret
 @pytest.mark.parametrize("causal", [True, False])
@@ -274,8 +329,9 @@ def test_interpret_tests_in_subprocess():
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_forward", "interpret_persistent",
                    "interpret_key_mask or interpret_causal_offsets",
-                   "interpret_split_decode or interpret_split_partials"])
-    assert passed == len(_CASES) + 8
+                   "interpret_split_decode or interpret_split_partials",
+                   "interpret_blocks_per_step"])
+    assert passed == len(_CASES) + 9
 
 
 @pytest.mark.slow
@@ -499,6 +555,11 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"persistent": 132},
     {"persistent": 132, "prefetch_q": True},
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
+    {"blocks_per_step": 2},
+    {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
+    # The arithmetic of stop 18 (accurate exp2/log2, a division per element, the
+    # mask's indices per tile, no fence).
+    {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     """The FlashAttention-3 structure (two compute warpgroups sharing K/V, ping-pong,
@@ -554,7 +615,9 @@ def test_rejects_bad_key_mask(mosaic_fwd):
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
-               {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True}):
+               {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True},
+               {"blocks_per_step": 3}, {"blocks_per_step": 2, "rowsum": "mma"},
+               {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

@@ -30,13 +30,15 @@ that the two backends can be compared op for op:
   Output: the unscaled fp32 accumulator, as ``pallas_triton_vjp.dq_accumulate``;
   :func:`backward` scales and casts it in XLA exactly as ``pallas_triton_vjp.backward``.
 
-By default every accumulation (``dV``, ``dK``, ``dQ``) is ``acc + (fresh wgmma
-product)``, the Triton source's ``acc + dot(...)``: the wgmma accumulates into a *fresh*
-accumulator that is added to the running value in registers. No atomics; the order
-never depends on the shapes. Options with their own bits (:class:`BwdConfig`):
-``accumulate="inplace"`` (dK/dV summed in the wgmma accumulators) and ``dq="fused"``
-(dQ formed in the dK/dV kernel and added in global memory in a semaphore-enforced
-order). Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
+On the GPU dK and dV are summed in the wgmma accumulators (``accumulate``, default
+"inplace" there); in interpret mode, and for ``dQ`` always, every accumulation is
+``acc + (fresh wgmma product)``, the Triton source's ``acc + dot(...)``: the wgmma
+accumulates into a *fresh* accumulator that is added to the running value in
+registers. No atomics; the order never depends on the shapes. ``exp2`` is the
+approximate ``ex2`` instruction on the GPU (``approx_math``, as the forward's). Options
+with their own bits (:class:`BwdConfig`): ``accumulate``, ``approx_math`` and
+``dq="fused"`` (dQ formed in the dK/dV kernel and added in global memory in a
+semaphore-enforced order). Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
 and ``p = 0`` exactly: zero gradients.
 
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
@@ -116,8 +118,10 @@ class BwdConfig:
     #: dK/dV accumulation across query blocks: "fresh" (each product in a fresh wgmma
     #: accumulator added to the running sum: the Triton source's ``acc + dot``) or
     #: "inplace" (the running sums are the wgmma accumulators; rounds differently; GPU
-    #: operand path only; not yet run on a GPU).
-    accumulate: str = "fresh"
+    #: operand path only). None: "inplace" on the GPU operand path (the faster on the
+    #: H200: 374 against 353 TFLOP/s at B=2 S=4096 with ``approx_math``, stop 19),
+    #: "fresh" in interpret mode (whose wgmma cannot accumulate into a live accumulator).
+    accumulate: str | None = None
     #: Issue each step's two independent products (``K Q^T`` and ``V dO^T``; then
     #: ``p^T dO`` and ``ds^T Q``) before waiting for either; False: one at a time (the
     #: faster on the H200: 300 against 246 TFLOP/s, docs/mosaic.md section 8). Each
@@ -147,6 +151,9 @@ class BwdConfig:
     #: 70 TFLOP/s on the H200 at B=2 S=4096, against 306 for the separate dQ, stop 17).
     #: The same additions in the same order: the same bits.
     dq_add: str = "tma"
+    #: Mosaic GPU's ``approx_math`` (``exp2`` as ``ex2.approx.ftz.f32``), as
+    #: :class:`~jaxattn.kernels.mosaic_fwd.MosaicConfig`'s: other bits.
+    approx_math: bool = True
 
     def __post_init__(self):
         if self.stages < 1:
@@ -155,7 +162,7 @@ class BwdConfig:
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):
             raise ValueError(f"delta must be 'mosaic' or 'triton', got {self.delta!r}")
-        if self.accumulate not in ("fresh", "inplace"):
+        if self.accumulate not in (None, "fresh", "inplace"):
             raise ValueError(f"accumulate must be 'fresh' or 'inplace', got "
                              f"{self.accumulate!r}")
         if self.dkdv_wgs not in (1, 2):
@@ -226,7 +233,7 @@ def _check_rows(name, x, shape, dtype=None):
 
 def _compiler_params(cfg: BwdConfig):
     return plgpu.CompilerParams(
-        approx_math=False,
+        approx_math=cfg.approx_math,
         lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize()))
 
 
@@ -365,7 +372,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     takes ``offs`` (int32 ``[B]``, last), sequence b's offset in place of ``offset``."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
-    inplace = cfg.accumulate == "inplace"
+    inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
+                                  else "fresh")) == "inplace"
     if inplace and (not gpu_operands or interpret is not None):
         raise ValueError("accumulate='inplace' needs the GPU operand path (and no "
                          "interpret mode)")

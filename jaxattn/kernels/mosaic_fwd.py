@@ -29,9 +29,14 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   that one's softmax overlaps the other's matrix products (``pingpong``);
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
-  :func:`finalize_rows` / :func:`merge_rows`: :func:`jaxattn.merge.finalize` /
-  :func:`jaxattn.merge.merge` op for op, with the ``x[..., None]`` row broadcasts
-  spelled as one ``broadcast_in_dim`` (Mosaic GPU cannot lay out an ``[M, 1]`` array).
+  :func:`kernel_finalize` / :func:`kernel_merge`: :func:`jaxattn.merge.finalize` /
+  :func:`jaxattn.merge.merge` in the kernels' base 2, with the ``x[..., None]`` row
+  broadcasts spelled as one ``broadcast_in_dim`` (Mosaic GPU cannot lay out an
+  ``[M, 1]`` array) and the output normalised by a row reciprocal (``normalize``).
+
+The backend's own bits (not the Pallas backend's; every path of the backend runs these
+kernels): ``exp2``/``log2`` are the approximate ``ex2``/``lg2`` instructions
+(``approx_math``, 10% faster on the H200), deterministic like every instruction.
 
 Two operand modes (``gpu_operands``); the arithmetic is the same in both:
 
@@ -71,10 +76,11 @@ class MosaicConfig:
     """Launch parameters and the two arithmetic choices of the kernel.
 
     Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
-    ``semantics``, ``pingpong``, ``registers``, ``q_order``) must not
+    ``semantics``, ``pingpong``, ``registers``, ``q_order``, ``persistent``,
+    ``prefetch_q``, ``blocks_per_step``, ``masks_in_loop``, ``fence``, ...) must not
     change the bits of a row; ``benchmarks/mosaic_gpu_check.py`` checks that on the GPU.
-    ``accumulate`` and ``rowsum`` change the floating-point operations, so they are fixed
-    per backend, never chosen by shape.
+    ``accumulate``, ``rowsum``, ``normalize`` and ``approx_math`` change the
+    floating-point operations, so they are fixed per backend, never chosen by shape.
     """
 
     #: Query rows per compute warpgroup (the wgmma M: 64 or 128).
@@ -151,6 +157,34 @@ class MosaicConfig:
     #: by many CTAs instead of one per (batch, KV head). The in-kernel fold merges the
     #: same states with the same operations (:func:`merge_rows`).
     split_decode: bool = False
+    #: Key blocks per step of a compute warpgroup's loop (1 or 2): with 2, one TMA
+    #: brings two BLOCK_N blocks of K and of V into a ring slot, Q K^T of both is one
+    #: wgmma of N = 2 * BLOCK_N (Q is read from SMEM once for both), and the online
+    #: softmax and P V then run block by block as with 1: the same operations on the
+    #: same values (a score does not depend on the wgmma's N), so the same bits.
+    #: Half the loop's barriers and syncs per key. GPU operand path or interpret mode;
+    #: ``rowsum="reduce32"``, no ``overlap``.
+    blocks_per_step: int = 1
+    #: Build the causal mask's row and column indices inside each masked block (as
+    #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
+    #: the tile's index arrays then do not hold registers through the unmasked blocks.
+    masks_in_loop: bool = True
+    #: An optimisation barrier on the softmax's results (rescaled accumulator, row
+    #: sum, row max, P) before the ping-pong hand-off, as JAX's ``attention_mgpu``
+    #: (which found the order of that code to matter): scheduling only, the same bits.
+    fence: bool = True
+    #: A split's output normalisation: "divide" (``acc / l``, each element) or
+    #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
+    #: the split's finalize costs a division per element otherwise, every SPLIT of
+    #: every row). An arithmetic choice like ``accumulate``: its own bits, fixed per
+    #: backend, the same in every path (the split states CP and split decode fold are
+    #: finalized by the same kernel).
+    normalize: str = "reciprocal"
+    #: Mosaic GPU's ``approx_math``: ``exp2`` and ``log2`` as the single
+    #: ``ex2.approx.ftz.f32`` / ``lg2.approx.ftz.f32`` instructions instead of the
+    #: accurate sequences. An arithmetic choice (its own bits, fixed per backend); the
+    #: interpreter ignores it.
+    approx_math: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -176,6 +210,13 @@ class MosaicConfig:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
         if self.prefetch_q and not self.persistent:
             raise ValueError("prefetch_q needs a persistent grid (persistent > 0)")
+        if self.normalize not in ("divide", "reciprocal"):
+            raise ValueError(f"normalize must be 'divide' or 'reciprocal', got "
+                             f"{self.normalize!r}")
+        if self.blocks_per_step not in (1, 2):
+            raise ValueError(f"blocks_per_step must be 1 or 2, got {self.blocks_per_step}")
+        if self.blocks_per_step == 2 and (self.rowsum != "reduce32" or self.overlap):
+            raise ValueError("blocks_per_step=2 needs rowsum='reduce32' and no overlap")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -274,15 +315,20 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def finalize_rows(acc, m, l, log=jnp.log):
+def finalize_rows(acc, m, l, log=jnp.log, reciprocal=False):
     """:func:`jaxattn.merge.finalize` for ``[M, D]`` tiles, with the same floating-point
     operations; only the row broadcasts are spelled for Mosaic GPU. Equal in bits to
     ``finalize`` under XLA (tests/test_mosaic_probe.py checks it). ``log=jnp.log2``:
     the same in base 2 (``m`` and the lse in log2 units: the kernels' state, see
-    :data:`KERNEL_LSE_BASE2`)."""
+    :data:`KERNEL_LSE_BASE2`). ``reciprocal``: ``acc * (1 / l)``, one division per row
+    instead of one per element (other bits)."""
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    out = jnp.where(_rows(empty, acc.shape), 0.0, acc / _rows(l_safe, acc.shape))
+    if reciprocal:
+        scaled = acc * _rows(1.0 / l_safe, acc.shape)
+    else:
+        scaled = acc / _rows(l_safe, acc.shape)
+    out = jnp.where(_rows(empty, acc.shape), 0.0, scaled)
     lse = jnp.where(empty, NEG_INF, m + log(l_safe))
     return out, lse
 
@@ -323,9 +369,11 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
 KERNEL_LSE_BASE2 = schedule.SOFTMAX_EXP_BASE == "2"
 
 
-def kernel_finalize(acc, m, l):
-    """:func:`finalize_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
-    return finalize_rows(acc, m, l, log=jnp.log2 if KERNEL_LSE_BASE2 else jnp.log)
+def kernel_finalize(acc, m, l, normalize="divide"):
+    """:func:`finalize_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`), the
+    output normalised as ``normalize`` says (:class:`MosaicConfig`)."""
+    return finalize_rows(acc, m, l, log=jnp.log2 if KERNEL_LSE_BASE2 else jnp.log,
+                         reciprocal=normalize == "reciprocal")
 
 
 def kernel_merge(*states):
@@ -384,6 +432,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     overlap."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+    # A ring slot holds the K and V of ``bps`` blocks, ``kb`` keys (one loop step).
+    bps = cfg.blocks_per_step
+    kb = bps * bn
     rows_cta = cfg.rows
     n_tiles = sq // rows_cta
     total, whole = -(-skv // bn), skv // bn
@@ -444,6 +495,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         """The start of the BLOCK_N block that holds position ``x`` (floor)."""
         return x - x % bn
 
+    def steps_of(x):
+        """The ring steps that cover key blocks [0, x)."""
+        return x if bps == 1 else lax.div(x + (bps - 1), jnp.int32(bps))
+
     wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -477,10 +532,14 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         plgpu.barrier_wait(q_b)
         if after_q is not None:
             after_q()
-        rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
-        # visible iff key <= query + offset, i.e. (cols - rows) <= q0 + offset - j * bn.
-        diag = cols - rows
+        def indices():
+            """(cols, cols - rows) of a (bm, bn) block in the WGMMA layout: key j * bn +
+            c is visible to row r iff c - r <= q0 + offset - j * bn."""
+            rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
+            cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
+            return cols, cols - rows
+
+        tile_indices = None if cfg.masks_in_loop else indices()
 
         def sync():
             plgpu.barrier_arrive(sched.at[0])
@@ -492,22 +551,35 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         def slot_of(j):
             return lax.rem(base + j, jnp.int32(stages))
 
-        def keep_vec(j):
-            """Block j's keep values (1 or 0 per key) as a column vector."""
-            ref = keep_s.at[slot_of(j)]
+        def keep_of(slot, h):
+            """The keep values' ref of block ``h`` of a ring slot (with a key mask)."""
+            if not key_mask:
+                return None
+            return keep_s.at[slot] if bps == 1 else keep_s.at[slot, pl.ds(h * bn, bn)]
+
+        def keep_vec(ref):
+            """A block's keep values (1 or 0 per key) as a column vector."""
             if layout_hints:
                 return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
             return ref[...]
 
-        def wait_keep(j):
-            if key_mask:  # every block's, to keep the barrier's phase
-                plgpu.barrier_wait(m_bar.at[slot_of(j)])
+        def wait_keep(t):
+            if key_mask:  # every step's, to keep the barrier's phase
+                plgpu.barrier_wait(m_bar.at[slot_of(t)])
 
-        def kt_of(slot):
-            return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
-                    else k_s.at[slot])
+        def kt_of(slot, n):
+            """K^T of the first ``n`` keys of a ring slot (the wgmma's B operand)."""
+            if n == kb:
+                return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
+                        else k_s.at[slot])
+            return (plgpu.transpose_ref(k_s.at[slot, pl.ds(0, n)], (1, 0)) if gpu_operands
+                    else k_s.at[slot, :, pl.ds(0, n)])
 
-        def softmax(j, s, m, l, masked):
+        def v_of(slot, h):
+            """V of block ``h`` of a ring slot."""
+            return v_s.at[slot] if bps == 1 else v_s.at[slot, pl.ds(h * bn, bn)]
+
+        def softmax(j, s, m, l, masked, keep):
             """One block's online-softmax step on the raw scores ``s``: ``(p, alpha,
             m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
             ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
@@ -523,13 +595,14 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             if masked:
                 # Keys from Skv on (the padding of a partial last block) are masked
                 # for every row, also where the causal bound alone would hide them.
+                cols, diag = tile_indices or indices()
                 visible = cols < skv - j * bn if key_bound else None
                 if causal:
                     c = (diag <= q0 + offset - j * bn if position is None
                          else cols <= position - j * bn)
                     visible = c if visible is None else visible & c
                 if key_mask:
-                    kept = lax.broadcast_in_dim(keep_vec(j), (bm, bn), [1]) != 0.0
+                    kept = lax.broadcast_in_dim(keep_vec(keep), (bm, bn), [1]) != 0.0
                     visible = kept if visible is None else visible & kept
                 raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
             else:
@@ -543,63 +616,116 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             l_new = None if use_mma_rowsum else l * alpha + p32.sum(axis=1)
             return p32.astype(dtype), alpha, m_new, l_new
 
-        def softmax_at(j, s, m, l, masked):
+        def softmax_at(j, s, m, l, masked, keep):
             """``softmax`` on the block's path: with a key mask, a block that would take
             the unmasked path takes the masked one where it drops a key."""
             if masked or not key_mask:
-                return softmax(j, s, m, l, masked)
+                return softmax(j, s, m, l, masked, keep)
             return lax.cond(flags_ref[bi, j] != 0,
-                            lambda: softmax(j, s, m, l, True),
-                            lambda: softmax(j, s, m, l, False))
+                            lambda: softmax(j, s, m, l, True, keep),
+                            lambda: softmax(j, s, m, l, False, keep))
 
-        def block_step(j, carry, masked):
+        def stage(p):
+            """P as the P V wgmma's A operand: registers, or SMEM (``p_s``)."""
+            if gpu_operands:
+                return p
+            p_s[...] = p
+            plgpu.commit_smem()
+            return p_s
+
+        def step(t, carry, halves):
+            """Ring step ``t``: key block ``bps * t + h`` for each ``h`` of ``halves``
+            (``halves[h]``: whether that block takes the masked path). One Q K^T wgmma
+            covers them all; the online softmax and P V then run block by block in
+            key order, each block's as in a step of one block."""
             acc, m, l = carry
-            slot = slot_of(j)
+            slot = slot_of(t)
             plgpu.barrier_wait(k_bar.at[slot])
-            wait_keep(j)
+            wait_keep(t)
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_s, kt_of(slot))
+                plgpu.wgmma(acc_ref, q_s, kt_of(slot, len(halves) * bn))
                 if pingpong:
                     sync()
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((bm, len(halves) * bn), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked)
-            if gpu_operands:
-                p_op = p
-            else:
-                p_s[...] = p
-                plgpu.commit_smem()
-                p_op = p_s
-            if use_mma_rowsum:
-                def psum(acc_ref):
-                    plgpu.wgmma(acc_ref, p_op, ones_s)
-                    return acc_ref[...]
+            products = []  # (P operand or P, alpha still to apply) per block
+            for h, masked in enumerate(halves):
+                s_h = s if len(halves) == 1 else s[:, h * bn:(h + 1) * bn]
+                p, alpha, m, l_new = softmax_at(bps * t + h, s_h, m, l, masked,
+                                                keep_of(slot, h))
+                if h:  # rescaled once the block before's P V is in
+                    products.append((p, alpha))
+                    l = l_new
+                    continue
+                p_op = stage(p)
+                if use_mma_rowsum:
+                    def psum(acc_ref, p_op=p_op):
+                        plgpu.wgmma(acc_ref, p_op, ones_s)
+                        return acc_ref[...]
 
-                rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32)).max(axis=1)
-                l_new = l * alpha + rs
-            acc_scaled = acc * _rows(alpha, acc.shape)
+                    rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32))
+                    l_new = l * alpha + rs.max(axis=1)
+                l = l_new
+                acc = acc * _rows(alpha, acc.shape)
+                products.append((p_op, None))
+            if cfg.fence and gpu_operands:  # (P in SMEM is a ref: nothing to fence)
+                acc, m, l, products = lax.optimization_barrier((acc, m, l, products))
             if pingpong:
                 plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
             plgpu.barrier_wait(v_bar.at[slot])
             if pingpong:
                 plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+            for h, (p_op, alpha) in enumerate(products):
+                if alpha is not None:
+                    acc = acc * _rows(alpha, acc.shape)
+                    p_op = stage(p_op)
+                v_h = v_of(slot, h)
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
-                return acc_ref[...]
+                def pv(acc_ref, v_h=v_h, p_op=p_op):
+                    plgpu.wgmma(acc_ref, p_op, v_h)
+                    return acc_ref[...]
 
-            if inplace:
-                def pv_into(acc_ref):
-                    plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                if inplace:
+                    def pv_into(acc_ref, v_h=v_h, p_op=p_op):
+                        plgpu.wgmma(acc_ref, p_op, v_h)
 
-                acc_new = pl.run_state(pv_into)(plgpu.ACC.init(acc_scaled))
-            else:
-                acc_new = acc_scaled + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+                    acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
+                else:
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc_new, m_new, l_new
+            return acc, m, l
+
+        def steps(lo, mid, end, carry):
+            """The blocks [lo, end) of one split (lo a multiple of ``bps``), those from
+            ``mid`` on masked, in ring steps."""
+            if bps == 1:
+                carry = lax.fori_loop(lo, mid, functools.partial(step, halves=(False,)),
+                                      carry)
+                return lax.fori_loop(mid, end, functools.partial(step, halves=(True,)),
+                                     carry)
+            two = jnp.int32(2)
+            mid_odd, end_odd = lax.rem(mid, two) == 1, lax.rem(end, two) == 1
+            half_mid, half_end = lax.div(mid, two), lax.div(end, two)
+
+            def loop(a, n, halves, carry):
+                return lax.fori_loop(a, a + n, functools.partial(step, halves=halves),
+                                     carry)
+
+            carry = loop(lax.div(lo, two), half_mid - lax.div(lo, two), (False, False),
+                         carry)
+            # The step across mid: unmasked then masked, or an unmasked last block.
+            carry = loop(half_mid, (mid_odd & (mid < end)).astype(jnp.int32),
+                         (False, True), carry)
+            carry = loop(half_mid, (mid_odd & (mid == end)).astype(jnp.int32),
+                         (False,), carry)
+            first = lax.div(mid + 1, two)
+            carry = loop(first, lax.max(half_end - first, 0), (True, True), carry)
+            # A masked last block alone.
+            return loop(half_end, (end_odd & (end > mid)).astype(jnp.int32), (True,),
+                        carry)
 
         def split_overlapped(lo, mid, end, s_acc, o_acc):
             """The blocks [lo, end) of one split, FlashAttention-3's intra-warpgroup
@@ -614,7 +740,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 slot = slot_of(j)
                 s_acc[...] = layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.wgmma(s_acc, q_s, kt_of(slot))
+                plgpu.wgmma(s_acc, q_s, kt_of(slot, kb))
 
             pl.when(lo < end)(lambda: issue_qk(lo))
 
@@ -633,7 +759,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 s = plgpu.wgmma_accumulator_load(s_acc, wait_n=None)
                 plgpu.barrier_arrive(k_free.at[slot])
                 wait_keep(j)
-                p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked)
+                p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked, keep_of(slot, 0))
                 plgpu.wgmma_wait(0)  # P V of block j-1
 
                 @pl.when(j > lo)
@@ -679,13 +805,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
                         layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
                         layout(jnp.zeros((bm,), jnp.float32), row_layout))
-                carry = lax.fori_loop(lo, mid,
-                                      functools.partial(block_step, masked=False), init)
-                acc, m, l = lax.fori_loop(mid, end,
-                                          functools.partial(block_step, masked=True), carry)
+                acc, m, l = steps(lo, mid, end, init)
             # m is in the softmax's base (log2 units when base2): the kernel's state
             # stays in that base until the output (KERNEL_LSE_BASE2).
-            part = kernel_finalize(acc, m, l)
+            part = kernel_finalize(acc, m, l, cfg.normalize)
             return part if state is None else kernel_merge(*state, *part)
 
         init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -713,10 +836,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
-        def skip(j, _):
-            slot = slot_of(j)
+        def skip(t, _):
+            slot = slot_of(t)
             plgpu.barrier_wait(k_bar.at[slot])
-            wait_keep(j)
+            wait_keep(t)
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
@@ -726,7 +849,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             return None
 
         if nwg > 1:
-            lax.fori_loop(hi, hi_cta, skip, None)
+            lax.fori_loop(steps_of(hi), steps_of(hi_cta), skip, None)
         if pingpong:
             pl.when(w == 0)(sync)
         q_s[...] = out.astype(dtype)  # Q is no longer needed: its SMEM holds O.
@@ -737,37 +860,65 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
-        """The K/V loads of one item: blocks [split_lo(), hi) into the ring, block j at
-        position ``base + j`` (each slot once the compute warpgroups have released it); with a
-        key mask, each block's keep values with its V (they are read up to the
-        softmax, V's slot is released after P V)."""
+        """The K/V loads of one item: blocks [split_lo(), hi) into the ring in steps of
+        ``bps`` blocks, step t at position ``base + t`` (each slot once the compute
+        warpgroups have released it); with a key mask, each step's keep values with its
+        V (they are read up to the softmax, V's slot is released after P V). A step
+        loads all its blocks that exist (past ``hi`` too: they are not used)."""
         _, k_s, v_s, _, _, _, keep_s, _ = smem
         k_bar, v_bar, k_free, v_free, _, _, _, m_bar = bars
 
-        def load(j, _):
-            n = base + j
+        # Every step holds kb keys but a last one whose blocks do not fill it.
+        last_rows = (total % bps) * bn  # 0: every step is whole
+
+        def first(ref, rows, axis=0):
+            """The first ``rows`` keys of a slot (along ``axis``)."""
+            if rows == kb:
+                return ref
+            return ref.at[:, pl.ds(0, rows)] if axis else ref.at[pl.ds(0, rows)]
+
+        def load(t, _):
+            n = base + t
             slot = lax.rem(n, jnp.int32(stages))
+            k0 = t * kb
+
+            def sized(copy):
+                if last_rows:
+                    pl.when(t < total // bps)(lambda: copy(kb))
+                    pl.when(t == total // bps)(lambda: copy(last_rows))
+                else:
+                    copy(kb)
+
+            def copy_k(rows):
+                src = (k_ref.at[bi, kvh, pl.ds(k0, rows)] if gpu_operands
+                       else k_ref.at[bi, kvh, :, pl.ds(k0, rows)])
+                plgpu.copy_gmem_to_smem(src, first(k_s.at[slot], rows, 0 if gpu_operands
+                                                   else 1), k_bar.at[slot])
+
+            def copy_v(rows):
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(k0, rows)],
+                                        first(v_s.at[slot], rows), v_bar.at[slot])
+
+            def copy_keep(rows):
+                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(k0, rows)],
+                                        first(keep_s.at[slot], rows), m_bar.at[slot])
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            ksrc = (k_ref.at[bi, kvh, pl.ds(j * bn, bn)] if gpu_operands
-                    else k_ref.at[bi, kvh, :, pl.ds(j * bn, bn)])
-            plgpu.copy_gmem_to_smem(ksrc, k_s.at[slot], k_bar.at[slot])
+            sized(copy_k)
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(j * bn, bn)], v_s.at[slot],
-                                    v_bar.at[slot])
+            sized(copy_v)
             if key_mask:
-                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(j * bn, bn)], keep_s.at[slot],
-                                        m_bar.at[slot])
+                sized(copy_keep)
             return None
 
-        lax.fori_loop(split_lo(), hi, load, None)
+        lax.fori_loop(lax.div(split_lo(), jnp.int32(bps)), steps_of(hi), load, None)
 
     def drain(bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
@@ -825,19 +976,19 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         else:
             (o_ref, lse_ref), keep_ref, flags_ref = rest, None, None
         count, item_at = items_of_cta()
-        k_shape = (stages, bn, d) if gpu_operands else (stages, d, bn)
+        k_shape = (stages, kb, d) if gpu_operands else (stages, d, kb)
         qbufs = (2,) if cfg.prefetch_q else ()
         scratch = [
             plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
             plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
-            plgpu.SMEM((stages, bn, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            plgpu.SMEM((stages, kb, d), dtype, transforms=_smem_transforms(d, itemsize)),
             None if gpu_operands and cfg.overlap != "smem" else
             plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
             plgpu.SMEM((bn, ones_cols), dtype,
                        transforms=_smem_transforms(ones_cols, itemsize))
             if use_mma_rowsum else None,
             plgpu.SMEM((nwg, bm), jnp.float32),
-            plgpu.SMEM((stages, bn), jnp.float32) if key_mask else None,
+            plgpu.SMEM((stages, kb), jnp.float32) if key_mask else None,
             # split_out: the split's fp32 output, staged for its TMA store
             plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
             if split_out else None,
@@ -889,9 +1040,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                     compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta,
                                base, flags_ref, qbuf, after_q)
-                    return base + hi_cta
+                    return base + steps_of(hi_cta)
 
-                lax.fori_loop(0, count, one, -split_lo())
+                lax.fori_loop(0, count, one, -lax.div(split_lo(), jnp.int32(bps)))
 
             @pl.when(wg == nwg)
             def _():
@@ -903,9 +1054,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 def one(k, base):
                     _, _, bi, kvh, hi_cta = item_at(k)
                     producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base, keep_ref)
-                    return base + hi_cta
+                    return base + steps_of(hi_cta)
 
-                drain(bars, lax.fori_loop(0, count, one, -split_lo()))
+                drain(bars, lax.fori_loop(0, count, one, -lax.div(split_lo(), jnp.int32(bps))))
 
         pl.run_scoped(body, scratch, barriers, collective_axes="wg")
 
@@ -928,7 +1079,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=False,
+            approx_math=cfg.approx_math,
             lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize())),
         interpret=interpret,
     ), ones_cols
@@ -1017,7 +1168,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
             if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
                 out, lse = fold_partials(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0),
-                                         interpret=interpret)
+                                         interpret=interpret, config=cfg)
                 out = out.astype(out_dtype)
             return (out[:, :, :group].reshape(b, hq, 1, d),
                     lse[:, :, :group].reshape(b, hq, 1))
@@ -1111,7 +1262,7 @@ def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
     return out, (lse if kernel_lse else natural_lse(lse))
 
 
-def _build_fold(n: int, rows: int, d: int, interpret):
+def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool):
     """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
     in order (two SMEM slots, the next state's TMA load in flight while this one is
     merged), the running state in registers, merged by :func:`kernel_merge` (the
@@ -1189,12 +1340,12 @@ def _build_fold(n: int, rows: int, d: int, interpret):
         grid=(rows // bm,),
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(
-            approx_math=False, lowering_semantics=plgpu.LoweringSemantics.Lane),
+            approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
 
 
-def fold_partials(outs, lses, *, interpret=False):
+def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
     """Fold partial states stacked on the leading axis (ascending key ranges), as
     :func:`jaxattn.merge.fold` does, in a Mosaic GPU kernel with the forward's own
     merge (:func:`kernel_merge`, in the kernels' base). On the H200 XLA's compilation
@@ -1206,7 +1357,8 @@ def fold_partials(outs, lses, *, interpret=False):
     ``outs``: ``[n, ..., D]`` fp32, ``D`` in {64, 128}; ``lses``: ``[n, ...]`` fp32, in
     the kernels' base (``split_partials(..., kernel_lse=True)``). Returns ``(out [...,
     D], lse [...])`` fp32, the lse in natural-log units; ``(0, -inf)`` when every state
-    is empty.
+    is empty. ``config``: the forward's (its ``approx_math``, an arithmetic choice the
+    fold must share with the forward whose states it folds).
     """
     if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
         raise ValueError(f"outs must be [n, ..., D] and lses [n, ...] alike, got "
@@ -1224,11 +1376,12 @@ def fold_partials(outs, lses, *, interpret=False):
     rows = max(-(-r // bm) * bm, bm)
     o = jnp.pad(outs.reshape(n, r, d), ((0, 0), (0, rows - r), (0, 0)))
     lse = jnp.pad(lses.reshape(n, r), ((0, 0), (0, rows - r)), constant_values=NEG_INF)
-    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret))(o, lse)
+    approx = (config or MosaicConfig()).approx_math
+    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), approx)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
-fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret",))
+fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config"))
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
