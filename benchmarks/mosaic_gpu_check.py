@@ -56,6 +56,9 @@ flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in 
 flags.DEFINE_list("decode_speed", [], "B:Skv points: time decode (one query per head, "
                   "Hq=32, Hkv=8, D=128, bf16) of the Mosaic forward (in-kernel fold and "
                   "split_decode) beside the Pallas backend; GB/s of K and V read.")
+flags.DEFINE_list("decode_variants", [],
+                  "More Mosaic decode launches timed by --decode_speed (name[:key=value...], "
+                  "MosaicConfig fields), e.g. split-s4:split_decode=True:stages=4.")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
                                    "fused:dq=fused", "fused-inplace:dq=fused:accumulate=inplace",
                                    "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
@@ -462,6 +465,10 @@ def time_decode(results: list) -> None:
                 mf.forward, causal=True, scale=scale,
                 config=mf.MosaicConfig(split_decode=True)),
         }
+        for vspec in FLAGS.decode_variants:  # launch options: the same bits
+            name, kw = _variant(vspec)
+            fns[f"mosaic:{name}"] = functools.partial(
+                mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw))
         outs = {}
         for name, fn in fns.items():
             row = {"kind": "decode-speed", "system": name, "B": b, "Skv": s}
@@ -471,7 +478,8 @@ def time_decode(results: list) -> None:
                 sec, reps = report.sampled_seconds(fn, sets, jax.block_until_ready,
                                                    FLAGS.iters, 3, 50, 0.03)
                 row.update(us=sec * 1e6, gbps=kv_bytes / sec / 1e9, reps=reps)
-                if name == "mosaic:split_decode" and "mosaic:fold-in-kernel" in outs:
+                if name.startswith("mosaic:") and name != "mosaic:fold-in-kernel" \
+                        and "mosaic:fold-in-kernel" in outs:
                     row["bits_eq_fold_in_kernel"] = all(
                         _same(a, c) for a, c in zip(outs[name], outs["mosaic:fold-in-kernel"],
                                                     strict=True))

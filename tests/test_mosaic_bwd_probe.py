@@ -295,6 +295,34 @@ def test_interpret_paired_products_keepbits(mosaic_bwd):
 
 @needs_sync
 @needs_interpret
+def test_interpret_probs_mask_and_exp2(mosaic_bwd):
+    """``mask="probs"`` (fully visible blocks skip the mask; the others zero the
+    probabilities after the exponential) with and without ``exp2``: accurate against
+    the float32 reference, and the unmasked path gives the bits of the masked one: an
+    all-kept key padding mask sends every block down the masked path. Causal offset 64
+    (a query block that sees one key block whole and the next in part) and GQA."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 64)
+    out, lse, _ = _triton(q, k, v, do, True)
+    f = lambda q, k, v: reference.forward_fp32(q, k, v, causal=True)  # noqa: E731
+    _, vjp = jax.vjp(f, q, k, v)
+    grads_ref = vjp(do.astype(jnp.float32))
+    keep = jnp.ones((1, 192), jnp.bool_)
+    for exp2 in (False, True):
+        cfg = mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, mask="probs", exp2=exp2)
+        fast = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True, cfg)
+        masked = mosaic_bwd.backward(q, k, v, out, lse, do, causal=True, interpret=True,
+                                     config=cfg, key_padding_mask=keep)
+        for name, g, gm, gr in zip("qkv", fast, masked, grads_ref, strict=True):
+            g32, gr = np.asarray(g.astype(jnp.float32)), np.asarray(gr)
+            assert not np.isnan(g32).any(), f"d{name} exp2={exp2} (seed {seed})"
+            err = np.max(np.abs(g32 - gr)) / np.max(np.abs(gr))
+            assert err < 2e-2, f"d{name} exp2={exp2}: {err:.3g} (seed {seed})"
+            np.testing.assert_array_equal(bits(g), bits(gm),
+                                          err_msg=f"d{name} exp2={exp2} (seed {seed})")
+
+
+@needs_sync
+@needs_interpret
 def test_interpret_backward_over_ranges(mosaic_bwd):
     """Per-sequence causal offsets and the keys in two ranges (dK/dV per range, dQ
     continued from the first range to the second): each sequence's gradients equal, in
@@ -364,8 +392,9 @@ def test_interpret_tests_in_subprocess():
     synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
-                   "interpret_backward_tails", "interpret_backward_over_ranges"])
-    assert passed == len(_CASES) + 2 + 3
+                   "interpret_backward_tails", "interpret_backward_over_ranges",
+                   "interpret_probs_mask"])
+    assert passed == len(_CASES) + 2 + 4
 
 
 @pytest.mark.slow
@@ -403,7 +432,9 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"pair_products": False}, {"registers": None},
                                 {"dq": "fused"}, {"dq": "fused", "dkdv_wgs": 1},
                                 {"dq": "fused", "accumulate": "inplace"},
-                                {"dq": "fused", "dq_add": "atomic"}],
+                                {"dq": "fused", "dq_add": "atomic"},
+                                {"mask": "probs"}, {"exp2": True},
+                                {"mask": "probs", "exp2": True, "dq_wgs": 2}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
     """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
@@ -418,7 +449,8 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
 
 @needs_api
 @pytest.mark.parametrize("kw", [{}, {"dq": "fused"}, {"accumulate": "inplace"},
-                                {"gpu_operands": False, "dq_wgs": 1}],
+                                {"gpu_operands": False, "dq_wgs": 1},
+                                {"mask": "probs", "exp2": True}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
                          or "default")
 @pytest.mark.parametrize("causal", [True, False])
@@ -459,7 +491,7 @@ def test_fused_dq_lowers_beyond_one_wave(mosaic_bwd):
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
                {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
-               {"dq": "atomic"}, {"dq_add": "red"}):
+               {"dq": "atomic"}, {"dq_add": "red"}, {"mask": "logits"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
     with pytest.raises(ValueError, match="lane"):

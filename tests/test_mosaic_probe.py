@@ -234,22 +234,26 @@ def exact_interpreter_matmul(monkeypatch):
 @needs_interpret
 def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matmul):
     """Two key blocks per loop step (one ring slot and one Q K^T of N=128 for both; the
-    softmax and P V block by block) give the bits of one block per step: causal with an
-    odd number of blocks (a last step of one block, steps across the masked boundary,
-    a second SPLIT), two compute warpgroups with ping-pong, and non-causal with a
-    partial last block."""
+    softmax and P V block by block), and the next step's K awaited during this step's
+    P V (``wait_next_k``), give the bits of one block per step: causal with an odd
+    number of blocks (a last step of one block, steps across the masked boundary, a
+    second SPLIT), two compute warpgroups with ping-pong, non-causal with a partial
+    last block, and split decode (a CTA per SPLIT: each ends at its split)."""
     cases = [((1, 2, 1, 200, 1100, 64), True, _ONE_WG),
              ((1, 2, 1, 128, 320, 64), True, {}),
-             ((1, 1, 1, 64, 200, 64), False, _ONE_WG)]
+             ((1, 1, 1, 64, 200, 64), False, _ONE_WG),
+             ((1, 4, 1, 1, 1100, 64), True, {"split_decode": True})]
     for shape, causal, kw in cases:
         seed, q, k, v = _inputs(*shape)
         one = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                  config=mosaic_fwd.MosaicConfig(**kw))
-        two = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
-                                 config=mosaic_fwd.MosaicConfig(blocks_per_step=2, **kw))
-        for x, y in zip(one, two, strict=True):
-            assert not np.isnan(np.asarray(x, np.float32)).any(), f"{shape} seed {seed}"
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{shape} seed {seed}")
+        for extra in ({"blocks_per_step": 2}, {"blocks_per_step": 2, "wait_next_k": True}):
+            two = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                     config=mosaic_fwd.MosaicConfig(**extra, **kw))
+            for x, y in zip(one, two, strict=True):
+                assert not np.isnan(np.asarray(x, np.float32)).any(), f"{shape} seed {seed}"
+                np.testing.assert_array_equal(bits(x), bits(y),
+                                              err_msg=f"{shape} {extra} seed {seed}")
 
 
 @needs_sync
@@ -557,6 +561,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
     {"blocks_per_step": 2},
     {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
+    {"wait_next_k": True},
+    {"wait_next_k": True, "persistent": 132, "prefetch_q": True},
     # The arithmetic of stop 18 (accurate exp2/log2, a division per element, the
     # mask's indices per tile, no fence).
     {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
@@ -617,7 +623,8 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
                {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True},
                {"blocks_per_step": 3}, {"blocks_per_step": 2, "rowsum": "mma"},
-               {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"}):
+               {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"},
+               {"wait_next_k": True, "overlap": "registers"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

@@ -71,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
 from jaxattn.kernels import pallas_triton_vjp
+from jaxattn.kernels.common import LOG2E
 from jaxattn.kernels.mosaic_fwd import (
     _smem_transforms,
     check_inputs,
@@ -97,7 +98,9 @@ __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-    """Launch parameters of the backward prototype; none of them changes the bits."""
+    """Launch parameters of the backward kernels. ``accumulate``, ``approx_math``,
+    ``exp2``, ``mask`` and ``dq`` change the floating-point operations (each is its own
+    set of bits, fixed per backend); the others never change a bit."""
 
     #: SMEM ring slots of the streamed operands (TMA prefetch depth).
     stages: int = 2
@@ -154,6 +157,18 @@ class BwdConfig:
     #: Mosaic GPU's ``approx_math`` (``exp2`` as ``ex2.approx.ftz.f32``), as
     #: :class:`~jaxattn.kernels.mosaic_fwd.MosaicConfig`'s: other bits.
     approx_math: bool = True
+    #: The probabilities as ``exp2(s * (scale * log2 e) - lse * log2 e)``: one FMA and
+    #: one ``ex2`` per element (the forward's form) instead of ``exp(s * scale - lse)``
+    #: (a product, a difference and, with ``approx_math``, ``ex2`` of a further
+    #: product). Other bits.
+    exp2: bool = False
+    #: Where the causal / key mask acts: "scores" (the scaled scores of every block set
+    #: to -inf before the exponential: the Triton source's order) or "probs" (the
+    #: probabilities of the blocks that need a mask set to 0 after it; blocks every
+    #: row and key of which is visible skip the mask, as the forward's fast path:
+    #: masking every block cost the forward 27% on the H200). Other bits than
+    #: "scores"; the same bits on both paths of "probs" (the mask only selects).
+    mask: str = "scores"
 
     def __post_init__(self):
         if self.stages < 1:
@@ -169,6 +184,8 @@ class BwdConfig:
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
         if self.dq not in ("separate", "fused"):
             raise ValueError(f"dq must be 'separate' or 'fused', got {self.dq!r}")
+        if self.mask not in ("scores", "probs"):
+            raise ValueError(f"mask must be 'scores' or 'probs', got {self.mask!r}")
         if self.dq_add not in ("tma", "atomic"):
             raise ValueError(f"dq_add must be 'tma' or 'atomic', got {self.dq_add!r}")
         if self.dq == "fused" and self.semantics != "lane":
@@ -229,6 +246,30 @@ def _check_rows(name, x, shape, dtype=None):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+
+
+def _probs(cfg: BwdConfig, s, lse_safe, scale, visible, rows_axis):
+    """The probabilities of the raw scores ``s`` (a tile) given each row's ``lse_safe``
+    (+inf where the row sees no key) along ``rows_axis`` of the tile, masked by
+    ``visible`` (None: nothing masked) as ``cfg.mask`` says: the one formula of the
+    dK/dV and dQ kernels."""
+    shape = s.shape
+    if cfg.exp2:
+        def ex(x):
+            return jnp.exp2(x * (scale * LOG2E) - lax.broadcast_in_dim(
+                lse_safe * LOG2E, shape, [rows_axis]))
+    else:
+        def ex(x):
+            return jnp.exp(x * scale - lax.broadcast_in_dim(lse_safe, shape, [rows_axis]))
+    if visible is None:
+        return ex(s)
+    if cfg.mask == "probs":
+        return jnp.where(visible, ex(s), 0.0)
+    if cfg.exp2:
+        return jnp.exp2(jnp.where(visible, s * (scale * LOG2E), NEG_INF)
+                        - lax.broadcast_in_dim(lse_safe * LOG2E, shape, [rows_axis]))
+    return jnp.exp(jnp.where(visible, s * scale, NEG_INF)
+                   - lax.broadcast_in_dim(lse_safe, shape, [rows_axis]))
 
 
 def _compiler_params(cfg: BwdConfig):
@@ -480,9 +521,11 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             plgpu.barrier_wait(bars["keep"].at[w])
             kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[w], 1), (bkv, bq), [0]) != 0.0
 
-        def step(t, carry, accs=None):
+        def step(t, carry, accs=None, masked=True):
             """One query block; ``accs``: the (dK, dV) wgmma accumulators to sum into
-            in place (the carry then stays as it is)."""
+            in place (the carry then stays as it is); ``masked``: False where every key
+            of the block is visible to every row of the query block (``mask="probs"``
+            only)."""
             dk, dv = carry
             slot = lax.rem(t, jnp.int32(stages))
             q0 = (first + lax.rem(t, n)) * bq
@@ -496,14 +539,13 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             # pallas_triton_vjp._dkdv_kernel.q_body, op for op.
             s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
                                     cfg.pair_products)
-            s_t = s_t * scale
-            visible = diag <= q0 + offset - start if causal else None
-            if kept is not None:
-                visible = kept if visible is None else visible & kept
-            if visible is not None:
-                s_t = jnp.where(visible, s_t, NEG_INF)
+            visible = None
+            if masked:
+                visible = diag <= q0 + offset - start if causal else None
+                if kept is not None:
+                    visible = kept if visible is None else visible & kept
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
-            p_t = jnp.exp(s_t - lax.broadcast_in_dim(lse_safe, (bkv, bq), [1]))
+            p_t = _probs(cfg, s_t, lse_safe, scale, visible, 1)
             p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
             ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
@@ -520,20 +562,39 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dk, dv
 
+        def steps(body, carry):
+            """``body`` over the steps [0, total) in order. With ``mask="probs"`` and a
+            causal mask alone, each head's query blocks that see every key of the
+            block (from the first whose first row sees the block's last key) take
+            the unmasked path."""
+            if cfg.mask == "scores" or not causal or key_mask:
+                return lax.fori_loop(0, total, body, carry)
+            per = lax.div(total, jnp.int32(group))  # query blocks per head
+            late = lax.max(start + (bkv - 1) - offset, 0)
+            n_mask = lax.min(lax.max(lax.div(late + (bq - 1), jnp.int32(bq)) - first, 0),
+                             per)
+
+            def head(hh, carry):
+                base = hh * per
+                carry = lax.fori_loop(base, base + n_mask, body, carry)
+                return lax.fori_loop(base + n_mask, base + per,
+                                     functools.partial(body, masked=False), carry)
+
+            return lax.fori_loop(0, group, head, carry)
+
         zeros = lay.zeros((bkv, d))
         if inplace:
             # The running sums live in wgmma accumulators across the query blocks.
             def run(dk_ref, dv_ref):
                 dk_ref[...] = zeros
                 dv_ref[...] = zeros
-                lax.fori_loop(0, total, functools.partial(step, accs=(dk_ref, dv_ref)),
-                              (zeros, zeros))
+                steps(functools.partial(step, accs=(dk_ref, dv_ref)), (zeros, zeros))
                 return dk_ref[...], dv_ref[...]
 
             dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
                                    plgpu.ACC((bkv, d), jnp.float32))
         else:
-            dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+            dk, dv = steps(step, (zeros, zeros))
         sm["k"][...] = (dk * scale).astype(dtype)  # K and V are no longer needed.
         sm["v"][...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -695,7 +756,7 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
         diag = lay.iota((bq, bkv), 1) - lay.iota((bq, bkv), 0)
         ds_s = sm["ds"].at[w] if "ds" in sm else None
 
-        def step(j, dq):
+        def step(j, dq, masked=True):
             slot = lax.rem(j, jnp.int32(stages))
             for name in names:
                 plgpu.barrier_wait(bars[name].at[slot])
@@ -705,23 +766,28 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             # pallas_triton_vjp._dq_kernel.body, op for op.
             s, dp = _wgmma_pair(own["q"], kt, (bq, bkv), own["do"], vt, (bq, bkv),
                                 cfg.pair_products)
-            s = s * scale
-            visible = diag <= q0 + offset - j * bkv if causal else None
-            if key_mask:
-                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0), (bq, bkv),
-                                            [1]) != 0.0
-                visible = kept if visible is None else visible & kept
-            if visible is not None:
-                s = jnp.where(visible, s, NEG_INF)
-            p = jnp.exp(s - lax.broadcast_in_dim(lse_safe, (bq, bkv), [0]))
+            visible = None
+            if masked:
+                visible = diag <= q0 + offset - j * bkv if causal else None
+                if key_mask:
+                    kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0),
+                                                (bq, bkv), [1]) != 0.0
+                    visible = kept if visible is None else visible & kept
+            p = _probs(cfg, s, lse_safe, scale, visible, 0)
             ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
             ds_op = _a_operand(ds.astype(dtype), ds_s, gpu_operands)
             dq = dq + _wgmma(ds_op, k_s, (bq, d))
             plgpu.barrier_arrive(bars["free"].at[slot])
             return dq
 
-        dq = lax.fori_loop(0, hi, step,
-                           lay.tile(own["out"]) if continue_acc else lay.zeros((bq, d)))
+        dq = lay.tile(own["out"]) if continue_acc else lay.zeros((bq, d))
+        if cfg.mask == "scores" or not causal or key_mask:
+            dq = lax.fori_loop(0, hi, step, dq)
+        else:
+            # Blocks whose last key the tile's first row sees: no mask (mask="probs").
+            full = lax.min(lax.div(lax.max(q0 + offset + 1, 0), jnp.int32(bkv)), hi)
+            dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+            dq = lax.fori_loop(full, hi, step, dq)
 
         def skip(j, _):
             slot = lax.rem(j, jnp.int32(stages))

@@ -185,6 +185,10 @@ class MosaicConfig:
     #: accurate sequences. An arithmetic choice (its own bits, fixed per backend); the
     #: interpreter ignores it.
     approx_math: bool = True
+    #: Wait for the next step's K while this step's P V runs (after issuing it, before
+    #: reading its result back), as JAX's ``attention_mgpu`` does, instead of at the
+    #: start of the next step. Scheduling only: the same bits. Not with ``overlap``.
+    wait_next_k: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -215,6 +219,8 @@ class MosaicConfig:
                              f"{self.normalize!r}")
         if self.blocks_per_step not in (1, 2):
             raise ValueError(f"blocks_per_step must be 1 or 2, got {self.blocks_per_step}")
+        if self.wait_next_k and self.overlap:
+            raise ValueError("wait_next_k has no meaning with overlap (its own waits)")
         if self.blocks_per_step == 2 and (self.rowsum != "reduce32" or self.overlap):
             raise ValueError("blocks_per_step=2 needs rowsum='reduce32' and no overlap")
         if self.q_order not in ("ascending", "descending"):
@@ -625,6 +631,18 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                             lambda: softmax(j, s, m, l, True, keep),
                             lambda: softmax(j, s, m, l, False, keep))
 
+        # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
+        first_step = lax.div(split_lo(), jnp.int32(bps))
+        n_steps = steps_of(lax.min(hi, split_lo() + per_split) if split_out else hi)
+
+        def next_k(t):
+            """With ``wait_next_k``: wait for step t + 1's K (if the warpgroup has that
+            step) while step t's P V is in flight."""
+            if cfg.wait_next_k:
+                @pl.when(t + 1 < n_steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[slot_of(t + 1)])
+
         def stage(p):
             """P as the P V wgmma's A operand: registers, or SMEM (``p_s``)."""
             if gpu_operands:
@@ -640,7 +658,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             key order, each block's as in a step of one block."""
             acc, m, l = carry
             slot = slot_of(t)
-            plgpu.barrier_wait(k_bar.at[slot])
+            if not cfg.wait_next_k:  # else awaited during the step before (or first_k)
+                plgpu.barrier_wait(k_bar.at[slot])
             wait_keep(t)
 
             def qk(acc_ref):
@@ -683,14 +702,19 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     acc = acc * _rows(alpha, acc.shape)
                     p_op = stage(p_op)
                 v_h = v_of(slot, h)
+                last = h == len(products) - 1
 
-                def pv(acc_ref, v_h=v_h, p_op=p_op):
+                def pv(acc_ref, v_h=v_h, p_op=p_op, last=last):
                     plgpu.wgmma(acc_ref, p_op, v_h)
+                    if last:
+                        next_k(t)
                     return acc_ref[...]
 
                 if inplace:
-                    def pv_into(acc_ref, v_h=v_h, p_op=p_op):
+                    def pv_into(acc_ref, v_h=v_h, p_op=p_op, last=last):
                         plgpu.wgmma(acc_ref, p_op, v_h)
+                        if last:
+                            next_k(t)
 
                     acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
                 else:
@@ -794,6 +818,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             return plgpu.wgmma_accumulator_load(o_acc, wait_n=None), m, l
 
         n_splits = lax.div(hi + (per_split - 1), jnp.int32(per_split))
+        if cfg.wait_next_k:  # the first step's K (each later one: during the step before)
+            @pl.when(first_step < n_steps)
+            def _():
+                plgpu.barrier_wait(k_bar.at[slot_of(first_step)])
 
         def split_step(si, state, accs=None):
             lo = si * per_split
