@@ -38,8 +38,9 @@ registers. No atomics; the order never depends on the shapes. ``exp2`` is the
 approximate ``ex2`` instruction on the GPU (``approx_math``, as the forward's). Options
 with their own bits (:class:`BwdConfig`): ``accumulate``, ``approx_math`` and
 ``dq="fused"`` (dQ formed in the dK/dV kernel and added in global memory in a
-semaphore-enforced order). Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
-and ``p = 0`` exactly: zero gradients.
+semaphore-enforced order), and the prepared ``exp2`` and ``mask="probs"``. Rows with no
+visible key have ``lse = -inf``, hence ``lse_safe = +inf`` and ``p = 0`` exactly: zero
+gradients.
 
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
 

@@ -73,7 +73,7 @@ NEG_INF = float("-inf")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Launch parameters and the two arithmetic choices of the kernel.
+    """Launch parameters and the arithmetic choices of the kernel.
 
     Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
     ``semantics``, ``pingpong``, ``registers``, ``q_order``, ``persistent``,
@@ -658,7 +658,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             key order, each block's as in a step of one block."""
             acc, m, l = carry
             slot = slot_of(t)
-            if not cfg.wait_next_k:  # else awaited during the step before (or first_k)
+            if not cfg.wait_next_k:  # else awaited in the step before (or before the loop)
                 plgpu.barrier_wait(k_bar.at[slot])
             wait_keep(t)
 
