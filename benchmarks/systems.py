@@ -88,9 +88,12 @@ def _jaxattn(backend: str | None) -> System:
         return vjp(do)
 
     name = "jaxattn" if backend is None else f"jaxattn:{backend}"
+    try:
+        op = jaxattn.get_op("attention", backend=backend)
+    except ValueError as e:  # e.g. "mosaic" off an sm90 GPU: reported, not fatal
+        raise Unsupported(str(e)) from e
     return System(name, "jax", lambda q, k, v: (q, k, v), fwd, fwdbwd, lambda x: x,
-                  jax.block_until_ready, _jax_to_numpy,
-                  notes=f"backend {jaxattn.get_op('attention', backend=backend).backend}")
+                  jax.block_until_ready, _jax_to_numpy, notes=f"backend {op.backend}")
 
 
 def _bshd(x):

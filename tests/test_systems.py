@@ -28,3 +28,24 @@ def test_pallas_mgpu_refuses_what_it_cannot_run():
 def test_unknown_system_names_the_known_ones():
     with pytest.raises(ValueError, match="pallas_mgpu"):
         systems.make("flash4")
+
+
+def test_pallas_mgpu_key_block_variant():
+    """``pallas_mgpu:64``: JAX's attention_mgpu with key blocks of 64 (jaxattn's
+    BLOCK_N), named apart from the default 128."""
+    s = systems.make("pallas_mgpu:64")
+    assert s.name == "pallas_mgpu:64" and "block_kv=64" in s.notes
+    q = jnp.ones((1, 4, 64, 64), jnp.bfloat16)
+    k = jnp.ones((1, 2, 96, 64), jnp.bfloat16)
+    with pytest.raises(systems.Unsupported, match="multiple of 64"):
+        s.forward(*s.prepare(q, k, k), causal=False)
+
+
+def test_jaxattn_backend_off_its_platform_is_unsupported():
+    """A jaxattn backend that cannot run here (the Mosaic GPU one off an sm90 GPU) is
+    reported as Unsupported, so a benchmark lists it and goes on."""
+    import jax
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the mosaic backend may be available")
+    with pytest.raises(systems.Unsupported, match="mosaic"):
+        systems.make("jaxattn:mosaic")
