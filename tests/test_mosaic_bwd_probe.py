@@ -509,6 +509,7 @@ def test_lowering_reports_smem_overflow(mosaic_bwd):
 @needs_api
 @pytest.mark.parametrize("shapes", [
     ((1, 1, 64, 32), (1, 1, 64, 32)),    # D not 64/128
+    ((1, 1, 64, 256), (1, 1, 64, 256)),  # D=256: the forward only
     ((1, 3, 64, 64), (1, 2, 64, 64)),    # Hq % Hkv
 ])
 def test_rejects_unsupported_shapes(mosaic_bwd, shapes):

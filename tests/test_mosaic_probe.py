@@ -121,6 +121,8 @@ _CASES = [
     # query per head: the GQA group's heads stacked as the rows of one tile).
     (1, 1, 1, 70, 100, 128, False, _ONE_WG),
     (2, 4, 2, 1, 300, 128, False, {}),
+    # D=256 (the forward only): a masked and an unmasked block, a padded query tile.
+    (1, 1, 1, 100, 160, 256, True, _ONE_WG),
 ]
 # The same checks, run by ``pytest -m slow`` (the H200 checks these shapes' kinds in
 # bits and accuracy: mosaic_gpu_check's tails, decode rows and key-bound variant).
@@ -666,3 +668,21 @@ def test_lowering_reports_smem_overflow(mosaic_fwd):
     k = jax.ShapeDtypeStruct((1, 1, 1024, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         mosaic_fwd.lower_for_cuda(q, k, k, config=mosaic_fwd.MosaicConfig(stages=8))
+
+
+@needs_api
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_256_lowers_for_cuda(mosaic_fwd, causal):
+    """D=256: the default launch (192 KiB of SMEM), stacked and split decode, and the
+    fold kernel lower for CUDA; a second Q buffer (``prefetch_q``) overflows the SMEM
+    and says so."""
+    q = jax.ShapeDtypeStruct((2, 8, 300, 256), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 2000, 256), jnp.bfloat16)
+    assert "mosaic_gpu" in mosaic_fwd.lower_for_cuda(q, k, k, causal=causal).as_text()
+    qd = jax.ShapeDtypeStruct((2, 8, 1, 256), jnp.bfloat16)
+    text = mosaic_fwd.lower_for_cuda(
+        qd, k, k, causal=causal, config=mosaic_fwd.MosaicConfig(split_decode=True)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel and the fold
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=mosaic_fwd.MosaicConfig(
+            persistent=132, prefetch_q=True))

@@ -92,6 +92,8 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
+#: Head dims of the backward (D=256: the dK/dV accumulators do not fit, docs/mosaic.md).
+HEAD_DIMS = (64, 128)
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges", "delta",
            "dkdv", "dq_accumulate", "interpret_params", "lower_for_cuda",
            "reset_interpret_state"]
@@ -207,7 +209,7 @@ assert BLOCK_KV == pallas_triton_vjp.backward_config(128).block_kv
 def _check(q, k, v):
     """The forward's checks, and (no padding here yet) whole BLOCK_Q-row query tiles
     and whole BLOCK_KV-key blocks."""
-    check_inputs(q, k, v)
+    check_inputs(q, k, v, head_dims=HEAD_DIMS)
     if q.shape[2] % BLOCK_Q:
         raise ValueError(f"Sq={q.shape[2]} must be a positive multiple of {BLOCK_Q} "
                          f"(prototype)")
@@ -896,8 +898,8 @@ def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None =
              else d_lse.astype(jnp.float32))
     if cfg.delta == "triton":
         return pallas_triton_vjp.delta(out, d_out, d_lse, interpret=bool(interpret))
-    if out.dtype not in (jnp.bfloat16, jnp.float16) or d not in (64, 128):
-        raise ValueError(f"out must be bf16/fp16 with D in (64, 128), got {out.dtype} {d}")
+    if out.dtype not in (jnp.bfloat16, jnp.float16) or d not in HEAD_DIMS:
+        raise ValueError(f"out must be bf16/fp16 with D in {HEAD_DIMS}, got {out.dtype} {d}")
     if sq % BLOCK_Q or sq == 0:
         raise ValueError(f"Sq={sq} must be a positive multiple of {BLOCK_Q} (prototype)")
     _check_rows("d_out", d_out, out.shape)
@@ -934,7 +936,7 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
 def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask):
     """The backward entries' input checks; returns K and V with dropped keys zeroed
     (their gradients are zero anyway)."""
-    check_inputs(q, k, v)
+    check_inputs(q, k, v, head_dims=HEAD_DIMS)
     b, hq, sq, _ = q.shape
     skv = k.shape[2]
     _check_rows("out", out, q.shape)

@@ -6,10 +6,10 @@ Developed on a CPU machine (Mosaic GPU interpret mode, lowering for CUDA) and me
 on an H200.
 
 Scope (a subset of the tensor contract, DESIGN.md section 3): q ``[B, Hq, Sq, D]``,
-k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128}, GQA (query head h reads KV
-head ``h // (Hq // Hkv)``), optional causal mask with offset ``Skv - Sq`` (or one per
-sequence: ``causal_offsets``), optional key padding mask, any ``Sq`` and ``Skv`` (padded
-internally: :func:`padding`).
+k/v ``[B, Hkv, Skv, D]``, bf16 (or fp16), D in {64, 128, 256} (:data:`HEAD_DIMS`), GQA
+(query head h reads KV head ``h // (Hq // Hkv)``), optional causal mask with offset
+``Skv - Sq`` (or one per sequence: ``causal_offsets``), optional key padding mask, any
+``Sq`` and ``Skv`` (padded internally: :func:`padding`).
 
 Structure (FlashAttention-3's, on the canonical schedule): one CTA per (query tile,
 query head, batch), heaviest causal tiles first, with ``compute_wgs`` compute
@@ -273,9 +273,18 @@ def _smem_transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def check_inputs(q, k, v):
+#: Head dims of the forward kernel. D=256 (the forward only: the backward's dK/dV
+#: accumulators, two 64x256 fp32 tiles per warpgroup, do not fit in registers) holds a
+#: 64x256 fp32 accumulator per compute warpgroup and 192 KiB of SMEM with the default
+#: launch (not with ``prefetch_q`` or ``blocks_per_step=2``: SMEM); lowered for CUDA and
+#: checked in interpret mode, not yet run on a GPU.
+HEAD_DIMS = (64, 128, 256)
+
+
+def check_inputs(q, k, v, head_dims=HEAD_DIMS):
     """The kernel's shape and dtype limits (ValueError / TypeError naming them). Any
-    ``Sq >= 1`` and ``Skv >= 1``: :func:`forward` pads both internally."""
+    ``Sq >= 1`` and ``Skv >= 1``: :func:`forward` pads both internally. ``head_dims``:
+    the head dims the caller's kernels take."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
     b, hq, sq, d = q.shape
@@ -285,8 +294,8 @@ def check_inputs(q, k, v):
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"q, k, v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
-    if d not in (64, 128):
-        raise ValueError(f"head dim D must be 64 or 128, got {d}")
+    if d not in head_dims:
+        raise ValueError(f"head dim D must be one of {head_dims}, got {d}")
     if k.shape[1] == 0 or hq % k.shape[1]:
         raise ValueError(f"Hq={hq} must be a positive multiple of Hkv={k.shape[1]}")
     if sq == 0 or k.shape[2] == 0 or b == 0:
@@ -438,6 +447,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     overlap."""
     bn = schedule.BLOCK_N
     bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+    if split_out and d > 128:
+        # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V slots
+        # exceeds the SMEM: one slot (a launch parameter: the same operations).
+        stages = 1
     # A ring slot holds the K and V of ``bps`` blocks, ``kb`` keys (one loop step).
     bps = cfg.blocks_per_step
     kb = bps * bn
@@ -1394,8 +1407,8 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     if outs.dtype != jnp.float32 or lses.dtype != jnp.float32:
         raise TypeError(f"partial states must be float32, got {outs.dtype}, {lses.dtype}")
     n, d = outs.shape[0], outs.shape[-1]
-    if d not in (64, 128):
-        raise ValueError(f"fold_partials supports D in (64, 128), got {d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"fold_partials supports D in {HEAD_DIMS}, got {d}")
     lead = outs.shape[1:-1]
     if n == 0:
         return (jnp.zeros((*lead, d), jnp.float32), jnp.full(lead, NEG_INF, jnp.float32))
