@@ -70,7 +70,9 @@ FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 
               (1, 4, 4, 256, 128, 64), (2, 8, 2, 1000, 1000, 128), (1, 4, 1, 77, 1500, 64),
               # D=256 (the forward only; not with prefetch_q or blocks_per_step=2: SMEM)
               (2, 8, 2, 1500, 1500, 256)]
-BWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 1024, 2048, 64), (1, 4, 4, 256, 128, 64)]
+BWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 1024, 2048, 64), (1, 4, 4, 256, 128, 64),
+              # D=256: dK and dV by two kernels (split_dkdv), one dQ tile per CTA
+              (2, 8, 2, 1024, 1024, 256)]
 
 
 def _inputs(b, hq, hkv, sq, skv, d, seed):
@@ -261,8 +263,12 @@ def check_backward(results: list) -> None:
         # its own dQ order (errors, run-to-run and batch invariance in bits).
         configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2), dict(pair_products=False),
                    dict(registers=None), dict(semantics="warpgroup"),
-                   dict(gpu_operands=False), dict(accumulate="inplace"), dict(dq="fused"),
-                   dict(dq="fused", dq_add="atomic")]
+                   dict(gpu_operands=False), dict(split_dkdv=True),
+                   dict(accumulate="inplace"), dict(dq="fused"),
+                   dict(dq="fused", dq_add="atomic"),
+                   # their own arithmetic (errors; bits only against the default's where
+                   # both mask paths meet: the all-kept key mask, check_backward_tails)
+                   dict(mask="probs"), dict(mask="probs", exp2=True)]
         fused = None
         for kw in configs:
             row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
@@ -295,7 +301,7 @@ def check_backward(results: list) -> None:
                             _same(a, f) for a, f in zip(g, fused, strict=True))
                     else:
                         fused = g
-                elif "accumulate" not in kw:  # launch parameters: the first one's bits
+                elif not {"accumulate", "mask"} & set(kw):  # launch parameters: same bits
                     row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
                                                                             strict=True))
             except Exception as e:  # reported; the other configurations go on
@@ -308,11 +314,13 @@ def check_backward_tails(results: list) -> None:
     """The backward at Sq=Skv=1000 (padded inside) with a random key padding mask:
     errors against the fp32 reference's gradients with that mask, zero gradients for
     the dropped keys; and 1000 tokens padded to 1100 with the padding keys dropped (zero
-    cotangent on the padding rows) against the 1000 alone, in bits. Defaults and the
-    fused dQ."""
+    cotangent on the padding rows) against the 1000 alone, in bits. Defaults, the fused
+    dQ and ``mask="probs"`` (whose unpadded call takes the unmasked path on fully visible
+    blocks and the padded one the masked path: the two paths' bits)."""
     from jaxattn import reference
     from jaxattn.kernels import mosaic_bwd as mb
-    for causal, kw in itertools.product([True, False], [{}, dict(dq="fused")]):
+    for causal, kw in itertools.product([True, False], [{}, dict(dq="fused"),
+                                                        dict(mask="probs", exp2=True)]):
         row = {"kind": "backward-tails", "causal": causal, **kw}
         try:
             cfg = mb.BwdConfig(**kw)

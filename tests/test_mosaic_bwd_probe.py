@@ -323,6 +323,32 @@ def test_interpret_probs_mask_and_exp2(mosaic_bwd):
 
 @needs_sync
 @needs_interpret
+def test_interpret_split_dkdv_and_head_dim_256(mosaic_bwd):
+    """dK and dV by two kernels (``split_dkdv``, one accumulator each) give the bits of
+    the joint kernel; at D=256 (where the backward always splits them, and dQ runs one
+    tile and one K/V slot per CTA) the gradients match the float32 reference."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 128, 64)
+    out, lse, _ = _triton(q, k, v, do, True)
+    joint = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True)
+    split = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                    mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, split_dkdv=True))
+    for name, a, b in zip("qkv", joint, split, strict=True):
+        assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 256)
+    f = lambda q, k, v: reference.forward_fp32_with_lse(q, k, v, causal=True)  # noqa: E731
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    grads_ref = vjp((do.astype(jnp.float32), jnp.zeros_like(lse)))
+    grads = _mosaic(mosaic_bwd, q, k, v, out.astype(q.dtype), lse, do, True)
+    for name, g, gr in zip("qkv", grads, grads_ref, strict=True):
+        g32, gr = np.asarray(g.astype(jnp.float32)), np.asarray(gr)
+        assert not np.isnan(g32).any(), f"D=256 d{name} (seed {seed})"
+        err = np.max(np.abs(g32 - gr)) / np.max(np.abs(gr))
+        assert err < 2e-2, f"D=256 d{name}: {err:.3g} (seed {seed})"
+
+
+@needs_sync
+@needs_interpret
 def test_interpret_backward_over_ranges(mosaic_bwd):
     """Per-sequence causal offsets and the keys in two ranges (dK/dV per range, dQ
     continued from the first range to the second): each sequence's gradients equal, in
@@ -393,8 +419,8 @@ def test_interpret_tests_in_subprocess():
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
                    "interpret_backward_tails", "interpret_backward_over_ranges",
-                   "interpret_probs_mask"])
-    assert passed == len(_CASES) + 2 + 4
+                   "interpret_probs_mask", "interpret_split_dkdv"])
+    assert passed == len(_CASES) + 2 + 5
 
 
 @pytest.mark.slow
@@ -434,7 +460,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"dq": "fused", "accumulate": "inplace"},
                                 {"dq": "fused", "dq_add": "atomic"},
                                 {"mask": "probs"}, {"exp2": True},
-                                {"mask": "probs", "exp2": True, "dq_wgs": 2}],
+                                {"mask": "probs", "exp2": True, "dq_wgs": 2},
+                                {"split_dkdv": True}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
     """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
@@ -444,7 +471,27 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
     cfg = mosaic_bwd.BwdConfig(**kw)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
     # delta and dK/dV, and the dQ kernel unless dK/dV forms dQ itself
-    assert text.count("custom_call @mosaic_gpu") == (2 if cfg.dq == "fused" else 3)
+    # delta, dK/dV (two kernels with split_dkdv) and dQ unless dK/dV forms it
+    assert text.count("custom_call @mosaic_gpu") == (
+        2 if cfg.dq == "fused" else 4 if cfg.split_dkdv else 3)
+
+
+@needs_api
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
+    """D=256: delta, dK and dV by two kernels, dQ with one tile and one K/V slot per
+    CTA (the SMEM: 192 KiB each), tails and a key mask included; the fused dQ, which
+    needs dK and dV in one kernel, is refused."""
+    q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 300, 256), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 300), jnp.bool_)
+    for m in (None, mask):
+        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
+                                         config=mosaic_bwd.BwdConfig()).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 4
+    with pytest.raises(ValueError, match="D > 128"):
+        mosaic_bwd.lower_for_cuda(q, k, k, causal=causal,
+                                  config=mosaic_bwd.BwdConfig(dq="fused"))
 
 
 @needs_api
@@ -491,7 +538,8 @@ def test_fused_dq_lowers_beyond_one_wave(mosaic_bwd):
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
                {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
-               {"dq": "atomic"}, {"dq_add": "red"}, {"mask": "logits"}):
+               {"dq": "atomic"}, {"dq_add": "red"}, {"mask": "logits"},
+               {"split_dkdv": True, "dq": "fused"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
     with pytest.raises(ValueError, match="lane"):
@@ -509,7 +557,6 @@ def test_lowering_reports_smem_overflow(mosaic_bwd):
 @needs_api
 @pytest.mark.parametrize("shapes", [
     ((1, 1, 64, 32), (1, 1, 64, 32)),    # D not 64/128
-    ((1, 1, 64, 256), (1, 1, 64, 256)),  # D=256: the forward only
     ((1, 3, 64, 64), (1, 2, 64, 64)),    # Hq % Hkv
 ])
 def test_rejects_unsupported_shapes(mosaic_bwd, shapes):

@@ -92,8 +92,10 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
-#: Head dims of the backward (D=256: the dK/dV accumulators do not fit, docs/mosaic.md).
-HEAD_DIMS = (64, 128)
+#: Head dims of the backward. D=256 computes dK and dV by two kernels (``split_dkdv``)
+#: and dQ with one tile and one K/V slot per CTA (SMEM); CPU-checked (interpret mode,
+#: lowering), not yet run on a GPU.
+HEAD_DIMS = (64, 128, 256)
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges", "delta",
            "dkdv", "dq_accumulate", "interpret_params", "lower_for_cuda",
            "reset_interpret_state"]
@@ -172,6 +174,10 @@ class BwdConfig:
     #: masking every block cost the forward 27% on the H200). Other bits than
     #: "scores"; the same bits on both paths of "probs" (the mask only selects).
     mask: str = "scores"
+    #: dK and dV by two kernels, one accumulator each (the same operations: the same
+    #: bits); None: only where D > 128 (two 64 x 256 fp32 accumulators per warpgroup do
+    #: not fit in registers). Not with ``dq="fused"``.
+    split_dkdv: bool | None = None
 
     def __post_init__(self):
         if self.stages < 1:
@@ -187,6 +193,9 @@ class BwdConfig:
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
         if self.dq not in ("separate", "fused"):
             raise ValueError(f"dq must be 'separate' or 'fused', got {self.dq!r}")
+        if self.split_dkdv and self.dq == "fused":
+            raise ValueError("split_dkdv needs dq='separate' (the fused dQ is formed with "
+                             "dK and dV in one kernel)")
         if self.mask not in ("scores", "probs"):
             raise ValueError(f"mask must be 'scores' or 'probs', got {self.mask!r}")
         if self.dq_add not in ("tma", "atomic"):
@@ -408,14 +417,19 @@ def _first_qblock(start, *, causal, offset, n_q):
 
 
 def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-                interpret, offset=None, key_mask=False, dyn_offsets=False):
+                interpret, offset=None, key_mask=False, dyn_offsets=False, parts="dkdv"):
     """dK/dV (and with ``dq="fused"`` dQ) for ``sq`` query rows and ``skv`` keys (both
     multiples of 64); query row i sees key j iff ``j <= i + offset`` when causal
     (default ``skv - sq``). ``key_mask``: the kernel also takes ``keep`` (fp32
     ``[B, skv]``, 1 = keep) and drops the other keys. ``dyn_offsets``: the kernel also
-    takes ``offs`` (int32 ``[B]``, last), sequence b's offset in place of ``offset``."""
+    takes ``offs`` (int32 ``[B]``, last), sequence b's offset in place of ``offset``.
+    ``parts``: "dkdv" (both), "dk" or "dv" (that one alone, by the same operations: a
+    warpgroup then holds one 64 x D accumulator, as D=256 needs; one warpgroup)."""
+    if parts not in ("dkdv", "dk", "dv"):
+        raise ValueError(f"parts must be 'dkdv', 'dk' or 'dv', got {parts!r}")
+    want_dk, want_dv = parts != "dv", parts != "dk"
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
-    nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 else 1
+    nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 and parts == "dkdv" else 1
     inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                   else "fresh")) == "inplace"
     if inplace and (not gpu_operands or interpret is not None):
@@ -425,6 +439,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     if fused and (not gpu_operands or interpret is not None):
         raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
                          "the interpreter has no semaphores or atomics)")
+    if fused and parts != "dkdv":
+        raise ValueError("dq='fused' needs dK and dV in one kernel (D <= 128)")
     group, n_q = hq // hkv, sq // BLOCK_Q
     static_offset = skv - sq if offset is None else offset
     n_kv = skv // bkv
@@ -540,8 +556,11 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
             dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
             # pallas_triton_vjp._dkdv_kernel.q_body, op for op.
-            s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
-                                    cfg.pair_products)
+            if want_dk:
+                s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
+                                        cfg.pair_products)
+            else:  # dV alone: no dP
+                s_t, dp_t = _wgmma(sm["k"], qt, (bkv, bq)), None
             visible = None
             if masked:
                 visible = diag <= q0 + offset - start if causal else None
@@ -549,17 +568,26 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
                     visible = kept if visible is None else visible & kept
             lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
             p_t = _probs(cfg, s_t, lse_safe, scale, visible, 1)
-            p_op = _a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands)
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
-            ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
+            p_op = (_a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands) if want_dv
+                    else None)
+            ds_t = ds_op = None
+            if want_dk:
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
+                ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
             if accs is not None:
-                plgpu.wgmma(accs[1], p_op, do_s)
-                plgpu.wgmma(accs[0], ds_op, q_s)
+                if want_dv:
+                    plgpu.wgmma(accs[1], p_op, do_s)
+                if want_dk:
+                    plgpu.wgmma(accs[0], ds_op, q_s)
                 plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
-            else:
+            elif parts == "dkdv":
                 pv, dsq = _wgmma_pair(p_op, do_s, (bkv, d), ds_op, q_s, (bkv, d),
                                       cfg.pair_products)
                 dv, dk = dv + pv, dk + dsq
+            elif want_dv:
+                dv = dv + _wgmma(p_op, do_s, (bkv, d))
+            else:
+                dk = dk + _wgmma(ds_op, q_s, (bkv, d))
             if fused:
                 add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, start // bkv)
             plgpu.barrier_arrive(bars["free"].at[slot])
@@ -586,7 +614,8 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             return lax.fori_loop(0, group, head, carry)
 
         zeros = lay.zeros((bkv, d))
-        if inplace:
+        # (A part not computed keeps a placeholder: the loop carry's zeros.)
+        if inplace and parts == "dkdv":
             # The running sums live in wgmma accumulators across the query blocks.
             def run(dk_ref, dv_ref):
                 dk_ref[...] = zeros
@@ -596,13 +625,27 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
 
             dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
                                    plgpu.ACC((bkv, d), jnp.float32))
+        elif inplace:
+            def run_one(acc_ref):
+                acc_ref[...] = zeros
+                accs = (acc_ref, None) if want_dk else (None, acc_ref)
+                steps(functools.partial(step, accs=accs), (zeros, zeros))
+                return acc_ref[...]
+
+            one = pl.run_scoped(run_one, plgpu.ACC((bkv, d), jnp.float32))
+            dk, dv = (one, None) if want_dk else (None, one)
         else:
             dk, dv = steps(step, (zeros, zeros))
-        sm["k"][...] = (dk * scale).astype(dtype)  # K and V are no longer needed.
-        sm["v"][...] = dv.astype(dtype)
+        # K and V are no longer needed: their SMEM stages the results.
+        if want_dk:
+            sm["k"][...] = (dk * scale).astype(dtype)
+        if want_dv:
+            sm["v"][...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["k"], dk_ref.at[bi, kvh, pl.ds(start, bkv)])
-        plgpu.copy_smem_to_gmem(sm["v"], dv_ref.at[bi, kvh, pl.ds(start, bkv)])
+        if want_dk:
+            plgpu.copy_smem_to_gmem(sm["k"], dk_ref.at[bi, kvh, pl.ds(start, bkv)])
+        if want_dv:
+            plgpu.copy_smem_to_gmem(sm["v"], dv_ref.at[bi, kvh, pl.ds(start, bkv)])
         plgpu.wait_smem_to_gmem(0)
 
     def producer_wg(srcs, sm, bars, bi, kvh, first, n, total):
@@ -625,7 +668,13 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             *t_refs, dk_ref, dv_ref, dq_ref = rest
             sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,)))
         else:
-            (*t_refs, dk_ref, dv_ref), dq_ref, sems = rest, None, None
+            dq_ref, sems = None, None
+            if parts == "dkdv":
+                *t_refs, dk_ref, dv_ref = rest
+            elif want_dk:
+                (*t_refs, dk_ref), dv_ref = rest, None
+            else:
+                (*t_refs, dv_ref), dk_ref = rest, None
         kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
         if fused:
             # The grid is (b, h, kv) here: the last axis varies fastest in launch order
@@ -684,10 +733,10 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
 
         pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
 
+    kv_grad = jax.ShapeDtypeStruct((b, hkv, skv, d), dtype)
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((b, hkv, skv, d), dtype),
-                  jax.ShapeDtypeStruct((b, hkv, skv, d), dtype))
+        out_type=(kv_grad,) * (2 if parts == "dkdv" else 1)
         + ((jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),) if fused else ()),
         **(dict(grid=(b, hkv, skv // (nwg * bkv)), grid_names=("b", "h", "kv")) if fused
            else dict(grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"))),
@@ -718,8 +767,13 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
     parallelism), the same additions as one call over their union."""
     bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
     # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
-    # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there.
-    nwg = cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64) else 1
+    # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there. At D=256 one tile
+    # and one K/V slot fit (Q, dO, the fp32 output tile and K, V: 192 KiB); launch
+    # parameters, the same operations.
+    nwg = (cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64)
+           and d <= 128 else 1)
+    if d > 128:
+        stages = 1
     group, n_kv = hq // hkv, skv // BLOCK_KV
     static_offset = skv - sq if offset is None else offset
     dyn = {}  # the kernel puts its ``offs`` and ``acc`` refs here
@@ -917,9 +971,9 @@ def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=F
     ``BwdConfig(dq="fused")`` also the unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]``
     (:func:`dq_accumulate`'s contract, its own order)."""
     _check_whole_tiles(q, k, v, d_out, lse, delta_)
-    return _dkdv_blocks(q, k, v, d_out.astype(q.dtype), lse, delta_, None,
-                        offset=k.shape[2] - q.shape[2], causal=causal, scale=float(scale),
-                        interpret=interpret, config=config or BwdConfig())
+    return _dkdv_parts(q, k, v, d_out.astype(q.dtype), lse, delta_, None,
+                       offset=k.shape[2] - q.shape[2], causal=causal, scale=float(scale),
+                       interpret=interpret, config=config or BwdConfig())
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -1062,7 +1116,7 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
             keep = jnp.pad(keep, ((0, 0), (0, n_pad - n)))
         keep = None if keep is None else keep.astype(jnp.float32)
         off_r = offs - a if causal else None
-        dk, dv = _dkdv_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
+        dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
         acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
         dks.append(dk[:, :, :n])
         dvs.append(dv[:, :, :n])
@@ -1078,7 +1132,7 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     d_out = d_out.astype(q.dtype)
     dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg)
     keep = None if keep is None else keep.astype(jnp.float32)
-    outs = _dkdv_blocks(q, k, v, d_out, lse, dl, keep, **kw)
+    outs = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
     if cfg.dq == "fused":
         dk, dv, acc = outs
     else:
@@ -1101,16 +1155,32 @@ def _block_dims(q, k, interpret, config, causal, scale, offset, keep, offs=None)
 
 # Each kernel in a jitted function of its own (one interpreted kernel per XLA
 # computation: two in one computation deadlocked the JAX 0.10.2 interpreter).
+def _dkdv_parts(q, k, v, d_out, lse, delta_, keep, offs=None, *, config, **kw):
+    """:func:`_dkdv_blocks`'s outputs, dK and dV by two kernels where
+    ``config.split_dkdv`` says (each kernel in its own jitted call)."""
+    split = config.split_dkdv if config.split_dkdv is not None else q.shape[-1] > 128
+    if not split:
+        return _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, **kw)
+    if config.dq == "fused":
+        raise ValueError("D > 128 needs dq='separate' (dK and dV by two kernels)")
+    (dk,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dk",
+                         **kw)
+    (dv,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dv",
+                         **kw)
+    return dk, dv
+
+
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
-                                             "config"))
+                                             "config", "parts"))
 def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, *, offset, causal, scale,
-                 interpret, config):
+                 interpret, config, parts="dkdv"):
     gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
                                      offs)
     keep_in = () if keep is None else (keep,)
     offs_in = () if offs is None else (offs,)
     t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    outs = _build_dkdv(**dims)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in, *t_in)
+    outs = _build_dkdv(**dims, parts=parts)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in,
+                                            *t_in)
     if config.dq != "fused" or not causal:
         return outs
     dk, dv, acc = outs
