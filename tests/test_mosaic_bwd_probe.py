@@ -419,7 +419,7 @@ def test_interpret_tests_in_subprocess():
     passed = run_interpret_tests_in_subprocess(
         __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
                    "interpret_backward_tails", "interpret_backward_over_ranges",
-                   "interpret_probs_mask", "interpret_split_dkdv"])
+                   "interpret_probs_mask or interpret_split_dkdv"])
     assert passed == len(_CASES) + 2 + 5
 
 
