@@ -68,7 +68,7 @@ flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
               (1, 4, 4, 256, 128, 64), (2, 8, 2, 1000, 1000, 128), (1, 4, 1, 77, 1500, 64),
-              # D=256 (the forward only; not with prefetch_q or blocks_per_step=2: SMEM)
+              # D=256 (not with prefetch_q or blocks_per_step=2: SMEM)
               (2, 8, 2, 1500, 1500, 256)]
 BWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 1024, 2048, 64), (1, 4, 4, 256, 128, 64),
               # D=256: dK and dV by two kernels (split_dkdv), one dQ tile per CTA

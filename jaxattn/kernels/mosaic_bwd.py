@@ -74,6 +74,7 @@ from jaxattn import schedule
 from jaxattn.kernels import pallas_triton_vjp
 from jaxattn.kernels.common import LOG2E
 from jaxattn.kernels.mosaic_fwd import (
+    HEAD_DIMS,
     _smem_transforms,
     check_inputs,
     interpret_params,
@@ -92,10 +93,9 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
-#: Head dims of the backward. D=256 computes dK and dV by two kernels (``split_dkdv``)
-#: and dQ with one tile and one K/V slot per CTA (SMEM); CPU-checked (interpret mode,
-#: lowering), not yet run on a GPU.
-HEAD_DIMS = (64, 128, 256)
+# Head dims: mosaic_fwd.HEAD_DIMS. At D=256 dK and dV come from two kernels
+# (``split_dkdv``) and dQ from one tile and one K/V slot per CTA (SMEM); CPU-checked
+# (interpret mode, lowering), not yet run on a GPU.
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges", "delta",
            "dkdv", "dq_accumulate", "interpret_params", "lower_for_cuda",
            "reset_interpret_state"]
@@ -218,7 +218,7 @@ assert BLOCK_KV == pallas_triton_vjp.backward_config(128).block_kv
 def _check(q, k, v):
     """The forward's checks, and (no padding here yet) whole BLOCK_Q-row query tiles
     and whole BLOCK_KV-key blocks."""
-    check_inputs(q, k, v, head_dims=HEAD_DIMS)
+    check_inputs(q, k, v)
     if q.shape[2] % BLOCK_Q:
         raise ValueError(f"Sq={q.shape[2]} must be a positive multiple of {BLOCK_Q} "
                          f"(prototype)")
@@ -265,23 +265,16 @@ def _probs(cfg: BwdConfig, s, lse_safe, scale, visible, rows_axis):
     (+inf where the row sees no key) along ``rows_axis`` of the tile, masked by
     ``visible`` (None: nothing masked) as ``cfg.mask`` says: the one formula of the
     dK/dV and dQ kernels."""
-    shape = s.shape
     if cfg.exp2:
-        def ex(x):
-            return jnp.exp2(x * (scale * LOG2E) - lax.broadcast_in_dim(
-                lse_safe * LOG2E, shape, [rows_axis]))
+        ex, c, lse_b = jnp.exp2, scale * LOG2E, lse_safe * LOG2E
     else:
-        def ex(x):
-            return jnp.exp(x * scale - lax.broadcast_in_dim(lse_safe, shape, [rows_axis]))
+        ex, c, lse_b = jnp.exp, scale, lse_safe
+    lse_b = lax.broadcast_in_dim(lse_b, s.shape, [rows_axis])
     if visible is None:
-        return ex(s)
+        return ex(s * c - lse_b)
     if cfg.mask == "probs":
-        return jnp.where(visible, ex(s), 0.0)
-    if cfg.exp2:
-        return jnp.exp2(jnp.where(visible, s * (scale * LOG2E), NEG_INF)
-                        - lax.broadcast_in_dim(lse_safe * LOG2E, shape, [rows_axis]))
-    return jnp.exp(jnp.where(visible, s * scale, NEG_INF)
-                   - lax.broadcast_in_dim(lse_safe, shape, [rows_axis]))
+        return jnp.where(visible, ex(s * c - lse_b), 0.0)
+    return ex(jnp.where(visible, s * c, NEG_INF) - lse_b)
 
 
 def _compiler_params(cfg: BwdConfig):
@@ -439,8 +432,6 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
     if fused and (not gpu_operands or interpret is not None):
         raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
                          "the interpreter has no semaphores or atomics)")
-    if fused and parts != "dkdv":
-        raise ValueError("dq='fused' needs dK and dV in one kernel (D <= 128)")
     group, n_q = hq // hkv, sq // BLOCK_Q
     static_offset = skv - sq if offset is None else offset
     n_kv = skv // bkv
@@ -990,7 +981,7 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
 def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask):
     """The backward entries' input checks; returns K and V with dropped keys zeroed
     (their gradients are zero anyway)."""
-    check_inputs(q, k, v, head_dims=HEAD_DIMS)
+    check_inputs(q, k, v)
     b, hq, sq, _ = q.shape
     skv = k.shape[2]
     _check_rows("out", out, q.shape)

@@ -273,18 +273,17 @@ def _smem_transforms(cols: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-#: Head dims of the forward kernel. D=256 (the forward only: the backward's dK/dV
-#: accumulators, two 64x256 fp32 tiles per warpgroup, do not fit in registers) holds a
-#: 64x256 fp32 accumulator per compute warpgroup and 192 KiB of SMEM with the default
-#: launch (not with ``prefetch_q`` or ``blocks_per_step=2``: SMEM); lowered for CUDA and
-#: checked in interpret mode, not yet run on a GPU.
+#: Head dims of the forward and backward kernels. At D=256 the forward holds a 64x256
+#: fp32 accumulator per compute warpgroup and 192 KiB of SMEM with the default launch
+#: (not with ``prefetch_q`` or ``blocks_per_step=2``: SMEM); the backward, see
+#: ``mosaic_bwd.backward``. Lowered for CUDA and checked in interpret mode, not yet run
+#: on a GPU.
 HEAD_DIMS = (64, 128, 256)
 
 
-def check_inputs(q, k, v, head_dims=HEAD_DIMS):
-    """The kernel's shape and dtype limits (ValueError / TypeError naming them). Any
-    ``Sq >= 1`` and ``Skv >= 1``: :func:`forward` pads both internally. ``head_dims``:
-    the head dims the caller's kernels take."""
+def check_inputs(q, k, v):
+    """The kernels' shape and dtype limits (ValueError / TypeError naming them). Any
+    ``Sq >= 1`` and ``Skv >= 1``: :func:`forward` pads both internally."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
     b, hq, sq, d = q.shape
@@ -294,8 +293,8 @@ def check_inputs(q, k, v, head_dims=HEAD_DIMS):
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"q, k, v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
-    if d not in head_dims:
-        raise ValueError(f"head dim D must be one of {head_dims}, got {d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {HEAD_DIMS}, got {d}")
     if k.shape[1] == 0 or hq % k.shape[1]:
         raise ValueError(f"Hq={hq} must be a positive multiple of Hkv={k.shape[1]}")
     if sq == 0 or k.shape[2] == 0 or b == 0:
@@ -498,6 +497,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         """The first block of the CTA's split (split_out), else 0."""
         return lax.axis_index("s") * per_split if split_out else jnp.int32(0)
 
+    def split_lo_step():
+        """The ring step of :func:`split_lo` (a SPLIT holds whole steps)."""
+        return lax.div(split_lo(), jnp.int32(bps))
+
     # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
     # the kernel puts its ref in ``dyn`` before the first use).
     dyn = {}
@@ -645,7 +648,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                             lambda: softmax(j, s, m, l, False, keep))
 
         # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
-        first_step = lax.div(split_lo(), jnp.int32(bps))
+        first_step = split_lo_step()
         n_steps = steps_of(lax.min(hi, split_lo() + per_split) if split_out else hi)
 
         def next_k(t):
@@ -959,7 +962,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 sized(copy_keep)
             return None
 
-        lax.fori_loop(lax.div(split_lo(), jnp.int32(bps)), steps_of(hi), load, None)
+        lax.fori_loop(split_lo_step(), steps_of(hi), load, None)
 
     def drain(bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
@@ -1083,7 +1086,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                                base, flags_ref, qbuf, after_q)
                     return base + steps_of(hi_cta)
 
-                lax.fori_loop(0, count, one, -lax.div(split_lo(), jnp.int32(bps)))
+                lax.fori_loop(0, count, one, -split_lo_step())
 
             @pl.when(wg == nwg)
             def _():
@@ -1097,7 +1100,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base, keep_ref)
                     return base + steps_of(hi_cta)
 
-                drain(bars, lax.fori_loop(0, count, one, -lax.div(split_lo(), jnp.int32(bps))))
+                drain(bars, lax.fori_loop(0, count, one, -split_lo_step()))
 
         pl.run_scoped(body, scratch, barriers, collective_axes="wg")
 
@@ -1395,7 +1398,7 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     :func:`split_partials` are folded here wherever the result must equal
     :func:`forward` in bits (context parallelism, split-parallel decode).
 
-    ``outs``: ``[n, ..., D]`` fp32, ``D`` in {64, 128}; ``lses``: ``[n, ...]`` fp32, in
+    ``outs``: ``[n, ..., D]`` fp32, ``D`` in :data:`HEAD_DIMS`; ``lses``: ``[n, ...]`` fp32, in
     the kernels' base (``split_partials(..., kernel_lse=True)``). Returns ``(out [...,
     D], lse [...])`` fp32, the lse in natural-log units; ``(0, -inf)`` when every state
     is empty. ``config``: the forward's (its ``approx_math``, an arithmetic choice the
