@@ -52,11 +52,12 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Dtyp
 flags.DEFINE_bool("causal", True, "Causal attention (fwd, fwdbwd).")
 flags.DEFINE_list("modes", ["fwd", "fwdbwd", "decode"], "What to time: fwd, fwdbwd, "
                   "chunked, decode.")
-flags.DEFINE_list("backends", ["jaxattn", "jaxattn:mosaic", "cudnn", "xla", "pallas_mha",
-                               "torch_flash", "torch_cudnn", "torch_efficient"],
+flags.DEFINE_list("backends", ["jaxattn:mosaic", "jaxattn:pallas", "cudnn", "xla",
+                               "pallas_mha", "torch_flash", "torch_cudnn", "torch_efficient"],
                   "Systems to time (benchmarks/systems.py); torch ones need torch + CUDA; "
                   "jaxattn:mosaic an sm90 GPU (elsewhere, and where it refuses a shape, "
-                  "its rows are reported as such).")
+                  "its rows are reported as such; plain jaxattn is the platform's first "
+                  "backend: mosaic on sm90, pallas on other GPUs).")
 flags.DEFINE_integer("chunk_size", 2048, "Queries per chunk (chunked).")
 flags.DEFINE_integer("decode_batch", 8, "Batch for decode.")
 flags.DEFINE_list("decode_kv_lens", ["4096", "32768"], "Context lengths for decode.")

@@ -82,13 +82,13 @@ fi
 if has sweep; then
   # name|timeout|args: each part is its own process (its results survive a later timeout).
   SWEEP_PARTS=${SWEEP_PARTS:-"causal128|240|--modes=fwd,fwdbwd --seq_lens=1024,2048,4096,8192,16384,32768 --tokens=32768
-noncausal128|180|--modes=fwd,fwdbwd --nocausal --seq_lens=1024,4096,16384,32768 --tokens=32768 --backends=jaxattn,jaxattn:mosaic,cudnn,pallas_mha,torch_flash,torch_cudnn
+noncausal128|180|--modes=fwd,fwdbwd --nocausal --seq_lens=1024,4096,16384,32768 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
 d64|90|--modes=fwd,fwdbwd --head_dim=64 --seq_lens=4096,16384 --tokens=32768
-d64nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=64 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn,jaxattn:mosaic,cudnn,pallas_mha,torch_flash,torch_cudnn
+d64nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=64 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
 d256|90|--modes=fwd,fwdbwd --head_dim=256 --seq_lens=4096,16384 --tokens=32768
-d256nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=256 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn,jaxattn:mosaic,cudnn,pallas_mha,torch_flash,torch_cudnn
-chunked|90|--modes=chunked --chunk_size=2048 --seq_lens=4096,16384,32768 --batch=1 --backends=jaxattn,jaxattn:mosaic,cudnn,xla,torch_flash,torch_efficient
-decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,65536,131072 --backends=jaxattn,jaxattn:mosaic,cudnn,xla,torch_flash,torch_cudnn,torch_efficient"}
+d256nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=256 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
+chunked|90|--modes=chunked --chunk_size=2048 --seq_lens=4096,16384,32768 --batch=1 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,xla,torch_flash,torch_efficient
+decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,65536,131072 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,xla,torch_flash,torch_cudnn,torch_efficient"}
   while IFS='|' read -r name limit args; do
     [[ -z "$name" ]] && continue
     if [[ -n "${SWEEP_SELECT:-}" && ",$SWEEP_SELECT," != *",$name,"* ]]; then continue; fi

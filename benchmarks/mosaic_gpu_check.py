@@ -207,7 +207,8 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
         # The last 128 and the last 70 queries (a start off the 64-row grid: padded
         # inside) against all keys, and the last query alone (a decode row, its GQA
         # group stacked as the rows of one tile, and unstacked).
-        for name, n, c in (("chunk", 128, cfg), ("chunk70", 70, cfg), ("decode", 1, cfg),
+        for name, n, c in (("chunk", 128, cfg), ("chunk70", 70, cfg),
+                           ("decode", 1, dataclasses.replace(cfg, split_decode=False)),
                            ("decode_unstacked", 1,
                             dataclasses.replace(cfg, stack_decode=False)),
                            ("decode_split", 1, dataclasses.replace(cfg, split_decode=True))):
@@ -470,10 +471,14 @@ def time_decode(results: list) -> None:
         fns = {
             "pallas": lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
                                                  interpret=False),
-            "mosaic:fold-in-kernel": functools.partial(mf.forward, causal=True, scale=scale),
+            "mosaic:fold-in-kernel": functools.partial(
+                mf.forward, causal=True, scale=scale,
+                config=mf.MosaicConfig(split_decode=False)),
             "mosaic:split_decode": functools.partial(
                 mf.forward, causal=True, scale=scale,
                 config=mf.MosaicConfig(split_decode=True)),
+            # split_decode=None: split below SPLIT_DECODE_BELOW_CTAS (batch, KV head) CTAs
+            "mosaic:default": functools.partial(mf.forward, causal=True, scale=scale),
         }
         for vspec in FLAGS.decode_variants:  # launch options: the same bits
             name, kw = _variant(vspec)

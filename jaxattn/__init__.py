@@ -39,10 +39,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       scale: ``None`` -> ``1/sqrt(D)``; any explicit value (0.0 included) verbatim.
       key_padding_mask: ``[B, Skv]`` bool, True = keep.
       return_lse: also return the fp32 natural-log lse ``[B, Hq, Sq]``.
-      backend: ``None`` (platform priority: GPU ``"pallas"``, then ``"triton"``, then
-        ``"reference"``; CPU ``"reference"``), ``"pallas"``, ``"triton"`` (needs the
-        ``triton`` extra) or ``"reference"``. An explicit backend that cannot serve the
-        call raises; it never falls back.
+      backend: ``None`` (platform priority: GPU ``"mosaic"`` on sm90, then
+        ``"pallas"``, then ``"triton"``, then ``"reference"``; CPU ``"reference"``),
+        ``"mosaic"`` (Hopper only), ``"pallas"``, ``"triton"`` (needs the ``triton``
+        extra) or ``"reference"``. An explicit backend that cannot serve the call
+        raises; it never falls back.
 
     Returns:
       ``out [B, Hq, Sq, D]`` in q's dtype, or ``(out, lse)`` with ``return_lse``. Rows

@@ -1,11 +1,12 @@
 """The backends of ``"attention"``, registered with :mod:`jaxattn.registry`.
 
-GPU priority: ``pallas`` (Triton lowering, sm80+), then ``triton`` (the same schedule in
-raw Triton through jax-triton; an optional dependency), then ``reference``. CPU:
-``reference`` only; ``backend="pallas"`` on a CPU runs the same kernels in interpret mode
-and ``backend="triton"`` runs its kernels in Triton's interpreter (slow; for tests).
-``mosaic`` (Mosaic GPU, sm90 only) is chosen only when asked for by name: it does not
-yet serve every call ``pallas`` serves (:mod:`jaxattn.kernels.mosaic_backend`).
+GPU priority: ``mosaic`` (Mosaic GPU: available on sm90 only, where it serves every call
+``pallas`` serves: :mod:`jaxattn.kernels.mosaic_backend`), then ``pallas`` (Triton
+lowering, sm80+), then ``triton`` (the same schedule in raw Triton through jax-triton; an
+optional dependency), then ``reference``. The choice depends on the GPU's capability,
+never on a call's shapes. CPU: ``reference`` only; ``backend="pallas"`` on a CPU runs the
+same kernels in interpret mode and ``backend="triton"`` runs its kernels in Triton's
+interpreter (slow; for tests).
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ register("attention", Backend(
 register("attention", Backend(
     name="mosaic",
     platforms=("gpu",),
-    priority={},  # explicit backend="mosaic" only, until it serves every call (issue 8)
+    priority={"gpu": 5},  # before pallas wherever available (sm90)
     forward_with_lse=_mosaic_forward_with_lse,
     available=mosaic_backend.unavailable_reason,
     unsupported=_mosaic_unsupported,
     description="Pallas Mosaic GPU kernels (Hopper: wgmma, TMA) on the canonical schedule; "
-                "bf16/fp16, D <= 128",
+                "bf16/fp16 (fp32 on the Pallas kernels)",
 ))

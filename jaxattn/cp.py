@@ -279,6 +279,10 @@ def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
                                  key_padding_mask=key_padding_mask)
     _check_cp_args(cp_world_size, kv_chunk_size)
     be = resolve("cp_attention", backend).name
+    if be == "mosaic":
+        from jaxattn.kernels import mosaic_backend
+        if mosaic_backend.on_pallas(jnp.float32 if fp32 else dims.dtype):
+            be = "pallas"  # the mosaic backend's fp32 is the Pallas backend's
     if be == "pallas":
         reason = pt.check_supported(dims.head_dim)
         if reason:
@@ -317,7 +321,7 @@ def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
       key_position_offsets: ``[B]`` int, global position of key 0 (default 0).
       cp_world_size: number of shards of queries and keys (simulated on one device).
       kv_chunk_size: keys per partial-state range inside a shard (default: the shard).
-      backend: None (platform priority), "pallas" or "reference".
+      backend: None (platform priority), "mosaic" (sm90), "pallas" or "reference".
     """
     return _cp(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
                query_position_offsets=query_position_offsets,
@@ -379,7 +383,7 @@ def _unsupported_mosaic_cp(dims: Dims) -> str | None:
 
 
 register("cp_attention", Backend(
-    name="mosaic", platforms=("gpu",), priority={},  # by name only, as for "attention"
+    name="mosaic", platforms=("gpu",), priority={"gpu": 5},  # as for "attention"
     forward_with_lse=_cp_forward_with_lse("mosaic"),
     available=lambda: _attention_backend("mosaic").available(),
     unsupported=_unsupported_mosaic_cp,

@@ -15,8 +15,9 @@ ValueError rather than change the reduction order. The triton and reference back
 gather the pages into contiguous K and V first (a copy, off the Pallas hot path) and
 accept any page size; the triton backend's result then equals its contiguous call in
 bits. The mosaic backend gathers too, and runs its forward with per-sequence causal
-offsets (its rows' bits are those of its contiguous call). Any other backend raises (no
-silent fallback to another backend).
+offsets (its rows' bits are those of its contiguous call); its fp32 calls are the
+Pallas backend's (in place). Any other backend raises (no silent fallback to another
+backend).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
     Forward only (rollout); train through :func:`jaxattn.attention`.
     """
     be = resolve("attention", backend).name
+    if be == "mosaic":
+        from jaxattn.kernels import mosaic_backend
+        if mosaic_backend.on_pallas(q.dtype):
+            be = "pallas"  # the mosaic backend's fp32 is the Pallas backend's
     validate(q, k_pages, v_pages, block_table, seq_lens, backend=be)
     sc = resolve_scale(scale, q.shape[-1])
     block_table = jnp.asarray(block_table, jnp.int32)

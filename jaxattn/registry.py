@@ -172,7 +172,8 @@ def get_op(name: str = "attention", *, backend: str | None = None,
            platform: str | None = None) -> AttentionOp:
     """The op ``name`` bound to a backend chosen by platform priority (or ``backend``).
 
-    On a GPU: the Pallas kernels, then the reference. On a CPU: the reference
+    On a GPU: the Mosaic GPU kernels where available (sm90), then the Pallas kernels,
+    then the reference. On a CPU: the reference
     (``backend="pallas"`` runs the kernels in interpret mode, for tests).
     """
     return AttentionOp(name, resolve(name, backend, platform))

@@ -42,10 +42,9 @@ BACKENDS = [
     BackendSpec("reference", follows_schedule=False, head_dims=(16, 24, 64, 128, 256)),
     BackendSpec("pallas", follows_schedule=True, head_dims=(16, 64, 128, 256)),
     BackendSpec("triton", follows_schedule=True, head_dims=(16, 64, 128, 256), cp=False),
-    # Mosaic GPU (sm90 only; skipped elsewhere with its reason): explicit selection only,
-    # since it does not serve fp32 or D=256 yet (issue 8).
-    BackendSpec("mosaic", follows_schedule=True, head_dims=(16, 64, 128),
-                dtypes=("bfloat16", "float16")),
+    # Mosaic GPU (sm90 only; skipped elsewhere with its reason); its fp32 calls run the
+    # Pallas kernels (jaxattn/kernels/mosaic_backend.py).
+    BackendSpec("mosaic", follows_schedule=True, head_dims=(16, 64, 128, 256)),
 ]
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
@@ -75,12 +74,6 @@ def _need_dtype(spec, dtype) -> None:
     name = jnp.dtype(dtype).name
     if name not in spec.dtypes:
         pytest.skip(f"{spec.name} does not serve {name}")
-
-
-def _widest(spec):
-    """fp32 where the backend serves it, else bf16: (dtype, forward tolerance)."""
-    dt = jnp.float32 if "float32" in spec.dtypes else jnp.bfloat16
-    return dt, TOL[dt]
 
 
 def _fwd(spec, **kw):
@@ -140,12 +133,13 @@ def test_gqa_groups(spec, hq, hkv):
     assert rel_err(one[:, 0], ref[:, h]) < TOL[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("scale", [None, 0.0, 0.05, 1.3])
-def test_scale(spec, scale):
-    dt, tol = _widest(spec)
+def test_scale(spec, scale, dt):
+    _need_dtype(spec, dt)
     q, k, v = rand_qkv(1, 2, 1, 16, 80, 64, dt)
     out = _op(spec)(q, k, v, scale=scale)
-    assert rel_err(out, np_attention(q, k, v, scale=scale)[0]) < tol
+    assert rel_err(out, np_attention(q, k, v, scale=scale)[0]) < TOL[dt]
 
 
 def test_padding_mask_and_rows_with_no_visible_key(spec):
@@ -304,11 +298,13 @@ def test_tail_padding_vs_unpadded(spec):
     _assert_all(invariance.check_padding(_op(spec), PROBLEM, [150, 64, 1, 99]))
 
 
-def test_gqa_and_fp32_invariance(spec):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gqa_and_fp32_invariance(spec, dtype):
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
-    p = dataclasses.replace(PROBLEM, num_q_heads=8, num_kv_heads=1,
-                            dtype=jnp.dtype(_widest(spec)[0]).name, seq_len=80)
+    _need_dtype(spec, dtype)
+    p = dataclasses.replace(PROBLEM, num_q_heads=8, num_kv_heads=1, dtype=dtype,
+                            seq_len=80)
     _assert_all(invariance.check_decode(_op(spec), p, [0, 40, 79]))
     _assert_all(invariance.check_chunked_prefill(_op(spec), p, [50]))
 

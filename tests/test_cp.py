@@ -235,9 +235,10 @@ def test_cp_op_falls_to_the_reference_when_the_kernels_are_unavailable(monkeypat
     import dataclasses as dc
 
     from jaxattn import registry
-    pallas = registry._backends("attention")["pallas"]
-    monkeypatch.setitem(registry._REGISTRY["attention"], "pallas",
-                        dc.replace(pallas, available=lambda: "no GPU of compute capability 8+"))
+    for name in ("pallas", "mosaic"):
+        be = registry._backends("attention")[name]
+        monkeypatch.setitem(registry._REGISTRY["attention"], name, dc.replace(
+            be, available=lambda: "no GPU of compute capability 8+"))
     assert registry.resolve("cp_attention", platform="gpu").name == "reference"
     with pytest.raises(RuntimeError, match="backend 'pallas' is unavailable: no GPU"):
         registry.resolve("cp_attention", "pallas", platform="gpu")

@@ -1,7 +1,8 @@
-"""The registered ``"mosaic"`` backend (jaxattn/kernels/mosaic_backend.py): explicit
-selection only, its refusals, its CUDA lowering (forward and gradient) on a CPU, and its
-wrapper (head-dim padding, the custom VJP) in Mosaic GPU interpret mode. On an sm90 GPU
-the parameterised battery (tests/test_backends.py) runs it natively."""
+"""The registered ``"mosaic"`` backend (jaxattn/kernels/mosaic_backend.py): chosen on
+sm90 only, its refusals, fp32 on the Pallas kernels, its CUDA lowering (forward and
+gradient) on a CPU, and its wrapper (head-dim padding, the custom VJP) in Mosaic GPU
+interpret mode. On an sm90 GPU the parameterised battery (tests/test_backends.py) runs
+it natively."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, rand_qkv, rel_err
+from conftest import ON_GPU, np_attention, rand_qkv, rel_err
 from mosaic_support import (
     missing_api,
     missing_interpret,
@@ -19,6 +20,7 @@ from mosaic_support import (
 
 import jaxattn
 from jaxattn import reference, registry
+from jaxattn.invariance import bits_equal
 from jaxattn.kernels import mosaic_backend
 
 needs_api = pytest.mark.skipif(missing_api(("load", "Layout")) is not None,
@@ -27,15 +29,19 @@ _why_interp = missing_interpret(("load", "Layout"))
 needs_interpret = pytest.mark.skipif(_why_interp is not None, reason=str(_why_interp))
 
 
-def test_registered_for_explicit_selection_only():
+def test_chosen_on_sm90_by_capability():
+    """Priority before pallas on the GPU; chosen exactly where available (sm90), never
+    on a CPU."""
     be = registry._backends("attention")["mosaic"]
-    assert be.priority == {} and be.platforms == ("gpu",)
-    for platform in ("cpu", "gpu"):
-        try:
-            chosen = registry.resolve("attention", platform=platform).name
-        except RuntimeError:
-            continue
-        assert chosen != "mosaic"
+    assert be.platforms == ("gpu",)
+    assert be.priority["gpu"] < registry._backends("attention")["pallas"].priority["gpu"]
+    from jaxattn import cp  # noqa: F401  (registers the cp_attention op)
+    assert registry._backends("cp_attention")["mosaic"].priority == be.priority
+    assert registry._backends("cp_attention")["mosaic"].platforms == ("gpu",)
+    assert registry.resolve("attention", platform="cpu").name != "mosaic"
+    if ON_GPU:
+        want = "mosaic" if be.available() is None else "pallas"
+        assert jaxattn.get_op("attention").backend == want
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the backend may be available")
@@ -47,15 +53,106 @@ def test_unavailable_off_hopper_with_the_reason():
 
 def test_check_supported_reasons():
     bf16 = jnp.dtype(jnp.bfloat16)
-    for d in (1, 16, 48, 64, 100, 128):
+    for d in (1, 16, 48, 64, 100, 128, 200, 256):
         assert mosaic_backend.check_supported(d, bf16) is None, d
         assert mosaic_backend.check_supported(d, jnp.float16) is None, d
-    assert "fp32" in mosaic_backend.check_supported(64, jnp.float32)
-    assert "D=256" in mosaic_backend.check_supported(256, bf16)
+    # fp32: the Pallas kernels' head dims
+    for d in (16, 32, 64, 128, 256):
+        assert mosaic_backend.check_supported(d, jnp.float32) is None, d
+    assert "fp32 runs the Pallas kernels" in mosaic_backend.check_supported(48, jnp.float32)
+    assert "D=257" in mosaic_backend.check_supported(257, bf16)
     assert "D=0" in mosaic_backend.check_supported(0, bf16)
-    q = jnp.ones((1, 1, 4, 64), jnp.float32)
-    with pytest.raises(ValueError, match="fp32"):
-        mosaic_backend.attention(q, q, q, causal=True, scale=0.125)
+    assert "int8" in mosaic_backend.check_supported(64, jnp.int8)
+
+
+def test_fp32_runs_the_pallas_kernels():
+    """fp32 (no fp32 wgmma) is served by the Pallas backend's kernels (interpreted on a
+    CPU): accurate against float64, gradients included; a head dim those kernels do
+    not serve is refused with the reason. On the GPU, test_fp32_is_the_pallas_backends
+    checks the bits on every path."""
+    seed = int(np.random.default_rng().integers(2**16))
+    q, k, v = rand_qkv(1, 2, 1, 12, 30, 16, jnp.float32, seed=seed)
+    out, lse = mosaic_backend.attention(q, k, v, causal=True, scale=0.25)
+    ref, ref_lse = np_attention(q, k, v, scale=0.25)
+    assert out.dtype == jnp.float32 and not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-5)
+    g = jax.grad(lambda q: mosaic_backend.attention(q, k, v, causal=True, scale=0.25)[0]
+                 .sum())(q)
+    want = jax.grad(lambda q: reference.forward_fp32(q, k, v, causal=True, scale=0.25)
+                    .sum())(q)
+    assert rel_err(g, want) < 1e-4, f"seed {seed}"
+    q48 = jnp.ones((1, 1, 4, 48), jnp.float32)
+    with pytest.raises(ValueError, match="fp32 runs the Pallas kernels"):
+        mosaic_backend.attention(q48, q48, q48, causal=True, scale=0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [200, 256])
+def test_large_head_dims_forward_and_gradients(d, causal):
+    """D=256 (and D=200, zero-padded to it) on sm90: the forward and the gradients (dK
+    and dV by two kernels) against the fp32 reference, Sq and Skv off the 64 grid, a
+    key padding mask, GQA; no NaN; padded keys get exactly zero dK and dV."""
+    seed = int(np.random.default_rng().integers(2**16))
+    q, k, v = rand_qkv(2, 8, 2, 200, 300, d, jnp.bfloat16, seed=seed)
+    m = np.ones((2, 300), bool)
+    m[0, 250:] = False
+    mask = jnp.asarray(m)
+    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+
+    kw = dict(causal=causal, key_padding_mask=mask)
+    out = jaxattn.attention(q, k, v, backend="mosaic", **kw)
+    ref = reference.forward_fp32(q, k, v, **kw)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, ref) < 2e-2, f"seed {seed}"
+    got = jax.grad(loss(lambda q, k, v: jaxattn.attention(q, k, v, backend="mosaic", **kw)),
+                   (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: reference.forward_fp32(q, k, v, **kw)), (0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, r in zip("qkv", got, want, strict=True):
+        assert g.dtype == jnp.bfloat16 and not np.isnan(np.asarray(g, np.float32)).any()
+        assert rel_err(g, r) < 5e-2, f"d{name} (seed {seed})"
+    for g in got[1:]:
+        assert not np.asarray(g, np.float32)[0, :, 250:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_fp32_is_the_pallas_backends():
+    """On sm90, the mosaic backend's fp32 calls equal the pallas backend's in bits: the
+    forward with its lse, the gradients, paged KV and CP."""
+    from jaxattn import cp, paged
+    q, k, v = rand_qkv(2, 4, 2, 100, 300, 64, jnp.float32)
+    mask = jnp.asarray(np.arange(300)[None].repeat(2, 0) % 7 != 2)
+    for fn in (lambda be: jaxattn.attention(q, k, v, key_padding_mask=mask,
+                                            return_lse=True, backend=be),
+               lambda be: jax.grad(lambda q, k, v: jaxattn.attention(
+                   q, k, v, backend=be).sum(), (0, 1, 2))(q, k, v),
+               lambda be: cp.forward_with_lse(q, k, v, cp_world_size=2, backend=be)):
+        got, want = fn("mosaic"), fn("pallas")
+        for a, b in zip(got, want, strict=True):
+            assert not np.isnan(np.asarray(a)).any()
+            assert bits_equal(a, b)
+    # A paged cache of 5 pages of 64 keys per sequence (pallas reads pages in place:
+    # multiples of BLOCK_N); sequences of 300 and 250 keys, one decode row each.
+    kp = jnp.concatenate([k, k[:, :, :20]], axis=2)
+    vp = jnp.concatenate([v, v[:, :, :20]], axis=2)
+    pages = lambda x: x.reshape(2, 2, 5, 64, 64).transpose(0, 2, 1, 3, 4).reshape(  # noqa: E731
+        10, 2, 64, 64)
+    table = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+    lens = jnp.array([300, 250], jnp.int32)
+    got, want = (paged.attention(q[:, :, -1:], pages(kp), pages(vp), table, lens,
+                                 return_lse=True, backend=be) for be in ("mosaic", "pallas"))
+    for a, b in zip(got, want, strict=True):
+        assert not np.isnan(np.asarray(a)).any()
+        assert bits_equal(a, b)
 
 
 def test_empty_calls_need_no_kernel():
@@ -75,10 +172,11 @@ def test_empty_calls_need_no_kernel():
 
 
 @needs_api
-@pytest.mark.parametrize("d", [16, 128])
+@pytest.mark.parametrize("d", [16, 128, 200])
 def test_forward_and_gradient_lower_for_cuda(d):
     """The backend's forward and its gradient (delta, dK/dV, dQ) go through the Pallas
-    -> Mosaic GPU lowering for CUDA on a CPU-only machine, D=16 zero-padded to 64."""
+    -> Mosaic GPU lowering for CUDA on a CPU-only machine, D=16 zero-padded to 64, D=200
+    to 256 (dK and dV by two kernels there)."""
     q = jax.ShapeDtypeStruct((2, 4, 100, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 2, 150, d), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((2, 150), jnp.bool_)
@@ -89,7 +187,8 @@ def test_forward_and_gradient_lower_for_cuda(d):
 
     f = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
     text = f.trace(q, k, k, mask).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 4  # forward, delta, dK/dV, dQ
+    # forward, delta, dK/dV (dK and dV at D > 128), dQ
+    assert text.count("custom_call @mosaic_gpu") == (5 if d > 128 else 4)
 
 
 @needs_sync
@@ -186,12 +285,6 @@ def test_interpret_cp_equals_single_call():
     finally:
         schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
         jax.clear_caches()
-
-
-def test_cp_registered_by_name_only():
-    from jaxattn import cp  # noqa: F401  (registers the cp_attention op)
-    be = registry._backends("cp_attention")["mosaic"]
-    assert be.priority == {} and be.platforms == ("gpu",)
 
 
 @needs_interpret

@@ -459,8 +459,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"dq": "fused"}, {"dq": "fused", "dkdv_wgs": 1},
                                 {"dq": "fused", "accumulate": "inplace"},
                                 {"dq": "fused", "dq_add": "atomic"},
-                                {"mask": "probs"}, {"exp2": True},
-                                {"mask": "probs", "exp2": True, "dq_wgs": 2},
+                                {"mask": "scores"}, {"exp2": False},
+                                {"mask": "scores", "exp2": False, "dq_wgs": 2},
                                 {"split_dkdv": True}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_dkdv_options_lower(mosaic_bwd, kw):
@@ -497,7 +497,7 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
 @needs_api
 @pytest.mark.parametrize("kw", [{}, {"dq": "fused"}, {"accumulate": "inplace"},
                                 {"gpu_operands": False, "dq_wgs": 1},
-                                {"mask": "probs", "exp2": True}],
+                                {"mask": "scores", "exp2": False}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
                          or "default")
 @pytest.mark.parametrize("causal", [True, False])

@@ -248,8 +248,8 @@ def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matm
     for shape, causal, kw in cases:
         seed, q, k, v = _inputs(*shape)
         one = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
-                                 config=mosaic_fwd.MosaicConfig(**kw))
-        for extra in ({"blocks_per_step": 2}, {"blocks_per_step": 2, "wait_next_k": True}):
+                                 config=mosaic_fwd.MosaicConfig(wait_next_k=False, **kw))
+        for extra in ({"wait_next_k": True}, {"blocks_per_step": 2, "wait_next_k": True}):
             two = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                      config=mosaic_fwd.MosaicConfig(**extra, **kw))
             for x, y in zip(one, two, strict=True):
@@ -497,6 +497,13 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
                                      config=mosaic_fwd.MosaicConfig(split_decode=True)
                                      ).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
+    # The default (split_decode=None) splits where B * Hkv is below
+    # SPLIT_DECODE_BELOW_CTAS (16 here) and folds in the kernel from there on.
+    for b, n in ((2, 2), (-(-mosaic_fwd.SPLIT_DECODE_BELOW_CTAS // 8), 1)):
+        qb = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)
+        kb = jax.ShapeDtypeStruct((b, 8, 5000, 128), jnp.bfloat16)
+        text = mosaic_fwd.lower_for_cuda(qb, kb, kb, causal=causal).as_text()
+        assert text.count("custom_call @mosaic_gpu") == n, b
     # and the partial states of prefill tiles (per-sequence offsets)
     qp = jax.ShapeDtypeStruct((2, 32, 300, 128), jnp.bfloat16)
     offs = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -563,8 +570,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
     {"blocks_per_step": 2},
     {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
-    {"wait_next_k": True},
-    {"wait_next_k": True, "persistent": 132, "prefetch_q": True},
+    {"wait_next_k": False},
+    {"wait_next_k": False, "persistent": 132, "prefetch_q": True},
     # The arithmetic of stop 18 (accurate exp2/log2, a division per element, the
     # mask's indices per tile, no fence).
     {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
@@ -626,7 +633,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True},
                {"blocks_per_step": 3}, {"blocks_per_step": 2, "rowsum": "mma"},
                {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"},
-               {"wait_next_k": True, "overlap": "registers"}):
+               {"split_decode_stages": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)

@@ -14,11 +14,11 @@ from jaxattn.invariance import bits_equal
 
 def test_platform_priority():
     assert registry.resolve("attention", platform="cpu").name == "reference"
-    assert registry.resolve("attention", platform="gpu").name == (
-        "pallas" if registry._backends("attention")["pallas"].available() is None else
-        "reference")
+    avail = {n: b.available() is None for n, b in registry._backends("attention").items()}
+    gpu = ("mosaic" if avail["mosaic"] else "pallas" if avail["pallas"] else "reference")
+    assert registry.resolve("attention", platform="gpu").name == gpu
     op = jaxattn.get_op("attention")
-    assert op.backend == ("pallas" if ON_GPU else "reference")
+    assert op.backend == (gpu if ON_GPU else "reference")
     assert "backend=" in repr(op)
 
 

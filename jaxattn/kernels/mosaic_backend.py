@@ -2,15 +2,20 @@
 (:mod:`jaxattn.kernels.mosaic_fwd`, :mod:`jaxattn.kernels.mosaic_bwd`) behind the
 registry's ``forward_with_lse`` contract, differentiable through ``jax.custom_vjp``.
 
-Explicit selection only (``backend="mosaic"``): the registry does not choose it by
-itself until it serves every call the ``"pallas"`` backend serves (issue 8;
-docs/mosaic.md says what is missing). What it serves now, and the reason it gives
-otherwise (:func:`check_supported`, raised as ValueError by the op):
+On an sm90 GPU the registry chooses it before ``"pallas"`` (issue 8): it serves every
+call the ``"pallas"`` backend serves. What it serves (:func:`check_supported`, raised as
+ValueError by the op otherwise):
 
-* bf16 or fp16 inputs (the wgmma operand types); fp32 is refused;
-* head dims 1 to 128: D < 64 runs zero-padded to 64, 64 < D < 128 to 128. The padding
-  adds exact zeros to every dot product, and a given D always runs the same padded
-  kernel, so the invariance matrix is unaffected; the scale is that of the real D;
+* bf16 or fp16 inputs on the Mosaic GPU kernels (the wgmma operand types);
+* fp32 inputs on the Pallas backend's kernels (Hopper's wgmma has no fp32 product, only
+  tf32): every fp32 path of this backend (forward, backward, paged KV, CP) is the
+  ``"pallas"`` backend's, so fp32 keeps that backend's invariance matrix, and
+  ``forward_fp32`` (which upcasts) is the Pallas backend's fp32 result. The head dims
+  are then the Pallas kernels' (powers of two from 16 to 256);
+* bf16/fp16 head dims 1 to 256: D < 64 runs zero-padded to 64, 64 < D < 128 to 128,
+  128 < D < 256 to 256. The padding adds exact zeros to every dot product, and a given
+  D always runs the same padded kernel, so the invariance matrix is unaffected; the
+  scale is that of the real D;
 * any B, Hq, Hkv with Hq a multiple of Hkv, any Sq and Skv (padded inside the kernels;
   Sq = 0 or Skv = 0 are answered without a kernel: no rows, or rows with no visible
   key: 0 and lse = -inf), causal or not, with or without a key padding mask;
@@ -21,7 +26,6 @@ Paged KV (:mod:`jaxattn.paged`): the pages are gathered into contiguous K and V 
 Sq``) and the keys past each sequence's length dropped, so a row's bits are those of
 its contiguous call. CP (:mod:`jaxattn.cp`, ``backend="mosaic"``): :func:`cp_attention`
 folds each key range's per-SPLIT partial states and runs the backward per key range.
-Not served: fp32, D > 128.
 
 The Mosaic modules are imported on first use, so importing jaxattn never depends on
 ``jax.experimental.pallas.mosaic_gpu``.
@@ -36,18 +40,29 @@ import jax.numpy as jnp
 import numpy as np
 
 #: Head dims the kernels take natively; others are zero-padded to the next one.
-NATIVE_HEAD_DIMS = (64, 128)
+NATIVE_HEAD_DIMS = (64, 128, 256)
+#: The dtypes of the Mosaic GPU kernels.
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
+def on_pallas(dtype) -> bool:
+    """Whether this backend serves a call of ``dtype`` on the Pallas backend's kernels
+    (fp32: Hopper's wgmma has no fp32 product)."""
+    return np.dtype(dtype) == np.dtype(jnp.float32)
+
+
 def check_supported(head_dim: int, dtype) -> str | None:
-    """Why the Mosaic kernels cannot serve a call of this head dim and dtype, or None."""
+    """Why this backend cannot serve a call of this head dim and dtype, or None."""
+    if on_pallas(dtype):
+        from jaxattn.kernels import pallas_triton
+        reason = pallas_triton.check_supported(head_dim)
+        return None if reason is None else f"fp32 runs the Pallas kernels: {reason}"
     if np.dtype(dtype) not in DTYPES:
         return (f"dtype {np.dtype(dtype).name} is not supported by the Mosaic GPU kernels "
-                f"(bf16 or fp16: the wgmma operand types; use backend='pallas' for fp32)")
+                f"(bf16 or fp16; fp32 on the Pallas kernels)")
     if not 1 <= head_dim <= NATIVE_HEAD_DIMS[-1]:
         return (f"head dim D={head_dim} is not supported by the Mosaic GPU kernels "
-                f"(1 to {NATIVE_HEAD_DIMS[-1]}; D=256 not yet)")
+                f"(1 to {NATIVE_HEAD_DIMS[-1]})")
     return None
 
 
@@ -77,6 +92,8 @@ def _served(q, k, v, run):
     gradients), zero-pad the head dim to a native one, ``run(q, k, v) -> (out, lse)``
     and cut the output back to D."""
     reason = check_supported(q.shape[-1], q.dtype)
+    if reason is None and on_pallas(q.dtype):
+        reason = "fp32 runs the Pallas kernels, not this entry (an internal error)"
     if reason is not None:
         raise ValueError(reason)
     b, hq, sq, d = q.shape
@@ -120,7 +137,15 @@ def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
               interpret=False, fwd_config=None, bwd_config=None):
     """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable (the
     Mosaic backward; dK/dV and dQ kernels). ``interpret`` and the configs are for tests
-    (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations)."""
+    (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations). fp32: the
+    Pallas backend's kernels (interpreted on a CPU)."""
+    if on_pallas(q.dtype):
+        from jaxattn.kernels import pallas_triton, pallas_triton_vjp
+        reason = pallas_triton.check_supported(q.shape[-1])
+        if reason is not None:
+            raise ValueError(f"fp32 runs the Pallas kernels: {reason}")
+        return pallas_triton_vjp.attention(q, k, v, key_padding_mask, bool(causal),
+                                           float(scale), jax.default_backend() == "cpu")
     return _served(q, k, v, lambda q, k, v: _core(
         q, k, v, key_padding_mask, bool(causal), float(scale), interpret, fwd_config,
         bwd_config))
