@@ -87,7 +87,12 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
     inv = np.float32(1.0) / np.where(np.asarray(l) == 0, np.float32(1), np.asarray(l))
     want = np.where(np.asarray(l)[:, None] == 0, np.float32(0),
                     np.asarray(acc) * inv[:, None])
-    np.testing.assert_array_equal(np.asarray(out_r).view(np.uint32), want.view(np.uint32))
+    got = np.asarray(out_r).view(np.int32).astype(np.int64)
+    ulps = np.abs(got - want.view(np.int32).astype(np.int64))
+    # Exact under XLA on a CPU; XLA on the H200 forms 1 / l with its own (not correctly
+    # rounded) division, so rows there differ by up to 2 ulps (measured, stop 20). The
+    # kernels' reciprocal is checked in bits across their paths, not against XLA.
+    assert ulps.max() <= (0 if jax.default_backend() == "cpu" else 2), ulps.max()
     np.testing.assert_array_equal(np.asarray(lse_r).view(np.uint32),
                                   np.asarray(lse_b).view(np.uint32))
     ol, orr = (jnp.asarray(rng.standard_normal((m_rows, d)), jnp.float32) for _ in range(2))
