@@ -39,9 +39,10 @@ Rows with no visible key (the query rows of left padding) come out as zeros, as 
 defines them; transformers' eager attention returns an average of values there. Those rows
 are padding and are never read by the real tokens.
 
-Bits: with the ``pallas`` backend, decode rows equal the full forward's rows, and a
-sequence alone equals its rows in a right-padded batch. Left padding moves a sequence's
-keys within jaxattn's 64-key blocks, so alone vs left-padded agree only within rounding.
+Bits: with a kernel backend (``mosaic``, ``pallas``), decode rows equal the full
+forward's rows, and a sequence alone equals its rows in a right-padded batch. Left
+padding moves a sequence's keys within jaxattn's 64-key blocks, so alone vs left-padded
+agree only within rounding.
 
 transformers is imported lazily: ``import torch_bridge`` works without it.
 """
@@ -231,8 +232,9 @@ def register(name: str = DEFAULT_NAME, backend: str | None = None) -> str:
     ``AttentionMaskInterface`` (global: every model sees it). Returns ``name``; select it
     with ``attn_implementation=name`` or ``model.set_attn_implementation(name)``.
 
-    ``backend`` is the jaxattn backend (None: the platform default, ``pallas`` on a GPU).
-    Only ``pallas`` promises decode rows equal to prefill rows in bits.
+    ``backend`` is the jaxattn backend (None: the platform default: ``mosaic`` on sm90,
+    ``pallas`` on other GPUs). The kernel backends (``mosaic``, ``pallas``, ``triton``)
+    promise decode rows equal to prefill rows in bits; the reference does not.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 

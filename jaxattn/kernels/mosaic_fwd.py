@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
 
 Registered as the ``"mosaic"`` backend through :mod:`jaxattn.kernels.mosaic_backend`
-(by name only; docs/mosaic.md says what is missing before the registry may choose it).
+(the registry's choice on sm90; docs/mosaic.md).
 Developed on a CPU machine (Mosaic GPU interpret mode, lowering for CUDA) and measured
 on an H200.
 
