@@ -53,7 +53,10 @@ if has tests; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has check; then
-  $PY -m jaxattn.check --backends=${CHECK_BACKENDS:-pallas,reference} --batch=${CHECK_BATCH:-4} \
+  # Default: every backend usable here but triton (mosaic on sm90, pallas, reference).
+  CHECK_BACKENDS=${CHECK_BACKENDS:-$($PY -c 'from jaxattn.check import usable_backends
+print(",".join(b for b in usable_backends() if b != "triton"))')}
+  $PY -m jaxattn.check --backends=$CHECK_BACKENDS --batch=${CHECK_BATCH:-4} \
       --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
       --chunk_sizes=64,100,1000 --json_out="$OUT/check.json" 2>&1 | tee "$OUT/check.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
