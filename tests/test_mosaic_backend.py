@@ -197,7 +197,7 @@ def test_interpret_backend_wrapper():
     """The wrapper in interpret mode (one warpgroup per kernel): D=16 zero-padded to 64,
     a key padding mask, causal with Sq < Skv; forward and gradients (through the custom
     VJP, eagerly: one interpreted kernel per computation) against the fp32 reference;
-    the paged entry against the op in bits."""
+    the backward from saved residuals and the paged entry against the op in bits."""
     from jaxattn.kernels import mosaic_bwd, mosaic_fwd
     seed = int(np.random.default_rng().integers(2**16))
     q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, jnp.bfloat16, seed=seed)
@@ -226,6 +226,15 @@ def test_interpret_backend_wrapper():
         assert g.shape == r.shape and g.dtype == jnp.bfloat16, name
         assert not np.isnan(np.asarray(g, np.float32)).any(), name
         assert rel_err(g, r) < 5e-2, f"d{name} (seed {seed})"
+    # The backward from saved residuals (the torch bridge's; no recomputed forward):
+    # the custom VJP's gradients in bits, the head dim padded as the forward pads it.
+    direct = mosaic_backend.backward(q, k, v, mask, out, lse, w.astype(jnp.bfloat16),
+                                     jnp.zeros_like(lse), causal=True, scale=0.25,
+                                     interpret=True, bwd_config=kw["bwd_config"])
+    for name, g, h in zip("qkv", got, direct, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
+                                      np.asarray(h).view(np.uint16),
+                                      err_msg=f"d{name} (seed {seed})")
     # The paged entry (per-sequence offsets; here the static one, Skv - Sq = 30) gives
     # the same bits as the op, D padding included.
     po, pl_ = mosaic_backend.paged_forward(q, k, v, mask, jnp.array([30], jnp.int32),

@@ -121,12 +121,21 @@ def _jax_forward(op_name: str, backend: str, causal: bool, scale: float | None,
 @functools.cache
 def _jax_backward(op_name: str, backend: str, causal: bool, scale: float | None,
                   cp_world_size: int, kv_chunk_size: int | None):
-    """Jitted backward. The Pallas attention op runs its kernel backward straight from
-    the saved residuals (q, k, v, out, lse): the same function its ``jax.custom_vjp``
-    calls, with no recomputed forward. Other ops take ``jax.vjp`` of the jitted forward
-    (which recomputes it)."""
+    """Jitted backward. The Pallas and Mosaic attention ops run their kernel backward
+    straight from the saved residuals (q, k, v, out, lse): the same function their
+    ``jax.custom_vjp`` calls, with no recomputed forward. Other ops take ``jax.vjp`` of
+    the jitted forward (which recomputes it)."""
     fwd = _jax_forward(op_name, backend, causal, scale, cp_world_size, kv_chunk_size)
-    if op_name == "attention" and backend == "pallas":
+    if op_name == "attention" and backend == "mosaic":
+        from jaxattn.kernels import mosaic_backend
+
+        def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
+            TRACE_COUNT["n"] += 1
+            m = None if mask is None else mask != 0
+            return mosaic_backend.backward(q, k, v, m, out, lse, d_out, d_lse,
+                                           causal=causal,
+                                           scale=resolve_scale(scale, q.shape[-1]))
+    elif op_name == "attention" and backend == "pallas":
         def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
             TRACE_COUNT["n"] += 1
             m = None if mask is None else mask != 0

@@ -151,6 +151,40 @@ def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
         bwd_config))
 
 
+def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
+             scale: float, interpret=False, bwd_config=None):
+    """``(dq, dk, dv)`` from the forward's residuals ``(out, lse)`` of :func:`attention`
+    and the cotangents ``d_out``, ``d_lse``: the backward :func:`attention`'s custom VJP
+    runs, without recomputing the forward (for callers that keep the residuals, as the
+    torch bridge does), and the same bits. The head dim is zero-padded as the forward
+    pads it (the forward's padded output columns are exact zeros); fp32: the Pallas
+    backend's backward. Empty calls give zero gradients."""
+    if on_pallas(q.dtype):
+        from jaxattn.kernels import pallas_triton, pallas_triton_vjp
+        reason = pallas_triton.check_supported(q.shape[-1])
+        if reason is not None:
+            raise ValueError(f"fp32 runs the Pallas kernels: {reason}")
+        return pallas_triton_vjp.backward(q, k, v, key_padding_mask, out, lse,
+                                          d_out.astype(out.dtype), d_lse, causal=causal,
+                                          scale=scale,
+                                          interpret=jax.default_backend() == "cpu")
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    from jaxattn.kernels import mosaic_bwd
+    d = q.shape[-1]
+    dp = _padded_head_dim(d)
+    pad = (lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, dp - d)))) if dp != d else (
+        lambda x: x)
+    grads = mosaic_bwd.backward(pad(q), pad(k), pad(v), pad(out),
+                                lse, pad(d_out.astype(out.dtype)), d_lse, causal=causal,
+                                scale=scale, interpret=interpret, config=bwd_config,
+                                key_padding_mask=key_padding_mask)
+    return tuple(g[..., :d] if dp != d else g for g in grads)
+
+
 def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
                   interpret=False, fwd_config=None):
     """Forward only (rollout) over contiguous ``k, v [B, Hkv, cap, D]`` gathered from a
