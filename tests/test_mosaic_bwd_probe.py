@@ -178,11 +178,14 @@ def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case
     """With the Triton backward's tile products computed as the Mosaic GPU interpreter
     computes wgmma (``np.matmul``), dq, dk, dv, the dQ accumulator and delta equal the
     Triton backend's bit for bit: the prototype performs the same operations in the
-    same order (tiles, ascending loops, GQA head order, masking, scaling)."""
+    same order (tiles, ascending loops, GQA head order, masking, scaling) with the
+    Triton source's probabilities (``mask="scores"``, ``exp(s * scale - lse)``: not the
+    defaults, which are the backend's own bits)."""
     b, hq, hkv, sq, skv, d, causal = case
     seed, q, k, v, do = _inputs(b, hq, hkv, sq, skv, d)
+    cfg = mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, mask="scores", exp2=False)
     out, lse, grads_t = _triton(q, k, v, do, causal)
-    grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal)
+    grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal, cfg)
     for name, g, gt in zip("qkv", grads, grads_t, strict=True):
         np.testing.assert_array_equal(bits(g), bits(gt), err_msg=f"d{name} (seed {seed})")
     from jaxattn.kernels import pallas_triton_vjp
@@ -191,7 +194,7 @@ def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case
                                                                             interpret=True)))
     scale = 1.0 / math.sqrt(d)
     acc = mosaic_bwd.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
-                                   interpret=True)
+                                   interpret=True, config=cfg)
     acc_t = pallas_triton_vjp.dq_accumulate(q, k, v, do, lse, dl, causal=causal, scale=scale,
                                             interpret=True)
     np.testing.assert_array_equal(bits(acc), bits(acc_t), err_msg=f"seed {seed}")
