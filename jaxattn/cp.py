@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from jaxattn import reference, schedule
+from jaxattn.kernels import mosaic_backend
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
 from jaxattn.merge import fold
@@ -278,11 +279,9 @@ def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
     dims: Dims = validate_inputs(q, k, v, causal=causal, scale=scale,
                                  key_padding_mask=key_padding_mask)
     _check_cp_args(cp_world_size, kv_chunk_size)
-    be = resolve("cp_attention", backend).name
-    if be == "mosaic":
-        from jaxattn.kernels import mosaic_backend
-        if mosaic_backend.on_pallas(jnp.float32 if fp32 else dims.dtype):
-            be = "pallas"  # the mosaic backend's fp32 is the Pallas backend's
+    # The mosaic backend's fp32 calls are the Pallas backend's.
+    be = mosaic_backend.backend_for(resolve("cp_attention", backend).name,
+                                    jnp.float32 if fp32 else dims.dtype)
     if be == "pallas":
         reason = pt.check_supported(dims.head_dim)
         if reason:
@@ -299,7 +298,6 @@ def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
                               int(cp_world_size), kv_chunk_size, interpret)
         return out, lse
     if be == "mosaic":
-        from jaxattn.kernels import mosaic_backend
         return mosaic_backend.cp_attention(q, k, v, key_padding_mask, qo, ko,
                                            causal=bool(causal), scale=s,
                                            cp_world_size=int(cp_world_size),
@@ -378,7 +376,6 @@ register("cp_attention", Backend(
 
 
 def _unsupported_mosaic_cp(dims: Dims) -> str | None:
-    from jaxattn.kernels import mosaic_backend
     return mosaic_backend.check_supported(dims.head_dim, dims.dtype)
 
 

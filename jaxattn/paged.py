@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import reference, schedule
+from jaxattn.kernels import mosaic_backend
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.registry import resolve
 from jaxattn.validation import SUPPORTED_DTYPES, resolve_scale
@@ -108,11 +109,8 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
     Returns ``out [B, Hq, Sq, D]`` (and ``lse [B, Hq, Sq]`` fp32 with ``return_lse``).
     Forward only (rollout); train through :func:`jaxattn.attention`.
     """
-    be = resolve("attention", backend).name
-    if be == "mosaic":
-        from jaxattn.kernels import mosaic_backend
-        if mosaic_backend.on_pallas(q.dtype):
-            be = "pallas"  # the mosaic backend's fp32 is the Pallas backend's
+    # The mosaic backend's fp32 calls are the Pallas backend's.
+    be = mosaic_backend.backend_for(resolve("attention", backend).name, q.dtype)
     validate(q, k_pages, v_pages, block_table, seq_lens, backend=be)
     sc = resolve_scale(scale, q.shape[-1])
     block_table = jnp.asarray(block_table, jnp.int32)
@@ -137,7 +135,6 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
             out, lse = triton_backend.forward(q, k, v, keep, seq_lens - sq,
                                               causal=bool(causal), scale=sc)
         elif be == "mosaic":
-            from jaxattn.kernels import mosaic_backend
             reason = mosaic_backend.check_supported(q.shape[-1], q.dtype)
             if reason:
                 raise ValueError(f"backend 'mosaic' cannot serve this call: {reason}")

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import jaxattn  # noqa: E402
 from jaxattn import cp as jcp  # noqa: E402
 from jaxattn import registry  # noqa: E402
+from jaxattn.kernels import mosaic_backend  # noqa: E402
 from jaxattn.kernels import pallas_triton_vjp as pv  # noqa: E402
 from jaxattn.validation import resolve_scale  # noqa: E402
 
@@ -126,22 +127,15 @@ def _jax_backward(op_name: str, backend: str, causal: bool, scale: float | None,
     ``jax.custom_vjp`` calls, with no recomputed forward. Other ops take ``jax.vjp`` of
     the jitted forward (which recomputes it)."""
     fwd = _jax_forward(op_name, backend, causal, scale, cp_world_size, kv_chunk_size)
-    if op_name == "attention" and backend == "mosaic":
-        from jaxattn.kernels import mosaic_backend
-
+    if op_name == "attention" and backend in ("pallas", "mosaic"):
         def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
             TRACE_COUNT["n"] += 1
             m = None if mask is None else mask != 0
-            return mosaic_backend.backward(q, k, v, m, out, lse, d_out, d_lse,
-                                           causal=causal,
-                                           scale=resolve_scale(scale, q.shape[-1]))
-    elif op_name == "attention" and backend == "pallas":
-        def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
-            TRACE_COUNT["n"] += 1
-            m = None if mask is None else mask != 0
+            kw = dict(causal=causal, scale=resolve_scale(scale, q.shape[-1]))
+            if backend == "mosaic":
+                return mosaic_backend.backward(q, k, v, m, out, lse, d_out, d_lse, **kw)
             return pv.backward(q, k, v, m, out, lse, d_out.astype(out.dtype), d_lse,
-                               causal=causal, scale=resolve_scale(scale, q.shape[-1]),
-                               interpret=jax.default_backend() == "cpu")
+                               interpret=jax.default_backend() == "cpu", **kw)
     else:
         def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
             TRACE_COUNT["n"] += 1

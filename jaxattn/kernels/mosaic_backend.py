@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.kernels import pallas_triton, pallas_triton_vjp
+
 #: Head dims the kernels take natively; others are zero-padded to the next one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
 #: The dtypes of the Mosaic GPU kernels.
@@ -51,10 +53,15 @@ def on_pallas(dtype) -> bool:
     return np.dtype(dtype) == np.dtype(jnp.float32)
 
 
+def backend_for(name: str, dtype) -> str:
+    """The backend whose kernels serve a call that backend ``name`` was asked for:
+    ``"pallas"`` for this backend's fp32 calls (:func:`on_pallas`), else ``name``."""
+    return "pallas" if name == "mosaic" and on_pallas(dtype) else name
+
+
 def check_supported(head_dim: int, dtype) -> str | None:
     """Why this backend cannot serve a call of this head dim and dtype, or None."""
     if on_pallas(dtype):
-        from jaxattn.kernels import pallas_triton
         reason = pallas_triton.check_supported(head_dim)
         return None if reason is None else f"fp32 runs the Pallas kernels: {reason}"
     if np.dtype(dtype) not in DTYPES:
@@ -86,25 +93,37 @@ def _padded_head_dim(d: int) -> int:
     return next(n for n in NATIVE_HEAD_DIMS if d <= n)
 
 
-def _served(q, k, v, run):
-    """The entries' common frame: refuse what the kernels do not serve, answer empty
-    calls without a kernel (no rows, or rows that see no key: 0 and -inf, zero
-    gradients), zero-pad the head dim to a native one, ``run(q, k, v) -> (out, lse)``
-    and cut the output back to D."""
+def _refuse_unsupported(q) -> None:
+    """Raise :func:`check_supported`'s reason (ValueError), if any."""
     reason = check_supported(q.shape[-1], q.dtype)
-    if reason is None and on_pallas(q.dtype):
-        reason = "fp32 runs the Pallas kernels, not this entry (an internal error)"
     if reason is not None:
         raise ValueError(reason)
+
+
+def _is_empty(q, k) -> bool:
+    """No rows, or rows that see no key: answered without a kernel."""
+    return 0 in (*q.shape[:3], k.shape[2])
+
+
+def _pad_head_dim(x, dp: int):
+    """``x [..., D]`` zero-padded to ``dp`` columns (as it is when ``D == dp``)."""
+    d = x.shape[-1]
+    return x if d == dp else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, dp - d),))
+
+
+def _served(q, k, v, run):
+    """The Mosaic entries' common frame: refuse what the kernels do not serve, answer
+    empty calls without a kernel (0 and -inf, zero gradients), zero-pad the head dim to
+    a native one, ``run(q, k, v) -> (out, lse)`` and cut the output back to D."""
+    _refuse_unsupported(q)
+    if on_pallas(q.dtype):
+        raise ValueError("fp32 runs the Pallas kernels, not this entry (an internal error)")
     b, hq, sq, d = q.shape
-    if 0 in (b, hq, sq, k.shape[2]):
+    if _is_empty(q, k):
         return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
     dp = _padded_head_dim(d)
-    if dp != d:
-        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    out, lse = run(q, k, v)
-    return (out[..., :d] if dp != d else out), lse
+    out, lse = run(*(_pad_head_dim(x, dp) for x in (q, k, v)))
+    return out[..., :d], lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -140,10 +159,7 @@ def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
     (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations). fp32: the
     Pallas backend's kernels (interpreted on a CPU)."""
     if on_pallas(q.dtype):
-        from jaxattn.kernels import pallas_triton, pallas_triton_vjp
-        reason = pallas_triton.check_supported(q.shape[-1])
-        if reason is not None:
-            raise ValueError(f"fp32 runs the Pallas kernels: {reason}")
+        _refuse_unsupported(q)
         return pallas_triton_vjp.attention(q, k, v, key_padding_mask, bool(causal),
                                            float(scale), jax.default_backend() == "cpu")
     return _served(q, k, v, lambda q, k, v: _core(
@@ -159,30 +175,22 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
     torch bridge does), and the same bits. The head dim is zero-padded as the forward
     pads it (the forward's padded output columns are exact zeros); fp32: the Pallas
     backend's backward. Empty calls give zero gradients."""
+    _refuse_unsupported(q)
+    d_out = d_out.astype(out.dtype)
     if on_pallas(q.dtype):
-        from jaxattn.kernels import pallas_triton, pallas_triton_vjp
-        reason = pallas_triton.check_supported(q.shape[-1])
-        if reason is not None:
-            raise ValueError(f"fp32 runs the Pallas kernels: {reason}")
-        return pallas_triton_vjp.backward(q, k, v, key_padding_mask, out, lse,
-                                          d_out.astype(out.dtype), d_lse, causal=causal,
-                                          scale=scale,
+        return pallas_triton_vjp.backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse,
+                                          causal=causal, scale=scale,
                                           interpret=jax.default_backend() == "cpu")
-    reason = check_supported(q.shape[-1], q.dtype)
-    if reason is not None:
-        raise ValueError(reason)
-    if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+    if _is_empty(q, k):
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     from jaxattn.kernels import mosaic_bwd
     d = q.shape[-1]
     dp = _padded_head_dim(d)
-    pad = (lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, dp - d)))) if dp != d else (
-        lambda x: x)
-    grads = mosaic_bwd.backward(pad(q), pad(k), pad(v), pad(out),
-                                lse, pad(d_out.astype(out.dtype)), d_lse, causal=causal,
+    q_, k_, v_, out_, d_out_ = (_pad_head_dim(x, dp) for x in (q, k, v, out, d_out))
+    grads = mosaic_bwd.backward(q_, k_, v_, out_, lse, d_out_, d_lse, causal=causal,
                                 scale=scale, interpret=interpret, config=bwd_config,
                                 key_padding_mask=key_padding_mask)
-    return tuple(g[..., :d] if dp != d else g for g in grads)
+    return tuple(g[..., :d] for g in grads)
 
 
 def paged_forward(q, k, v, keep, causal_offsets, *, causal: bool, scale: float,
