@@ -408,7 +408,10 @@ def time_speed(results: list) -> None:
         for peer in FLAGS.peers:
             try:
                 sysm = systems.make(peer)
-                fns[peer] = (sysm, functools.partial(sysm.forward, causal=True))
+                f = functools.partial(sysm.forward, causal=True)
+                # JAX systems compiled as attention_bench compiles them (each op of an
+                # uncompiled call is dispatched and timed on its own).
+                fns[peer] = (sysm, jax.jit(f) if sysm.framework == "jax" else f)
             except Exception as e:  # a missing peer is reported
                 print({"peer": peer, "error": str(e)[:200]}, flush=True)
         for name, fn in fns.items():

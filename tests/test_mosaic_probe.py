@@ -201,13 +201,14 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
     """A persistent grid of 3 CTAs walks the 8 (tile, head) items (3, 3 and 2 per CTA,
-    its K/V ring running on across items) and gives the bits of one CTA per tile, with
-    and without the next item's Q loaded during this one (two Q buffers); non-causal
-    with a partial last key block."""
+    its K/V ring running on across items; in snake order items 0, 5, 6 / 1, 4, 7 / 2,
+    3, in round-robin order 0, 3, 6 / 1, 4, 7 / 2, 5) and gives the bits of one CTA per
+    tile, with and without the next item's Q loaded during this one (two Q buffers);
+    non-causal with a partial last key block."""
     seed, q, k, v = _inputs(1, 2, 1, 256, 256 if causal else 200, 64)
     base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                               config=mosaic_fwd.MosaicConfig(**_ONE_WG))
-    for kw in ({}, {"prefetch_q": True}):
+    for kw in ({}, {"prefetch_q": True}, {"persistent_order": "round_robin"}):
         other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                    config=mosaic_fwd.MosaicConfig(persistent=3, **kw,
                                                                   **_ONE_WG))
@@ -572,6 +573,7 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"key_bound": "always"},
     {"persistent": 132},
     {"persistent": 132, "prefetch_q": True},
+    {"persistent": 132, "persistent_order": "round_robin"},
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
     {"blocks_per_step": 2},
     {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
@@ -638,7 +640,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True},
                {"blocks_per_step": 3}, {"blocks_per_step": 2, "rowsum": "mma"},
                {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"},
-               {"split_decode_stages": 0}):
+               {"split_decode_stages": 0}, {"persistent_order": "zigzag"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)
