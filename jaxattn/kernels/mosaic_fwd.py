@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -148,13 +150,17 @@ class MosaicConfig:
     #: K/V ring running on across items. The rows' operations are those of one CTA per
     #: tile: the same bits.
     persistent: int = 0
-    #: The order a persistent grid's CTAs take the items in: "snake" (round r's items go
-    #: to CTAs 0, 1, ..., n-1 when r is even and n-1, ..., 0 when r is odd, so a CTA
-    #: that took a heavier item of a round takes a lighter one of the next: the causal
-    #: tiles' work, heavy first, then sums alike on every CTA) or "round_robin" (item
-    #: ``cta + r n`` in round r: at B=2 S=4096 the most loaded CTA has 6% more blocks
-    #: than the mean). A launch choice: the same bits.
-    persistent_order: str = "snake"
+    #: How a persistent grid's CTAs share the items. "greedy": the items in the order
+    #: of the grid without ``persistent`` (heads fastest, then tiles, then batch), each
+    #: given to the CTA that is free first by a count of its key blocks (a table
+    #: computed on the host, as the hardware hands out CTAs of a plain grid: the items
+    #: in flight together share K/V heads in the L2). The others take rounds of ``n``
+    #: items, tiles outermost and batch fastest: "snake" (round r's items go to CTAs 0,
+    #: ..., n-1 when r is even and n-1, ..., 0 when odd, so a CTA that took a heavier
+    #: item of a round takes a lighter one of the next) or "round_robin" (item ``cta +
+    #: r n``: at B=2 S=4096 the most loaded CTA has 6% more blocks than the mean). A
+    #: launch choice: the same bits.
+    persistent_order: str = "greedy"
     #: With ``persistent``: two Q buffers per compute warpgroup, and the next item's Q
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
@@ -229,8 +235,9 @@ class MosaicConfig:
                              f"{self.key_bound!r}")
         if self.persistent < 0:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
-        if self.persistent_order not in ("snake", "round_robin"):
-            raise ValueError(f"persistent_order must be 'snake' or 'round_robin', got "
+        if self.persistent_order not in ("greedy", "snake", "round_robin"):
+            raise ValueError(f"persistent_order must be 'greedy', 'snake' or "
+                             f"'round_robin', got "
                              f"{self.persistent_order!r}")
         if self.prefetch_q and not self.persistent:
             raise ValueError("prefetch_q needs a persistent grid (persistent > 0)")
@@ -1007,6 +1014,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
     set_regs = cfg.registers is not None and nwg == 2 and interpret is None
     heads = hq * b
+    greedy = bool(cfg.persistent) and cfg.persistent_order == "greedy"
 
     def item(qi, h, bi):
         """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
@@ -1028,6 +1036,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
             return jnp.int32(1), lambda k: item(qi, h, bi)
         cta, n = lax.axis_index("cta"), jnp.int32(cfg.persistent)
+        if greedy:  # row cta of the host's table: [count, item, item, ...]
+            table = dyn["sched"]
+
+            def at_table(k):
+                t = table[cta, k + 1]
+                return item(lax.rem(lax.div(t, jnp.int32(hq)), jnp.int32(n_tiles)),
+                            lax.rem(t, jnp.int32(hq)), lax.div(t, jnp.int32(hq * n_tiles)))
+
+            return table[cta, 0], at_table
         rounds, rem = divmod(n_tiles * heads, cfg.persistent)
         snake = cfg.persistent_order == "snake"
         if snake:  # the last, partial round runs forwards or backwards as the others
@@ -1047,14 +1064,12 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         return count, at
 
     def kernel(q_ref, k_ref, v_ref, ones_ref, *rest):
+        *rest, o_ref, lse_ref = rest
+        if greedy:
+            *rest, dyn["sched"] = rest
         if dyn_offsets:
-            *rest, offs_ref, o_ref, lse_ref = rest
-            dyn["offs"] = offs_ref
-            rest = (*rest, o_ref, lse_ref)
-        if key_mask:
-            keep_ref, flags_ref, o_ref, lse_ref = rest
-        else:
-            (o_ref, lse_ref), keep_ref, flags_ref = rest, None, None
+            *rest, dyn["offs"] = rest
+        keep_ref, flags_ref = rest if key_mask else (None, None)
         count, item_at = items_of_cta()
         k_shape = (stages, kb, d) if gpu_operands else (stages, d, kb)
         qbufs = (2,) if cfg.prefetch_q else ()
@@ -1151,7 +1166,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     else:
         out_type = (jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
                     jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-    return plgpu.kernel(
+    call = plgpu.kernel(
         kernel,
         out_type=out_type,
         grid=grid,
@@ -1162,7 +1177,48 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             approx_math=cfg.approx_math,
             lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize())),
         interpret=interpret,
-    ), ones_cols
+    )
+    if not greedy:
+        return call, ones_cols
+    # Each item's key blocks (the tile's; every tile's count where the offsets are only
+    # known at run time), items in the plain grid's order.
+    tiles = np.arange(n_tiles)
+    if cfg.q_order == "descending":
+        tiles = tiles[::-1]
+    if causal and position is None and not dyn_offsets:
+        last = tiles * rows_cta + (rows_cta - 1) + offset
+        blocks = np.minimum(np.maximum(last + bn, 0) // bn, total)
+    else:
+        blocks = np.full(n_tiles, total)
+    table = jnp.asarray(persistent_schedule(np.repeat(blocks, hq), b, cfg.persistent))
+    return (lambda *args: call(*args, table)), ones_cols
+
+
+#: Blocks' worth of time an item costs beyond its key blocks (load Q, fill the
+#: pipeline, store O), in :func:`persistent_schedule`'s estimate.
+ITEM_OVERHEAD_BLOCKS = 2
+
+
+def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
+    """The ``persistent_order="greedy"`` table, int32 ``[n_cta, 1 + most]``: row c is
+    ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
+    runs them. Items ``t`` are numbered as a plain grid launches them (here: the
+    ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
+    the batch) and each goes to the CTA whose items so far end first (ties: the lowest
+    CTA), costing its key blocks plus :data:`ITEM_OVERHEAD_BLOCKS`."""
+    cost = np.tile(np.asarray(blocks_per_tile_head, np.int64), batch) + ITEM_OVERHEAD_BLOCKS
+    heap = [(0, c) for c in range(n_cta)]  # (busy until, cta): already a heap
+    per_cta = [[] for _ in range(n_cta)]
+    for t, w in enumerate(cost):
+        end, c = heapq.heappop(heap)
+        per_cta[c].append(t)
+        heapq.heappush(heap, (end + int(w), c))
+    most = max(len(x) for x in per_cta)
+    table = np.full((n_cta, 1 + most), -1, np.int32)
+    for c, items in enumerate(per_cta):
+        table[c, 0] = len(items)
+        table[c, 1:1 + len(items)] = items
+    return table
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
