@@ -35,6 +35,8 @@ flags.DEFINE_bool("backward", False, "Also check the backward prototype.")
 flags.DEFINE_bool("checks", True, "Run the accuracy / bits checks.")
 flags.DEFINE_bool("speed", False, "Time forward and backward against the Pallas backend "
                   "at SPEED_SHAPE (the Mosaic issue's bar is in TFLOP/s).")
+flags.DEFINE_bool("speed_causal", True, "Causal forwards in --speed (--backward_speed "
+                  "times causal backwards only).")
 flags.DEFINE_integer("iters", 10, "Timed samples (median) for --speed.")
 flags.DEFINE_list("families", ["inplace-reduce32", "fresh-mma"],
                   "Arithmetic families checked (FAMILIES); the first gets every launch.")
@@ -112,8 +114,13 @@ LAUNCH_VARIANTS = {
     "overlap-smem": dict(overlap="smem"),
     "overlap-registers": dict(overlap="registers"),
     "key-bound-always": dict(key_bound="always"),
-    "persistent": dict(persistent=132),  # the H200's SM count
+    # The default is a persistent grid where the tiles are short (the checks' shapes):
+    # one CTA per tile, and persistent grids of each item order, Q prefetch or not.
+    "plain-grid": dict(persistent=0),
+    "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
+    "persistent-snake": dict(persistent=132, persistent_order="snake"),
+    "persistent-7": dict(persistent=7),  # more items per CTA
     # Two key blocks per loop step (one Q K^T wgmma of N=128): the same operations.
     "bps2": dict(blocks_per_step=2),
     "bps2-nopp": dict(blocks_per_step=2, pingpong=False),
@@ -394,28 +401,29 @@ def time_speed(results: list) -> None:
     from jaxattn.kernels import pallas_triton as pt
     from jaxattn.kernels import pallas_triton_vjp as pv
     hq, hkv, d = 32, 8, 128
+    causal = FLAGS.speed_causal
     scale = 1 / np.sqrt(d)
     for spec in FLAGS.speed_shapes:
         b, s = (int(x) for x in spec.split(":"))
         sets = [_inputs(b, hq, hkv, s, s, d, seed=7 + i)[:3] for i in range(3)]
-        flops = report.attention_flops(b, hq, s, s, d, True)
-        fns = {"pallas": jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
+        flops = report.attention_flops(b, hq, s, s, d, causal)
+        fns = {"pallas": jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=causal, scale=scale,
                                                              interpret=False))}
         for vspec in FLAGS.fwd_variants:
             name, kw = _variant(vspec)
             fns[f"mosaic:{name}"] = jax.jit(functools.partial(
-                mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw)))
+                mf.forward, causal=causal, scale=scale, config=mf.MosaicConfig(**kw)))
         for peer in FLAGS.peers:
             try:
                 sysm = systems.make(peer)
-                f = functools.partial(sysm.forward, causal=True)
+                f = functools.partial(sysm.forward, causal=causal)
                 # JAX systems compiled as attention_bench compiles them (each op of an
                 # uncompiled call is dispatched and timed on its own).
                 fns[peer] = (sysm, jax.jit(f) if sysm.framework == "jax" else f)
             except Exception as e:  # a missing peer is reported
                 print({"peer": peer, "error": str(e)[:200]}, flush=True)
         for name, fn in fns.items():
-            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
+            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": causal}
             try:
                 if isinstance(fn, tuple):
                     sysm, f = fn
@@ -430,7 +438,7 @@ def time_speed(results: list) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             results.append(row)
             print(row, flush=True)
-        if not FLAGS.backward_speed:
+        if not FLAGS.backward_speed or not causal:  # the backward timing is causal
             continue
         q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
         o, lse = fns["pallas"](q, k, v)

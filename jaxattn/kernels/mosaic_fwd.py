@@ -144,12 +144,15 @@ class MosaicConfig:
     #: completed. Both give the default's bits on the H200 and run slower (324 and 289
     #: against 393 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8).
     overlap: str | None = None
-    #: A persistent grid of this many CTAs (0: one CTA per tile). Each CTA walks one
+    #: A persistent grid of this many CTAs (0: one CTA per tile; None: the GPU's SM
+    #: count where the items are short, a tile's mean key blocks at most
+    #: :data:`PERSISTENT_BELOW_BLOCKS`, else 0; never for decode or split states, nor
+    #: in interpret mode). Each CTA walks one
     #: (tile, head, batch) item of each round of ``n`` items (``persistent_order``),
     #: the items in the order of ``q_order`` (heavy causal tiles first by default), its
     #: K/V ring running on across items. The rows' operations are those of one CTA per
     #: tile: the same bits.
-    persistent: int = 0
+    persistent: int | None = None
     #: How a persistent grid's CTAs share the items. "greedy": the items in the order
     #: of the grid without ``persistent`` (heads fastest, then tiles, then batch), each
     #: given to the CTA that is free first by a count of its key blocks (a table
@@ -164,7 +167,8 @@ class MosaicConfig:
     #: With ``persistent``: two Q buffers per compute warpgroup, and the next item's Q
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
-    prefetch_q: bool = False
+    #: None: with a persistent grid.
+    prefetch_q: bool | None = None
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
     #: key order (as the Pallas backend's split-KV decode), so a long cache is read by
@@ -233,7 +237,7 @@ class MosaicConfig:
         if self.key_bound not in ("always", "needed"):
             raise ValueError(f"key_bound must be 'always' or 'needed', got "
                              f"{self.key_bound!r}")
-        if self.persistent < 0:
+        if self.persistent is not None and self.persistent < 0:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
         if self.persistent_order not in ("greedy", "snake", "round_robin"):
             raise ValueError(f"persistent_order must be 'greedy', 'snake' or "
@@ -489,6 +493,30 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     rows_cta = cfg.rows
     n_tiles = sq // rows_cta
     total, whole = -(-skv // bn), skv // bn
+    # Each tile's key blocks in launch order (every tile's count where the offsets are
+    # only known at run time): the persistent grid's choice and its greedy table.
+    tiles = np.arange(n_tiles)[::-1] if cfg.q_order == "descending" else np.arange(n_tiles)
+    if causal and position is None and not dyn_offsets:
+        tile_blocks = np.minimum(np.maximum(tiles * rows_cta + (rows_cta - 1) + offset + bn,
+                                            0) // bn, total)
+    else:
+        tile_blocks = np.full(n_tiles, total)
+    persistent = cfg.persistent
+    if persistent is None:
+        persistent = (sm_count() if interpret is None and not split_out and position is None
+                      and tile_blocks.mean() <= PERSISTENT_BELOW_BLOCKS else 0)
+    prefetch_q = cfg.prefetch_q
+    if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
+        itemsize = jnp.dtype(dtype).itemsize
+        q_tile = nwg * bm * d * itemsize
+        others = (q_tile + 2 * stages * kb * d * itemsize + nwg * bm * 4
+                  + (stages * kb * 4 if key_mask else 0)
+                  + (nwg * bm * bn * itemsize if not gpu_operands or cfg.overlap == "smem"
+                     else 0)
+                  + (bn * bn * itemsize if cfg.rowsum == "mma" else 0))
+        prefetch_q = bool(persistent) and others + q_tile <= SMEM_BUDGET
+    cfg = dataclasses.replace(cfg, persistent=persistent,
+                              prefetch_q=prefetch_q and bool(persistent))
     key_bound = cfg.key_bound == "always" or (not causal and skv % bn != 0)
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
@@ -1180,18 +1208,30 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     )
     if not greedy:
         return call, ones_cols
-    # Each item's key blocks (the tile's; every tile's count where the offsets are only
-    # known at run time), items in the plain grid's order.
-    tiles = np.arange(n_tiles)
-    if cfg.q_order == "descending":
-        tiles = tiles[::-1]
-    if causal and position is None and not dyn_offsets:
-        last = tiles * rows_cta + (rows_cta - 1) + offset
-        blocks = np.minimum(np.maximum(last + bn, 0) // bn, total)
-    else:
-        blocks = np.full(n_tiles, total)
-    table = jnp.asarray(persistent_schedule(np.repeat(blocks, hq), b, cfg.persistent))
+    table = jnp.asarray(persistent_schedule(np.repeat(tile_blocks, hq), b, cfg.persistent))
     return (lambda *args: call(*args, table)), ones_cols
+
+
+#: ``MosaicConfig(persistent=None)`` runs a persistent grid when a tile's mean key
+#: blocks are at most this. On the H200 (stop 21, B=2 S=4096 causal, 33 blocks a tile)
+#: the persistent grid with the Q prefetch ran 5.6% faster than one CTA per tile, and 2%
+#: slower at B=1 S=16384 (129 blocks): the items' prologues and epilogues overlap, the
+#: blocks run slower.
+PERSISTENT_BELOW_BLOCKS = 48
+#: The SMEM the persistent grid's second Q buffer must fit in beside the kernel's other
+#: buffers (an sm90 CTA has 227 KiB; 7 KiB are left for barriers and alignment: the
+#: lowering counted 2 KiB more than these buffers for one launch).
+SMEM_BUDGET = 220 * 1024
+#: The SM count assumed when JAX's device does not say (an H100 / H200 has 132).
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count() -> int:
+    """The default device's streaming multiprocessors (:data:`DEFAULT_SM_COUNT` when it is
+    not a GPU that says: lowering for CUDA on a CPU machine)."""
+    dev = jax.devices()[0]
+    n = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return int(n) if n else DEFAULT_SM_COUNT
 
 
 #: Blocks' worth of time an item costs beyond its key blocks (load Q, fill the
