@@ -145,9 +145,8 @@ class MosaicConfig:
     #: against 393 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8).
     overlap: str | None = None
     #: A persistent grid of this many CTAs (0: one CTA per tile; None: the GPU's SM
-    #: count where the items are short, a tile's mean key blocks at most
-    #: :data:`PERSISTENT_BELOW_BLOCKS`, else 0; never for decode or split states, nor
-    #: in interpret mode). Each CTA walks one
+    #: count where the items are short, no tile over :data:`PERSISTENT_MAX_BLOCKS` key
+    #: blocks, else 0; never for decode or split states, nor in interpret mode). Each CTA walks one
     #: (tile, head, batch) item of each round of ``n`` items (``persistent_order``),
     #: the items in the order of ``q_order`` (heavy causal tiles first by default), its
     #: K/V ring running on across items. The rows' operations are those of one CTA per
@@ -504,7 +503,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     persistent = cfg.persistent
     if persistent is None:
         persistent = (sm_count() if interpret is None and not split_out and position is None
-                      and tile_blocks.mean() <= PERSISTENT_BELOW_BLOCKS else 0)
+                      and tile_blocks.max() <= PERSISTENT_MAX_BLOCKS else 0)
     prefetch_q = cfg.prefetch_q
     if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
         itemsize = jnp.dtype(dtype).itemsize
@@ -1212,12 +1211,13 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     return (lambda *args: call(*args, table)), ones_cols
 
 
-#: ``MosaicConfig(persistent=None)`` runs a persistent grid when a tile's mean key
-#: blocks are at most this. On the H200 (stop 21, B=2 S=4096 causal, 33 blocks a tile)
-#: the persistent grid with the Q prefetch ran 5.6% faster than one CTA per tile, and 2%
-#: slower at B=1 S=16384 (129 blocks): the items' prologues and epilogues overlap, the
-#: blocks run slower.
-PERSISTENT_BELOW_BLOCKS = 48
+#: ``MosaicConfig(persistent=None)`` runs a persistent grid when no tile has more key
+#: blocks than this (4096 keys). On the H200 (stop 21, Hq=32 Hkv=8 D=128 bf16) the
+#: persistent grid with the Q prefetch against one CTA per tile: causal B=16 S=1024
+#: +11%, B=2 S=4096 +4-6%, B=8 S=4096 +2%, non-causal B=2 S=4096 +5%; causal S=8192 -2%,
+#: S=16384 and S=32768 -2 to -3%, non-causal S=16384 -2% (the items' prologues and
+#: epilogues overlap; the blocks run slower).
+PERSISTENT_MAX_BLOCKS = 64
 #: The SMEM the persistent grid's second Q buffer must fit in beside the kernel's other
 #: buffers (an sm90 CTA has 227 KiB; 7 KiB are left for barriers and alignment: the
 #: lowering counted 2 KiB more than these buffers for one launch).
