@@ -635,6 +635,20 @@ def test_rejects_bad_key_mask(mosaic_fwd):
 
 
 @needs_api
+def test_auto_persistent_where_measured(mosaic_fwd):
+    """persistent=None takes a persistent grid for short tiles at D <= 128 on the GPU,
+    and never for long tiles, D = 256, interpret mode, decode or split states."""
+    at = mosaic_fwd.PERSISTENT_MAX_BLOCKS
+    base = dict(gpu=True, decode=False, split_out=False)
+    assert mosaic_fwd.auto_persistent(at, 128, **base)
+    assert mosaic_fwd.auto_persistent(1, 64, **base)
+    assert not mosaic_fwd.auto_persistent(at + 1, 128, **base)
+    assert not mosaic_fwd.auto_persistent(8, 256, **base)
+    for flip in ({"gpu": False}, {"decode": True}, {"split_out": True}):
+        assert not mosaic_fwd.auto_persistent(8, 128, **{**base, **flip})
+
+
+@needs_api
 def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
     """The greedy table holds every item once, in ascending order per CTA, and hands
     each item to the CTA free first: with the causal tiles of B=2 S=4096 (32 heads, 32

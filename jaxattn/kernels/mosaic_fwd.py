@@ -145,12 +145,10 @@ class MosaicConfig:
     #: against 393 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8).
     overlap: str | None = None
     #: A persistent grid of this many CTAs (0: one CTA per tile; None: the GPU's SM
-    #: count where the items are short, no tile over :data:`PERSISTENT_MAX_BLOCKS` key
-    #: blocks, else 0; never for decode or split states, nor in interpret mode). Each CTA walks one
-    #: (tile, head, batch) item of each round of ``n`` items (``persistent_order``),
-    #: the items in the order of ``q_order`` (heavy causal tiles first by default), its
-    #: K/V ring running on across items. The rows' operations are those of one CTA per
-    #: tile: the same bits.
+    #: count where :func:`auto_persistent` says, short tiles at D <= 128, else 0). Each
+    #: CTA walks its (tile, head, batch) items in the order ``persistent_order`` deals
+    #: them, its K/V ring running on across items. The rows' operations are those of
+    #: one CTA per tile: the same bits.
     persistent: int | None = None
     #: How a persistent grid's CTAs share the items. "greedy": the items in the order
     #: of the grid without ``persistent`` (heads fastest, then tiles, then batch), each
@@ -166,7 +164,8 @@ class MosaicConfig:
     #: With ``persistent``: two Q buffers per compute warpgroup, and the next item's Q
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
-    #: None: with a persistent grid.
+    #: None: with a persistent grid, where the second Q buffer fits the SMEM
+    #: (:data:`SMEM_BUDGET`).
     prefetch_q: bool | None = None
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
@@ -502,8 +501,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
         tile_blocks = np.full(n_tiles, total)
     persistent = cfg.persistent
     if persistent is None:
-        persistent = (sm_count() if interpret is None and not split_out and position is None
-                      and tile_blocks.max() <= PERSISTENT_MAX_BLOCKS else 0)
+        persistent = sm_count() if auto_persistent(
+            int(tile_blocks.max(initial=0)), d, gpu=interpret is None,
+            decode=position is not None, split_out=split_out) else 0
     prefetch_q = cfg.prefetch_q
     if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
         itemsize = jnp.dtype(dtype).itemsize
@@ -1224,6 +1224,16 @@ PERSISTENT_MAX_BLOCKS = 64
 SMEM_BUDGET = 220 * 1024
 #: The SM count assumed when JAX's device does not say (an H100 / H200 has 132).
 DEFAULT_SM_COUNT = 132
+
+
+def auto_persistent(max_tile_blocks: int, d: int, *, gpu: bool, decode: bool,
+                    split_out: bool) -> bool:
+    """``MosaicConfig(persistent=None)``'s choice: a persistent grid where no tile has
+    more than :data:`PERSISTENT_MAX_BLOCKS` key blocks, at the head dims it was measured
+    at (D <= 128: at D = 256 the H200 has not run it), compiled for the GPU (not in
+    interpret mode), and not for decode or split states (their own launches)."""
+    return (gpu and not decode and not split_out and d <= 128
+            and max_tile_blocks <= PERSISTENT_MAX_BLOCKS)
 
 
 def sm_count() -> int:
