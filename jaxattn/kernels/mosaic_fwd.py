@@ -491,31 +491,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     rows_cta = cfg.rows
     n_tiles = sq // rows_cta
     total, whole = -(-skv // bn), skv // bn
-    # Each tile's key blocks in launch order (every tile's count where the offsets are
-    # only known at run time): the persistent grid's choice and its greedy table.
+    # Each tile's key blocks in launch order (``hi_cta``: :func:`_visited_blocks` on the
+    # host, which the kernel computes with lax ops; every tile's count where the offsets
+    # are only known at run time): the persistent grid's choice and its greedy table.
     tiles = np.arange(n_tiles)[::-1] if cfg.q_order == "descending" else np.arange(n_tiles)
     if causal and position is None and not dyn_offsets:
         tile_blocks = np.minimum(np.maximum(tiles * rows_cta + (rows_cta - 1) + offset + bn,
                                             0) // bn, total)
     else:
         tile_blocks = np.full(n_tiles, total)
-    persistent = cfg.persistent
-    if persistent is None:
-        persistent = sm_count() if auto_persistent(
-            int(tile_blocks.max(initial=0)), d, gpu=interpret is None,
-            decode=position is not None, split_out=split_out) else 0
-    prefetch_q = cfg.prefetch_q
-    if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
-        itemsize = jnp.dtype(dtype).itemsize
-        q_tile = nwg * bm * d * itemsize
-        others = (q_tile + 2 * stages * kb * d * itemsize + nwg * bm * 4
-                  + (stages * kb * 4 if key_mask else 0)
-                  + (nwg * bm * bn * itemsize if not gpu_operands or cfg.overlap == "smem"
-                     else 0)
-                  + (bn * bn * itemsize if cfg.rowsum == "mma" else 0))
-        prefetch_q = bool(persistent) and others + q_tile <= SMEM_BUDGET
-    cfg = dataclasses.replace(cfg, persistent=persistent,
-                              prefetch_q=prefetch_q and bool(persistent))
     key_bound = cfg.key_bound == "always" or (not causal and skv % bn != 0)
     group = hq // hkv
     itemsize = jnp.dtype(dtype).itemsize
@@ -527,6 +511,38 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
     ones_cols = 16 if gpu_operands else bn
     use_mma_rowsum = cfg.rowsum == "mma"
+    k_shape = (stages, kb, d) if gpu_operands else (stages, d, kb)
+
+    def scratch(qbufs: tuple) -> list:
+        """The kernel's SMEM buffers (``qbufs``: ``(2,)`` with the Q prefetch)."""
+        return [
+            plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
+            plgpu.SMEM((stages, kb, d), dtype, transforms=_smem_transforms(d, itemsize)),
+            None if gpu_operands and cfg.overlap != "smem" else
+            plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
+            plgpu.SMEM((bn, ones_cols), dtype,
+                       transforms=_smem_transforms(ones_cols, itemsize))
+            if use_mma_rowsum else None,
+            plgpu.SMEM((nwg, bm), jnp.float32),
+            plgpu.SMEM((stages, kb), jnp.float32) if key_mask else None,
+            # split_out: the split's fp32 output, staged for its TMA store
+            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
+            if split_out else None,
+        ]
+
+    persistent = cfg.persistent
+    if persistent is None:
+        persistent = sm_count() if auto_persistent(
+            int(tile_blocks.max(initial=0)), d, gpu=interpret is None,
+            decode=position is not None, split_out=split_out) else 0
+    prefetch_q = cfg.prefetch_q
+    if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
+        prefetch_q = bool(persistent) and sum(
+            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+            for x in scratch((2,)) if x is not None) <= SMEM_BUDGET
+    cfg = dataclasses.replace(cfg, persistent=persistent,
+                              prefetch_q=prefetch_q and bool(persistent))
     inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                   else "fresh")) == "inplace"
     pingpong = cfg.pingpong and nwg == 2
@@ -1098,23 +1114,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             *rest, dyn["offs"] = rest
         keep_ref, flags_ref = rest if key_mask else (None, None)
         count, item_at = items_of_cta()
-        k_shape = (stages, kb, d) if gpu_operands else (stages, d, kb)
-        qbufs = (2,) if cfg.prefetch_q else ()
-        scratch = [
-            plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
-            plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
-            plgpu.SMEM((stages, kb, d), dtype, transforms=_smem_transforms(d, itemsize)),
-            None if gpu_operands and cfg.overlap != "smem" else
-            plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
-            plgpu.SMEM((bn, ones_cols), dtype,
-                       transforms=_smem_transforms(ones_cols, itemsize))
-            if use_mma_rowsum else None,
-            plgpu.SMEM((nwg, bm), jnp.float32),
-            plgpu.SMEM((stages, kb), jnp.float32) if key_mask else None,
-            # split_out: the split's fp32 output, staged for its TMA store
-            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
-            if split_out else None,
-        ]
+        scratch_refs = scratch((2,) if cfg.prefetch_q else ())
         barriers = (
             plgpu.Barrier(num_barriers=stages),  # K slot loaded
             plgpu.Barrier(num_barriers=stages),  # V slot loaded
@@ -1180,7 +1180,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
                 drain(bars, lax.fori_loop(0, count, one, -split_lo_step()))
 
-        pl.run_scoped(body, scratch, barriers, collective_axes="wg")
+        pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
     grid = ((cfg.persistent,) if cfg.persistent else
             (n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b))
