@@ -313,12 +313,15 @@ def measure_cost(cfg: Config, batch: int, seq_len: int, iters: int = 5,
     """What bitwise parity costs the trainer: forward and forward+backward (gradients of
     the summed log-probs with respect to every weight) of :func:`train_logprobs` over a
     tail-padded batch, with the parity setup (rowwise layers + jaxattn) beside plain
-    matmuls + jaxattn and plain matmuls + ``peer`` attention (cuDNN on a GPU, XLA on a
-    CPU). Median seconds of ``iters`` synchronised calls after a warm-up."""
+    matmuls + jaxattn and plain matmuls + ``peer`` attention (cuDNN on a GPU for a
+    bf16 or fp16 model, else XLA). Median seconds of ``iters`` synchronised calls after
+    a warm-up."""
     from benchmarks.report import median_seconds
 
     global ROWWISE
-    peer = peer or ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    # cuDNN's fused attention takes fp16/bf16 only: an fp32 model's GPU peer is XLA.
+    cudnn_ok = jax.default_backend() == "gpu" and cfg.dtype in ("bfloat16", "float16")
+    peer = peer or ("cudnn" if cudnn_ok else "xla")
     params = init_params(cfg, 0)
     rng = np.random.default_rng(1)
     lengths = jnp.asarray(rng.integers(seq_len // 2, seq_len + 1, batch).astype(np.int32))

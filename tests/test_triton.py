@@ -69,7 +69,10 @@ def test_unavailable_without_triton_names_the_extra(monkeypatch):
     assert registry._backends("attention")["triton"].available() == reason
     with pytest.raises(RuntimeError, match=r"backend 'triton' is unavailable: .*triton"):
         jaxattn.get_op("attention", backend="triton")
-    assert jaxattn.get_op("attention").backend == ("pallas" if ON_GPU else "reference")
+    # Without triton the registry's choice is unchanged: mosaic on sm90, else pallas.
+    mosaic = registry._backends("attention")["mosaic"].available() is None
+    gpu = "mosaic" if mosaic else "pallas"
+    assert jaxattn.get_op("attention").backend == (gpu if ON_GPU else "reference")
 
 
 def test_package_imports_without_triton_and_jax_triton():
