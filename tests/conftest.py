@@ -7,12 +7,29 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _FLAGS = ["--xla_gpu_deterministic_ops=true"]
 if not os.path.exists("/dev/nvidiactl"):
+    # The Mosaic GPU interpreter blocks XLA:CPU pool threads in its barrier callbacks; a
+    # pool of as many threads as cores can deadlock it (tests/mosaic_support.py,
+    # missing_threads). The pool's size is read when the CPU client starts.
+    os.environ.setdefault("PJRT_NPROC", "8")
     # A CPU-only host: the interpret-mode kernels (Pallas, Mosaic GPU) are bound by XLA
     # CPU compile time, which LLVM's optimisation level decides; at level 0 the suite
     # runs about a third faster on 2 cores. Every value a test compares is computed in
     # the same process or a child with the same flags. Not on a GPU host (it would slow
     # the GPU's XLA code too).
     _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # One persistent compilation cache per test run, shared by the xdist workers and the
+    # child processes they start (the CLI and example tests); it also serves the
+    # recompiles after a test's jax.clear_caches(). Removed when the run ends.
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="jaxattn-test-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
@@ -22,7 +39,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from mosaic_support import cache_interpreter_compiles  # noqa: E402
+
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
+# The Mosaic GPU interpreter compiles each warpgroup's computation once per kernel, not
+# once per grid point (the same executables, so the same bits; see mosaic_support).
+cache_interpreter_compiles()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,13 +1,11 @@
-"""What the two Mosaic GPU probe test files share: the API and interpret-mode checks,
-and running a file's interpret tests in a child process with synchronous dispatch."""
+"""What the Mosaic GPU test files share: the API and interpret-mode checks, the thread
+pool the interpreter needs, and a compile cache for the interpreter."""
 
 from __future__ import annotations
 
 import inspect
 import os
-import re
-import subprocess
-import sys
+import threading
 
 import jax
 import numpy as np
@@ -54,50 +52,84 @@ def missing_interpret(extra: tuple[str, ...] = ()) -> str | None:
     return None
 
 
-def async_dispatch() -> bool:
-    """JAX 0.10.2's Mosaic GPU interpreter runs each warpgroup as a nested XLA:CPU
-    computation whose barrier waits block inside host callbacks; with asynchronous CPU
-    dispatch (the default) and 2 cores, XLA's thread pool can be exhausted and the
-    kernel deadlocks (observed in 2 of 2 runs of 10 interpreted backwards; none in 26
-    with ``jax_cpu_enable_async_dispatch=False``). The flag only takes effect when the
-    CPU client is created, so the interpret tests then run in a subprocess."""
-    return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
+#: Threads of the XLA:CPU client (``PJRT_NPROC``) the Mosaic GPU interpreter needs.
+INTERPRETER_THREADS = 8
 
 
-needs_sync = pytest.mark.skipif(async_dispatch(), reason="interpret tests run in "
-                                "test_interpret_tests_in_subprocess (async CPU dispatch)")
+def interpreter_threads() -> int:
+    """Threads of this process's XLA:CPU client: ``PJRT_NPROC`` (or ``NPROC``) when set,
+    else the CPU count (XLA's default)."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return os.cpu_count() or 1
 
 
-def run_interpret_tests_in_subprocess(test_file: str, groups: list[str],
-                                      timeout: float = 100) -> int:
-    """Run ``test_file``'s tests selected by each ``-k`` expression of ``groups``, each
-    group in its own child process with synchronous CPU dispatch; returns how many
-    tests passed in all. Synchronous dispatch makes the interpreter's deadlock rare but,
-    on 2 cores, not impossible (about 1 hang in 10 runs of a whole file): a hung child
-    is retried once (small groups keep what a hang costs to one group's time), and a
-    second hang is a skip (a hang is not a wrong result; a wrong result fails)."""
-    if not async_dispatch():
-        pytest.skip("synchronous CPU dispatch: the interpret tests run in this process")
-    code = ("import sys, jax; jax.config.update('jax_cpu_enable_async_dispatch', False); "
-            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
-    cwd = os.path.dirname(os.path.dirname(os.path.abspath(test_file)))
-    passed = 0
-    for k_expr in groups:
-        cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", test_file, "-k",
-               k_expr]
-        for attempt in range(2):
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                   cwd=cwd)
-                break
-            except subprocess.TimeoutExpired:
-                if attempt:
-                    pytest.skip(f"the Mosaic GPU interpreter deadlocked twice in {k_expr!r} "
-                                "(JAX 0.10.2's interpreter on few cores, docs/mosaic.md); a "
-                                "hang is not a wrong result, so this is a skip, not a pass")
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-        assert "skipped" not in r.stdout, r.stdout[-3000:]
-        m = re.search(r"(\d+) passed", r.stdout)
-        assert m, r.stdout[-3000:]
-        passed += int(m.group(1))
-    return passed
+def missing_threads() -> str | None:
+    """Why the Mosaic GPU interpreter could deadlock in this process, or None.
+
+    JAX 0.10.2's interpreter runs each warpgroup of a CTA as a nested XLA:CPU
+    computation on its own Python thread, and its barrier waits block inside host
+    callbacks, which XLA runs on the client's thread pool. With as many pool threads as
+    cores (2 here) the blocked callbacks can take every thread, and the warpgroup that
+    would arrive at the barrier never runs: measured 2026-12-02 on 2 cores with the
+    other core busy, 3 hangs in 6 runs of one backward group, with or without
+    synchronous dispatch; with ``PJRT_NPROC=8`` none in 12 (6 synchronous, 6 not).
+    ``tests/conftest.py`` sets it on a CPU-only host before JAX starts."""
+    if interpreter_threads() < INTERPRETER_THREADS:
+        return (f"the Mosaic GPU interpreter needs an XLA:CPU thread pool of at least "
+                f"{INTERPRETER_THREADS} threads (PJRT_NPROC={INTERPRETER_THREADS}, set by "
+                f"tests/conftest.py before JAX starts); this process has "
+                f"{interpreter_threads()} and could deadlock")
+    return None
+
+
+needs_threads = pytest.mark.skipif(missing_threads() is not None,
+                                   reason=str(missing_threads()))
+
+
+def cache_interpreter_compiles() -> bool:
+    """Compile each warpgroup's computation of the Mosaic GPU interpreter once.
+
+    JAX 0.10.2's interpreter runs every warpgroup of every CTA (grid point) as a nested
+    XLA:CPU computation and lowers and compiles it anew each time
+    (``jax._src.pallas.mosaic.interpret.thread_map._run_jaxpr``): on 2 cores about 70% of
+    an interpreted kernel's time (measured 2026-12-02: a 4-CTA causal forward took 3.8 s
+    per call, 0.4 s with this cache; the outputs are the same bits, since the cached
+    executable is the one the interpreter would compile again). This keeps the compiled
+    executable per (jaxpr, argument shapes and dtypes) and runs it for every grid point.
+    Returns whether the cache was installed (False where the interpreter's function is
+    not the one this replaces: a newer JAX then runs as it is)."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return False
+    run = getattr(thread_map, "_run_jaxpr", None)
+    if run is None or getattr(run, "_jaxattn_cached", False):
+        return run is not None
+    src = inspect.getsource(run)
+    if "traced.lower().compile()(consts, *args)" not in src:  # pragma: no cover
+        return False
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def _run(jaxpr, consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    def cached_run_jaxpr(jaxpr, consts, *args):
+        avals = tuple((np.shape(x), np.dtype(getattr(x, "dtype", type(x))).str)
+                      for x in jax.tree.leaves((consts, args)))
+        key = (id(jaxpr), avals)
+        with lock:
+            # The entry keeps the jaxpr alive, so its id is never reused by another.
+            entry = cache.setdefault(key, [threading.Lock(), None, jaxpr])
+        with entry[0]:
+            if entry[1] is None:
+                entry[1] = jax.jit(_run, static_argnums=(0,)).trace(
+                    jaxpr, consts, *args).lower().compile()
+        entry[1](consts, *args)
+
+    cached_run_jaxpr._jaxattn_cached = True
+    thread_map._run_jaxpr = cached_run_jaxpr
+    return True

@@ -14,8 +14,7 @@ from conftest import ON_GPU, np_attention, rand_qkv, rel_err
 from mosaic_support import (
     missing_api,
     missing_interpret,
-    needs_sync,
-    run_interpret_tests_in_subprocess,
+    needs_threads,
 )
 
 import jaxattn
@@ -191,7 +190,7 @@ def test_forward_and_gradient_lower_for_cuda(d):
     assert text.count("custom_call @mosaic_gpu") == (5 if d > 128 else 4)
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_backend_wrapper():
     """The wrapper in interpret mode (one warpgroup per kernel): D=16 zero-padded to 64,
@@ -246,7 +245,7 @@ def test_interpret_backend_wrapper():
                                   np.asarray(lse).view(np.uint32))
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_cp_equals_single_call():
     """CP over the Mosaic kernels (degree 2, SPLIT shrunk to 128 keys so the shards are
@@ -295,9 +294,3 @@ def test_interpret_cp_equals_single_call():
         schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
         jax.clear_caches()
 
-
-@needs_interpret
-def test_interpret_tests_in_subprocess():
-    """The interpret tests above, in child processes with synchronous CPU dispatch."""
-    assert run_interpret_tests_in_subprocess(
-        __file__, ["interpret_backend_wrapper", "interpret_cp"]) == 2

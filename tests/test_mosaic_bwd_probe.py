@@ -20,8 +20,7 @@ from mosaic_support import (
     bits,
     missing_api,
     missing_interpret,
-    needs_sync,
-    run_interpret_tests_in_subprocess,
+    needs_threads,
 )
 
 import jaxattn
@@ -112,7 +111,7 @@ _CASES = [
 _ids = lambda c: "B{}-Hq{}-Hkv{}-Sq{}-Skv{}-D{}-c{}".format(*c)  # noqa: E731
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 @pytest.mark.parametrize("case", _CASES, ids=_ids)
 def test_interpret_backward_accuracy(mosaic_bwd, case):
@@ -171,7 +170,7 @@ def triton_numpy_dot():
         jax.clear_caches()
 
 
-@needs_sync
+@needs_threads
 @needs_callbacks
 @pytest.mark.parametrize("case", _CASES[:2], ids=_ids)
 def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case):
@@ -200,7 +199,7 @@ def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case
     np.testing.assert_array_equal(bits(acc), bits(acc_t), err_msg=f"seed {seed}")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_delta_triton_option_and_dlse(mosaic_bwd):
     """``BwdConfig(delta="triton")`` is the Triton kernel; the Mosaic delta kernel gives
@@ -216,7 +215,7 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"seed {seed}")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
     """Sq and Skv off the 64 grid (padded inside) with a key padding mask: gradients
@@ -263,7 +262,7 @@ def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
                                       err_msg=f"d{name} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
     """Two KV blocks per CTA sharing one query stream (the second block's earlier,
@@ -279,7 +278,7 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_paired_products_keepbits(mosaic_bwd):
     """Each step's two independent products issued together give the bits of one
@@ -296,7 +295,7 @@ def test_interpret_paired_products_keepbits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_probs_mask_and_exp2(mosaic_bwd):
     """``mask="probs"`` (fully visible blocks skip the mask; the others zero the
@@ -324,7 +323,7 @@ def test_interpret_probs_mask_and_exp2(mosaic_bwd):
                                           err_msg=f"d{name} exp2={exp2} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_split_dkdv_and_head_dim_256(mosaic_bwd):
     """dK and dV by two kernels (``split_dkdv``, one accumulator each) give the bits of
@@ -350,7 +349,7 @@ def test_interpret_split_dkdv_and_head_dim_256(mosaic_bwd):
         assert err < 2e-2, f"D=256 d{name}: {err:.3g} (seed {seed})"
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_backward_over_ranges(mosaic_bwd):
     """Per-sequence causal offsets and the keys in two ranges (dK/dV per range, dQ
@@ -415,26 +414,6 @@ def test_backward_over_ranges_lowers_for_cuda(mosaic_bwd):
     assert text.count("custom_call @mosaic_gpu") == 6
 
 
-@needs_interpret
-def test_interpret_tests_in_subprocess():
-    """Run the interpret tests of this file in a child process whose CPU client uses
-    synchronous dispatch (see :func:`mosaic_support.async_dispatch`)."""
-    passed = run_interpret_tests_in_subprocess(
-        __file__, ["interpret_backward_accuracy or bits_equal or delta_triton",
-                   "interpret_backward_tails", "interpret_backward_over_ranges",
-                   "interpret_probs_mask or interpret_split_dkdv"])
-    assert passed == len(_CASES) + 2 + 5
-
-
-@pytest.mark.slow
-@needs_interpret
-def test_slow_interpret_tests_in_subprocess():
-    """``pytest -m slow``: two dK/dV warpgroups and paired products keep the bits (also
-    checked in bits on the H200; three interpreted warpgroups hang the likeliest); out
-    of the default run to keep it near 20 minutes on 2 cores."""
-    passed = run_interpret_tests_in_subprocess(
-        __file__, ["two_warpgroups", "paired_products"])
-    assert passed == 2
 
 
 @needs_api

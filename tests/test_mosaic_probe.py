@@ -17,8 +17,7 @@ from mosaic_support import (
     bits,
     missing_api,
     missing_interpret,
-    needs_sync,
-    run_interpret_tests_in_subprocess,
+    needs_threads,
 )
 
 from jaxattn import reference, schedule
@@ -104,9 +103,8 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
 
 
-# Interpret-mode kernels with three warpgroups (two compute + producer) deadlock the
-# JAX 0.10.2 interpreter on 2 cores more often than two (docs/mosaic.md), so most cases
-# run one compute warpgroup (a launch parameter: the same operations per row); the two
+# Most cases run one compute warpgroup (a launch parameter: the same operations per row;
+# the interpreter runs a warpgroup per thread, so fewer warpgroups run faster); the two
 # warpgroup structure keeps two cases here and test_interpret_launch_options_keep_bits.
 # (B, Hq, Hkv, Sq, Skv, D, causal, config): one compute warpgroup of 64 rows: GQA with two
 # query tiles; a causal offset that crosses a SPLIT boundary (18 blocks: one split fold);
@@ -129,8 +127,8 @@ _CASES = [
     # D=256 (the forward only): a masked and an unmasked block, a padded query tile.
     (1, 1, 1, 100, 160, 256, True, _ONE_WG),
 ]
-# The same checks, run by ``pytest -m slow`` (the H200 checks these shapes' kinds in
-# bits and accuracy: mosaic_gpu_check's tails, decode rows and key-bound variant).
+# More of the same checks (the H200 also checks these shapes' kinds in bits and
+# accuracy: mosaic_gpu_check's tails, decode rows and key-bound variant).
 _MORE_CASES = [
     (1, 2, 1, 100, 150, 64, True, _ONE_WG),
     (1, 2, 1, 1, 130, 64, True, {}),
@@ -143,14 +141,14 @@ def _case_id(c):
         *c[:7], "-".join(f"{k}{v}" for k, v in c[7].items()) or "default")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 @pytest.mark.parametrize("case", _CASES, ids=_case_id)
 def test_interpret_forward_accuracy(mosaic_fwd, case):
     _check_forward_accuracy(mosaic_fwd, case)
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 @pytest.mark.parametrize("case", _MORE_CASES, ids=_case_id)
 def test_interpret_more_forward_cases(mosaic_fwd, case):
@@ -179,7 +177,7 @@ def _check_forward_accuracy(mosaic_fwd, case):
         assert not finite.all()  # the case really has empty rows
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_launch_options_keep_bits(mosaic_fwd):
     """Ping-pong, one or two compute warpgroups, the CTA order and the pipeline depth
@@ -196,7 +194,7 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
@@ -238,7 +236,7 @@ def exact_interpreter_matmul(monkeypatch):
     monkeypatch.setattr(gpu_callbacks, "np", shim)
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matmul):
     """Two key blocks per loop step (one ring slot and one Q K^T of N=128 for both; the
@@ -264,7 +262,7 @@ def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matm
                                               err_msg=f"{shape} {extra} seed {seed}")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpret_key_mask(mosaic_fwd, causal):
@@ -307,7 +305,7 @@ def test_interpret_key_mask(mosaic_fwd, causal):
                                           err_msg=f"Skv {skv} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
     """A token's row has the same bits in a full causal prefill, in a chunk of 70
@@ -333,31 +331,9 @@ def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):
                                       err_msg=f"{name} lse (seed {seed})")
 
 
-@needs_interpret
-def test_interpret_tests_in_subprocess():
-    """The interpret cases above, in a child process with synchronous CPU dispatch; a
-    hung child is retried once, and a second hang is a skip (a hang is not a wrong
-    result; a wrong result fails)."""
-    passed = run_interpret_tests_in_subprocess(
-        __file__, ["interpret_forward", "interpret_persistent",
-                   "interpret_key_mask or interpret_causal_offsets",
-                   "interpret_split_decode or interpret_split_partials",
-                   "interpret_blocks_per_step"])
-    assert passed == len(_CASES) + 9
 
 
-@pytest.mark.slow
-@needs_interpret
-def test_slow_interpret_tests_in_subprocess():
-    """``pytest -m slow``: the interpret checks of launch choices that the H200 has also
-    checked in bits (launch options, rows across calls); out of the default run to keep
-    it near 20 minutes on 2 cores."""
-    passed = run_interpret_tests_in_subprocess(
-        __file__, ["interpret_launch or interpret_rows", "interpret_more_forward_cases"])
-    assert passed == 2 + len(_MORE_CASES)
-
-
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_causal_offsets(mosaic_fwd):
     """Per-sequence causal offsets (a paged cache's ``seq_lens - Sq``) with the keys
@@ -388,7 +364,7 @@ def test_interpret_causal_offsets(mosaic_fwd):
                                           err_msg=f"Sq {sq} seq {bi} lse (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
@@ -409,7 +385,7 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
                                           err_msg=f"{list(kw)} (seed {seed})")
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
     """Each SPLIT's partial state, folded outside the kernel by the Mosaic fold kernel
@@ -454,7 +430,7 @@ def _xla_kernel_fold(outs, lses):
     return o, mosaic_fwd.natural_lse(lse)
 
 
-@needs_sync
+@needs_threads
 @needs_interpret
 def test_interpret_split_partials_fold_kernel(mosaic_fwd):
     """The Mosaic fold kernel (fold_partials) equals the same merges under XLA
