@@ -3,7 +3,7 @@
 Public surface (DESIGN.md section 2):
 
 * :func:`attention` -- the main entry, jittable and differentiable.
-* :func:`get_op` -- the registry (``get_op("attention")``).
+* :func:`get_op` -- the registry (``get_op("attention")``, ``get_op("cp_attention")``).
 * :mod:`jaxattn.reference` -- the fp32 ground truth.
 * :mod:`jaxattn.schedule` -- ``BLOCK_N`` and ``SPLIT``, the canonical reduction order.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxattn import backends as _backends  # noqa: F401  (registers the backends)
+from jaxattn import backends as _backends  # noqa: F401  (registers "attention")
+from jaxattn import cp as _cp  # noqa: F401  (registers "cp_attention")
 from jaxattn import reference, schedule
 from jaxattn.merge import merge
 from jaxattn.registry import AttentionOp, backend_names, get_op

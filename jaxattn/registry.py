@@ -95,7 +95,7 @@ class AttentionOp:
         return self._backend.name
 
     def __repr__(self) -> str:
-        return f"AttentionOp(op={self.op_name!r}, backend={self.backend!r})"
+        return f"{type(self).__name__}(op={self.op_name!r}, backend={self.backend!r})"
 
     def _check(self, q, k, v, kwargs: dict[str, Any]) -> None:
         dims = validate_inputs(q, k, v, causal=kwargs.get("causal", True),
@@ -139,6 +139,52 @@ class AttentionOp:
                                           key_padding_mask=key_padding_mask)[0]
 
 
+class CPAttentionOp(AttentionOp):
+    """The ``"cp_attention"`` op (:mod:`jaxattn.cp`, the seed's CP reference contract)
+    bound to one backend: every entry takes the attention arguments plus
+    ``query_position_offsets`` / ``key_position_offsets`` (``[B]`` int, global positions
+    of query 0 and key 0), ``cp_world_size`` and ``kv_chunk_size``."""
+
+    def forward_with_lse(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                         key_padding_mask=None, query_position_offsets=None,
+                         key_position_offsets=None, cp_world_size: int = 1,
+                         kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``."""
+        from jaxattn import cp
+        return cp.forward_with_lse(
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+            query_position_offsets=query_position_offsets,
+            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+            kv_chunk_size=kv_chunk_size, backend=self.backend)
+
+    def forward(self, q, k, v, **kwargs) -> jax.Array:
+        """``out [B, Hq, Sq, D]`` in ``q.dtype``."""
+        return self.forward_with_lse(q, k, v, **kwargs)[0]
+
+    __call__ = forward
+
+    def forward_fp32_with_lse(self, q, k, v, *, causal: bool = True,
+                              scale: float | None = None, key_padding_mask=None,
+                              query_position_offsets=None, key_position_offsets=None,
+                              cp_world_size: int = 1,
+                              kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """fp32 inputs, fp32 ``(out, lse)``."""
+        from jaxattn import cp
+        return cp.forward_fp32_with_lse(
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+            query_position_offsets=query_position_offsets,
+            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+            kv_chunk_size=kv_chunk_size, backend=self.backend)
+
+    def forward_fp32(self, q, k, v, **kwargs) -> jax.Array:
+        """fp32 inputs, fp32 ``out``."""
+        return self.forward_fp32_with_lse(q, k, v, **kwargs)[0]
+
+
+#: The op class of each op name (an op without an entry is an :class:`AttentionOp`).
+OP_CLASSES: dict[str, type[AttentionOp]] = {"cp_attention": CPAttentionOp}
+
+
 def resolve(op_name: str = "attention", backend: str | None = None,
             platform: str | None = None) -> Backend:
     """Pick the backend for ``op_name`` on ``platform`` (default: JAX's default).
@@ -174,6 +220,8 @@ def get_op(name: str = "attention", *, backend: str | None = None,
 
     On a GPU: the Mosaic GPU kernels where available (sm90), then the Pallas kernels,
     then the reference. On a CPU: the reference
-    (``backend="pallas"`` runs the kernels in interpret mode, for tests).
+    (``backend="pallas"`` runs the kernels in interpret mode, for tests). Ops:
+    ``"attention"`` (:class:`AttentionOp`) and ``"cp_attention"`` (:class:`CPAttentionOp`,
+    the same entries with the CP arguments of :mod:`jaxattn.cp`).
     """
-    return AttentionOp(name, resolve(name, backend, platform))
+    return OP_CLASSES.get(name, AttentionOp)(name, resolve(name, backend, platform))

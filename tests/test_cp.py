@@ -242,3 +242,19 @@ def test_cp_op_falls_to_the_reference_when_the_kernels_are_unavailable(monkeypat
     assert registry.resolve("cp_attention", platform="gpu").name == "reference"
     with pytest.raises(RuntimeError, match="backend 'pallas' is unavailable: no GPU"):
         registry.resolve("cp_attention", "pallas", platform="gpu")
+
+
+def test_cp_at_a_head_dim_the_kernels_pad(small_split):
+    """D=96 (padded to 128 inside the kernels): aligned CP equals the single call in
+    bits, forward and backward."""
+    q, k, v = rand_qkv(1, 4, 2, 256, 256, 96, jnp.bfloat16)
+    do = rand(q.shape, jnp.bfloat16)
+    op = jaxattn.get_op("attention", backend="pallas")
+    ref, ref_vjp = jax.vjp(lambda q, k, v: op.forward_with_lse(q, k, v), q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: cp.forward_with_lse(q, k, v, cp_world_size=2,
+                                                                backend="pallas"), q, k, v)
+    assert got[0].shape == q.shape
+    assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
+    d_lse = rand(ref[1].shape)
+    for a, b in zip(got_vjp((do, d_lse)), ref_vjp((do, d_lse)), strict=True):
+        assert a.shape[-1] == 96 and bits_equal(a, b)

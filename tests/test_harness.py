@@ -109,42 +109,166 @@ def test_drift_statistics_and_bits_flag_see_a_planted_difference():
     assert bumped.out_drift["p99"] == 0.0
 
 
-class _FakeTE(types.ModuleType):
-    """Transformer Engine's CP correction helpers, written from their documented math."""
-
-    calls: list
-
-    def __init__(self):
-        super().__init__(cmp.TE_MODULE)
-        self.calls = []
-
-    def flash_attn_fwd_softmax_lse_correction(self, lse, lse_step):
-        import torch
-        self.calls.append("lse")
-        lse.copy_(torch.logaddexp(lse, lse_step))
-
-    def flash_attn_fwd_out_correction_init(self, out_step, lse, lse_step):
-        import torch
-        self.calls.append("init")
-        w = torch.exp(lse_step - lse).nan_to_num(0.0)
-        return out_step * w[..., None]
-
-    def flash_attn_fwd_out_correction(self, out, out_step, lse, lse_step):
-        import torch
-        self.calls.append("out")
-        out.add_(out_step * torch.exp(lse_step - lse).nan_to_num(0.0)[..., None])
+def _lse_correction(softmax_lse, softmax_lse_per_step):
+    """TE's ``flash_attn_fwd_softmax_lse_correction``: in place, log(e^a + e^b)."""
+    import torch
+    hi = torch.max(softmax_lse, softmax_lse_per_step)
+    lo = torch.min(softmax_lse, softmax_lse_per_step)
+    softmax_lse.copy_(hi + torch.log1p(torch.exp(lo - hi)))
 
 
-def test_transformer_engine_oracle_with_a_fake_module(monkeypatch):
+def _weight(lse_step, lse, seq_dim):
+    """exp(lse_step - lse) ``[B, H, S]`` moved to the output's layout, with a trailing
+    axis for D (as TE's helpers form it)."""
+    import torch
+    return torch.exp(lse_step - lse).movedim(2, seq_dim).unsqueeze(-1)
+
+
+def _te_current():
+    """A stand-in for Transformer Engine's context-parallel module with its current
+    signatures (``seq_dim`` last and required, as in TE 2.x)."""
+    te = types.ModuleType(cmp.TE_MODULE)
+    te.calls = []
+
+    def flash_attn_fwd_softmax_lse_correction(softmax_lse, softmax_lse_per_step):
+        te.calls.append("lse")
+        _lse_correction(softmax_lse, softmax_lse_per_step)
+
+    def flash_attn_fwd_out_correction_init(out_init_step, softmax_lse, softmax_lse_init_step,
+                                           seq_dim):
+        te.calls.append("init")
+        return (out_init_step * _weight(softmax_lse_init_step, softmax_lse, seq_dim)).to(
+            out_init_step.dtype)
+
+    def flash_attn_fwd_out_correction(out, out_per_step, softmax_lse, softmax_lse_per_step,
+                                      seq_dim):
+        te.calls.append("out")
+        out.add_(out_per_step * _weight(softmax_lse_per_step, softmax_lse, seq_dim))
+
+    te.flash_attn_fwd_softmax_lse_correction = flash_attn_fwd_softmax_lse_correction
+    te.flash_attn_fwd_out_correction_init = flash_attn_fwd_out_correction_init
+    te.flash_attn_fwd_out_correction = flash_attn_fwd_out_correction
+    return te
+
+
+def _te_seq_dim_third():
+    """TE 1.x's order: ``seq_dim`` right after the two outputs."""
+    te = _te_current()
+
+    def flash_attn_fwd_out_correction_init(out_init_step, seq_dim, softmax_lse,
+                                           softmax_lse_init_step):
+        te.calls.append("init")
+        return out_init_step * _weight(softmax_lse_init_step, softmax_lse, seq_dim)
+
+    def flash_attn_fwd_out_correction(out, out_per_step, seq_dim, softmax_lse,
+                                      softmax_lse_per_step):
+        te.calls.append("out")
+        out.add_(out_per_step * _weight(softmax_lse_per_step, softmax_lse, seq_dim))
+
+    te.flash_attn_fwd_out_correction_init = flash_attn_fwd_out_correction_init
+    te.flash_attn_fwd_out_correction = flash_attn_fwd_out_correction
+    return te
+
+
+def _te_without_seq_dim():
+    """The oldest releases: no layout argument, the lse's last two axes swapped (bshd)."""
+    te = _te_current()
+
+    def flash_attn_fwd_out_correction_init(out_init_step, softmax_lse, softmax_lse_init_step):
+        te.calls.append("init")
+        return out_init_step * _weight(softmax_lse_init_step, softmax_lse, 1)
+
+    def flash_attn_fwd_out_correction(out, out_per_step, softmax_lse, softmax_lse_per_step):
+        te.calls.append("out")
+        out.add_(out_per_step * _weight(softmax_lse_per_step, softmax_lse, 1))
+
+    te.flash_attn_fwd_out_correction_init = flash_attn_fwd_out_correction_init
+    te.flash_attn_fwd_out_correction = flash_attn_fwd_out_correction
+    return te
+
+
+@pytest.mark.parametrize("make_te", [_te_current, _te_seq_dim_third, _te_without_seq_dim],
+                         ids=["current", "seq_dim_third", "no_seq_dim"])
+def test_transformer_engine_oracle_with_te_signatures(monkeypatch, make_te):
+    """The oracle calls TE's helpers as their signatures read (``seq_dim`` where a release
+    takes it, required in current TE) and agrees with the single call."""
     pytest.importorskip("torch")
-    fake = _FakeTE()
-    monkeypatch.setitem(sys.modules, cmp.TE_MODULE, fake)
+    te = make_te()
+    monkeypatch.setitem(sys.modules, cmp.TE_MODULE, te)
     rep = cmp.compare_single_gpu_attention(_inputs("float32"), 48, 64,
                                            include_transformer_engine=True, backend="pallas")
-    te = rep.path("transformer_engine_paged_kv")
-    assert te.available and "lse" in fake.calls and fake.calls.count("init") == 1
-    assert te.out_drift["max"] < 1e-4 and te.lse_drift["max"] < 1e-4
-    assert te.provenance["te_module"] == cmp.TE_MODULE
+    path = rep.path("transformer_engine_paged_kv")
+    assert path.available, path.unavailable_reason
+    assert te.calls.count("init") == 1 and te.calls.count("out") == 2 and "lse" in te.calls
+    assert path.out_drift["max"] < 1e-4 and path.lse_drift["max"] < 1e-4
+    assert path.provenance["te_module"] == cmp.TE_MODULE
+
+
+def test_transformer_engine_without_a_helper_is_reported_unavailable(monkeypatch):
+    """A TE module lacking a helper is an unavailable path with the reason in plain
+    words, not a crash (and not an exception class name)."""
+    pytest.importorskip("torch")
+    te = _te_current()
+    del te.flash_attn_fwd_out_correction_init
+    monkeypatch.setitem(sys.modules, cmp.TE_MODULE, te)
+    rep = cmp.compare_single_gpu_attention(_inputs("float32"), 48, 64,
+                                           include_transformer_engine=True, backend="pallas")
+    path = rep.path("transformer_engine_paged_kv")
+    assert not path.available and te.calls == []
+    assert "flash_attn_fwd_out_correction_init" in path.unavailable_reason
+    assert "Error" not in path.unavailable_reason
+    monkeypatch.delitem(sys.modules, cmp.TE_MODULE)
+    monkeypatch.setattr(cmp, "TE_MODULE", "transformer_engine_absent_for_this_test")
+    rep = cmp.compare_single_gpu_attention(_inputs("float32"), 48, 64,
+                                           include_transformer_engine=True, backend="pallas")
+    why = rep.path("transformer_engine_paged_kv").unavailable_reason
+    assert why.startswith("Transformer Engine is not installed") and "Error:" not in why
+
+
+def test_seed_names_and_the_non_causal_and_masked_cases():
+    """The seed's ``AttentionComparisonInputs`` and its rope call form; ``causal=False``
+    and a key padding mask on every path: chunked prefill equal in bits to the full
+    prefill, the paged path too without a mask (and unavailable, with the reason, with
+    one), and the full path within tolerance of float64 attention with the same mask
+    (NaN in the dropped keys: nothing leaks)."""
+    from conftest import np_attention
+    assert cmp.AttentionComparisonInputs is cmp.AttentionInputs
+    base = _inputs("float32")
+    mask = np.ones((2, 130), bool)
+    mask[0, 100:] = False
+    mask[1, 7:20] = False
+    drop = ~mask[:, None, :, None]
+    k_nan = jnp.where(drop, jnp.nan, base.k)
+    v_nan = jnp.where(drop, jnp.nan, base.v)
+    for causal, m in ((False, None), (False, mask), (True, mask)):
+        inputs = cmp.AttentionComparisonInputs(
+            q=base.q, k=base.k if m is None else k_nan, v=base.v if m is None else v_nan,
+            lm_head_weight=base.lm_head_weight, target_ids=base.target_ids,
+            causal=causal, key_padding_mask=None if m is None else jnp.asarray(m))
+        rep = cmp.compare_single_gpu_attention(inputs, 48, 64, backend="pallas")
+        assert rep.path("chunked_prefill").bitwise_equal, (causal, m is not None)
+        assert rep.path("full_prefill").provenance["causal"] == causal
+        paged_path = rep.path("paged_kv")
+        if m is None:
+            assert paged_path.bitwise_equal
+        else:
+            assert not paged_path.available and "seq_lens" in paged_path.unavailable_reason
+        full = rep.path("full_prefill")
+        assert not np.isnan(full.out_drift["max"])
+        out, _ = jax.jit(lambda q, k, v, mm: cmp.get_op("attention", backend="pallas")
+                         .forward_with_lse(q, k, v, causal=causal, key_padding_mask=mm))(
+            inputs.q, inputs.k, inputs.v, inputs.key_padding_mask)
+        want, _ = np_attention(base.q, base.k, base.v, causal=causal, mask=m)
+        assert not np.isnan(np.asarray(out)).any()
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+    rope_inputs = cmp.AttentionComparisonInputs(q=base.q, k=base.k, v=base.v,
+                                                rope_positions=jnp.arange(130) + 3)
+    rep = cmp.compare_single_gpu_rope_attention(rope_inputs, backend="pallas")
+    assert rep.path("fused_rope_attention").bitwise_equal
+    assert rep.path("fused_rope_attention").provenance["position_range"] == [3, 132]
+    with pytest.raises(ValueError, match="causal=True and no key_padding_mask"):
+        cmp.compare_decode_kv_replay(cmp.AttentionInputs(base.q, base.k, base.v, causal=False),
+                                     64)
 
 
 def test_rope_attention_and_decode_replay():

@@ -108,3 +108,12 @@ def test_errors():
     # An unused table entry may hold anything (here -1): only used pages are checked.
     out = paged.attention(q, kp + 1.0, kp + 1.0, table.at[1, 1].set(-1), lens)
     assert not np.isnan(np.asarray(out)).any()
+
+
+def test_head_dims_the_kernels_are_not_compiled_for():
+    """D=80 (padded to 128 inside): a paged decode row and chunk equal contiguous KV in
+    bits (the pages are padded too: a copy)."""
+    op = jaxattn.get_op("attention", backend="pallas")
+    p = dataclasses.replace(P, batch=2, seq_len=100, head_dim=80)
+    res = invariance.check_paged(op, p, [64], steps=[0, 99])
+    assert all(r.equal for r in res), res

@@ -80,3 +80,48 @@ def test_op_surface():
     assert bits_equal(op.forward_fp32(q, k, v), o32)
     out2, lse2 = jaxattn.attention(q, k, v, return_lse=True, backend="reference")
     assert bits_equal(out2, out) and bits_equal(lse2, lse)
+
+
+def test_every_listed_op_is_there_after_import_jaxattn_with_its_own_contract():
+    """After a bare ``import jaxattn`` (a fresh process: no module imported beside it),
+    every op the registry lists resolves, and ``"cp_attention"`` takes the seed's CP
+    arguments (positions, world size, chunk size) on every entry, agreeing with the
+    attention op."""
+    import subprocess
+    import sys
+
+    from conftest import cpu_env
+
+    code = """
+import inspect, sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxattn
+names = jaxattn.registry.op_names()
+assert set(names) >= {"attention", "cp_attention"}, names
+for name in names:
+    op = jaxattn.get_op(name)
+    for entry in ("forward", "forward_with_lse", "forward_fp32", "forward_fp32_with_lse"):
+        assert callable(getattr(op, entry)), (name, entry)
+cp = jaxattn.get_op("cp_attention")
+for entry in ("forward", "forward_with_lse", "forward_fp32", "forward_fp32_with_lse"):
+    params = inspect.signature(getattr(type(cp), entry)).parameters
+    if entry.endswith("lse"):
+        assert {"query_position_offsets", "key_position_offsets", "cp_world_size",
+                "kv_chunk_size"} <= set(params), (entry, list(params))
+ks = jax.random.split(jax.random.PRNGKey(3), 3)
+q = jax.random.normal(ks[0], (2, 4, 24, 16), jnp.float32)
+k = jax.random.normal(ks[1], (2, 2, 24, 16), jnp.float32)
+v = jax.random.normal(ks[2], (2, 2, 24, 16), jnp.float32)
+o, l = cp.forward_fp32_with_lse(q, k, v, causal=True, cp_world_size=2, kv_chunk_size=8,
+                                query_position_offsets=jnp.zeros((2,), jnp.int32),
+                                key_position_offsets=jnp.zeros((2,), jnp.int32))
+o1, l1 = jaxattn.get_op("attention").forward_fp32_with_lse(q, k, v, causal=True)
+assert o.dtype == jnp.float32 and o.shape == q.shape and l.shape == q.shape[:3]
+assert float(jnp.max(jnp.abs(o - o1))) < 1e-5, float(jnp.max(jnp.abs(o - o1)))
+assert float(jnp.max(jnp.abs(cp(q, k, v, cp_world_size=3) - o1))) < 1e-5
+print("ok", names, repr(cp))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=cpu_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CPAttentionOp(op='cp_attention'" in proc.stdout

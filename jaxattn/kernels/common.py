@@ -116,6 +116,35 @@ def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array
     return acc_new, m_new, l_new
 
 
+#: Head dims the Pallas and Triton kernels are compiled for. Any D from 1 to
+#: ``MAX_HEAD_DIM`` runs zero-padded to the next of these: a zero column adds an exact
+#: zero to every score and output, and a given D always runs the same padded kernel, so
+#: the invariance matrix holds for every D (the scale stays that of the real D).
+KERNEL_HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = 256
+
+
+def head_dim_reason(head_dim: int, what: str) -> str | None:
+    """Why ``what`` (the kernels' name, for the message) cannot serve ``head_dim``, or
+    None for every D from 1 to :data:`MAX_HEAD_DIM`."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"head dim D={head_dim} is not supported by {what} (1 to {MAX_HEAD_DIM})"
+    return None
+
+
+def padded_head_dim(head_dim: int, native: tuple[int, ...] = KERNEL_HEAD_DIMS) -> int:
+    """The kernel head dim that serves ``head_dim``: the smallest of ``native`` that holds
+    it."""
+    return next(n for n in native if head_dim <= n)
+
+
+def pad_head_dim(x: jax.Array, dp: int) -> jax.Array:
+    """``x [..., D]`` with ``dp - D`` zero columns appended (``x`` itself when
+    ``D == dp``)."""
+    d = x.shape[-1]
+    return x if d == dp else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, dp - d),))
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two >= max(x, 1)."""
     return 1 << max(int(x) - 1, 0).bit_length()

@@ -11,7 +11,7 @@ ValueError by the op otherwise):
   tf32): every fp32 path of this backend (forward, backward, paged KV, CP) is the
   ``"pallas"`` backend's, so fp32 keeps that backend's invariance matrix, and
   ``forward_fp32`` (which upcasts) is the Pallas backend's fp32 result. The head dims
-  are then the Pallas kernels' (powers of two from 16 to 256);
+  are then the Pallas kernels' (1 to 256, zero-padded to a power of two from 16);
 * bf16/fp16 head dims 1 to 256: D < 64 runs zero-padded to 64, 64 < D < 128 to 128,
   128 < D < 256 to 256. The padding adds exact zeros to every dot product, and a given
   D always runs the same padded kernel, so the invariance matrix is unaffected; the
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kernels import pallas_triton, pallas_triton_vjp
+from jaxattn.kernels.common import pad_head_dim, padded_head_dim
 
 #: Head dims the kernels take natively; others are zero-padded to the next one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
@@ -90,7 +91,7 @@ def unavailable_reason() -> str | None:
 
 
 def _padded_head_dim(d: int) -> int:
-    return next(n for n in NATIVE_HEAD_DIMS if d <= n)
+    return padded_head_dim(d, NATIVE_HEAD_DIMS)
 
 
 def _refuse_unsupported(q) -> None:
@@ -105,12 +106,6 @@ def _is_empty(q, k) -> bool:
     return 0 in (*q.shape[:3], k.shape[2])
 
 
-def _pad_head_dim(x, dp: int):
-    """``x [..., D]`` zero-padded to ``dp`` columns (as it is when ``D == dp``)."""
-    d = x.shape[-1]
-    return x if d == dp else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, dp - d),))
-
-
 def _served(q, k, v, run):
     """The Mosaic entries' common frame: refuse what the kernels do not serve, answer
     empty calls without a kernel (0 and -inf, zero gradients), zero-pad the head dim to
@@ -122,7 +117,7 @@ def _served(q, k, v, run):
     if _is_empty(q, k):
         return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
     dp = _padded_head_dim(d)
-    out, lse = run(*(_pad_head_dim(x, dp) for x in (q, k, v)))
+    out, lse = run(*(pad_head_dim(x, dp) for x in (q, k, v)))
     return out[..., :d], lse
 
 
@@ -186,7 +181,7 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
     from jaxattn.kernels import mosaic_bwd
     d = q.shape[-1]
     dp = _padded_head_dim(d)
-    q_, k_, v_, out_, d_out_ = (_pad_head_dim(x, dp) for x in (q, k, v, out, d_out))
+    q_, k_, v_, out_, d_out_ = (pad_head_dim(x, dp) for x in (q, k, v, out, d_out))
     grads = mosaic_bwd.backward(q_, k_, v_, out_, lse, d_out_, d_lse, causal=causal,
                                 scale=scale, interpret=interpret, config=bwd_config,
                                 key_padding_mask=key_padding_mask)

@@ -41,9 +41,12 @@ from jax.experimental.pallas import triton as plgpu
 from jaxattn import schedule
 from jaxattn.kernels.common import (
     NEG_INF,
+    head_dim_reason,
     natural_max,
     next_pow2,
     online_softmax_step,
+    pad_head_dim,
+    padded_head_dim,
     precision_for,
 )
 from jaxattn.merge import finalize, merge
@@ -183,12 +186,18 @@ def _row_tile(q_ref, tile, block_m: int, rows: int, q_len: int, offset):
 
 
 def _block_bounds(row_ok, limit, *, causal: bool, kv_len, has_mask: bool):
-    """(blocks seen whole by every row, blocks seen by any row) of the tile."""
+    """(blocks seen whole by every row, blocks seen by any row) of the tile.
+
+    One rule for every mask: row r sees keys up to its limit, ``Skv - 1`` without
+    ``causal``, and the bounds come from the tile's valid rows either way. (Bounds that
+    are constants without ``causal`` let XLA:CPU unroll a one-block loop in interpret
+    mode and compile that block's arithmetic in another fusion, with other fp32 bits
+    than the causal call of the same keys.)"""
     bn = schedule.BLOCK_N
     total = (kv_len + bn - 1) // bn
     full = 0 if has_mask else kv_len // bn
     if not causal:
-        return jnp.int32(full), jnp.int32(total)
+        limit = jnp.full(limit.shape, kv_len - 1, jnp.int32)
     last = jnp.max(jnp.where(row_ok, limit, -1))
     first = jnp.min(jnp.where(row_ok, limit, kv_len))
     hi = jnp.clip(jnp.where(last < 0, 0, last // bn + 1), 0, total)
@@ -313,11 +322,16 @@ def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, lse_ref, *, rows, block_m
 
 
 def check_supported(head_dim: int) -> str | None:
-    """Why these kernels cannot serve a head dim, or None."""
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return (f"head dim D={head_dim} is not supported by the Pallas kernels "
-                f"(powers of two from 16 to 256)")
-    return None
+    """Why these kernels cannot serve a head dim, or None (any D from 1 to 256: a D
+    that is not one of :data:`jaxattn.kernels.common.KERNEL_HEAD_DIMS` runs zero-padded
+    to the next one)."""
+    return head_dim_reason(head_dim, "the Pallas kernels")
+
+
+def _pad_qkv(q, k, v):
+    """(the kernel head dim, q, k, v zero-padded to it)."""
+    dp = padded_head_dim(q.shape[-1])
+    return dp, pad_head_dim(q, dp), pad_head_dim(k, dp), pad_head_dim(v, dp)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -328,8 +342,12 @@ def split_partials(q, k, v, key_padding_mask=None, causal_offsets=None, *, causa
     The split-parallel path without its combine; the states are in ascending split
     order and fold, by :func:`jaxattn.merge.merge`, to :func:`forward`'s result.
     """
-    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
-                    interpret=interpret, path="split", config=config, partials=True)
+    d = q.shape[-1]
+    _, q, k, v = _pad_qkv(q, k, v)
+    out, lse = _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal,
+                        scale=scale, interpret=interpret, path="split", config=config,
+                        partials=True)
+    return out[..., :d], lse
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
@@ -351,10 +369,15 @@ def forward(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool
         bits.
 
     Returns:
-      ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
+      ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``. Any D from 1 to 256: the
+      kernels run zero-padded to the next of ``KERNEL_HEAD_DIMS``.
     """
-    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
-                    interpret=interpret, path=path, config=config, partials=False)
+    d = q.shape[-1]
+    _, q, k, v = _pad_qkv(q, k, v)
+    out, lse = _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal,
+                        scale=scale, interpret=interpret, path=path, config=config,
+                        partials=False)
+    return out[..., :d], lse
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
@@ -373,11 +396,15 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, s
         page ``block_table[b, p]``.
       seq_lens: ``[B]`` int32 keys per sequence (at most ``max_pages * page_size``).
 
-    Returns ``(out, lse)`` equal in bits to :func:`forward` on the contiguous keys.
+    Returns ``(out, lse)`` equal in bits to :func:`forward` on the contiguous keys. A
+    head dim the kernels are not compiled for pads the pages too (a copy of the cache).
     """
-    return _forward(q, k_pages, v_pages, None, None, causal=causal, scale=scale,
-                    interpret=interpret, path=path, config=config, partials=False,
-                    paged=(block_table, seq_lens))
+    d = q.shape[-1]
+    _, q, k_pages, v_pages = _pad_qkv(q, k_pages, v_pages)
+    out, lse = _forward(q, k_pages, v_pages, None, None, causal=causal, scale=scale,
+                        interpret=interpret, path=path, config=config, partials=False,
+                        paged=(block_table, seq_lens))
+    return out[..., :d], lse
 
 
 def _heavy_first_spec(spec: pl.BlockSpec) -> pl.BlockSpec:

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxattn.kernels import pallas_triton
-from jaxattn.kernels.common import NEG_INF, dot, precision_for
+from jaxattn.kernels.common import NEG_INF, dot, pad_head_dim, padded_head_dim, precision_for
 
 POS_INF = float("inf")
 
@@ -241,7 +241,10 @@ def _head_vec(n):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def delta(out, d_out, d_lse, *, interpret: bool, config: BackwardConfig | None = None):
-    """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]``, in a Pallas kernel."""
+    """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]``, in a Pallas kernel
+    (any head dim: zero columns, as the forward pads them, add exact zeros)."""
+    dp = padded_head_dim(out.shape[-1])
+    out, d_out = pad_head_dim(out, dp), pad_head_dim(d_out, dp)
     b, hq, sq, d = out.shape
     cfg = config or backward_config(d)
     d_lse = jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None else d_lse.astype(
@@ -287,11 +290,14 @@ def dkdv(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_offsets=None
          causal: bool, scale: float, interpret: bool, config: BackwardConfig | None = None):
     """dK, dV of the keys in ``k``/``v`` from every query row, given the final lse and
     delta of those rows: ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype."""
+    d_real = q.shape[-1]
+    dp = padded_head_dim(d_real)
+    q, k, v, d_out = (pad_head_dim(x, dp) for x in (q, k, v, d_out))
     (b, hq, sq, d, hkv, skv, g, cfg), specs, args, static = _common(
         q, k, key_padding_mask, causal_offsets, causal, scale, interpret, config)
     group = lambda blk: pl.BlockSpec((None, g, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
     group_vec = pl.BlockSpec((None, g, sq), lambda i, bi, hi: (bi, hi, 0))
-    return pl.pallas_call(
+    dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, group=g, **static),
         grid=(pl.cdiv(skv, cfg.block_kv), b, hkv),
         in_specs=[group((sq, d)), _head((skv, d)), _head((skv, d)), group((sq, d)),
@@ -303,6 +309,7 @@ def dkdv(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_offsets=None
         interpret=interpret,
         name="jaxattn_bwd_dkdv",
     )(q, k, v, d_out.astype(q.dtype), lse, delta_, *args)
+    return dk[..., :d_real], dv[..., :d_real]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
@@ -313,12 +320,16 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_off
     (the accumulator after all earlier keys, or None). ``dq = (acc * scale)`` cast to
     q's dtype after the last key range; folding key ranges in ascending order this way
     gives the bits of one call over all keys when ranges start on KV-block boundaries."""
+    d_real = q.shape[-1]
+    dp = padded_head_dim(d_real)
+    q, k, v, d_out = (pad_head_dim(x, dp) for x in (q, k, v, d_out))
+    acc = None if acc is None else pad_head_dim(acc, dp)
     (b, hq, sq, d, hkv, skv, g, cfg), specs, args, static = _common(
         q, k, key_padding_mask, causal_offsets, causal, scale, interpret, config)
     acc_specs, acc_args = ([_head((sq, d))], [acc]) if acc is not None else ([], [])
     kv_head = lambda blk: pl.BlockSpec((None, None, *blk),
                                        lambda i, bi, hi: (bi, hi // g, 0, 0))
-    return pl.pallas_call(
+    dq = pl.pallas_call(
         functools.partial(_dq_kernel, has_acc=acc is not None, **static),
         grid=(pl.cdiv(sq, cfg.block_q), b, hq),
         in_specs=[_head((sq, d)), kv_head((skv, d)), kv_head((skv, d)), _head((sq, d)),
@@ -329,6 +340,7 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, key_padding_mask=None, causal_off
         interpret=interpret,
         name="jaxattn_bwd_dq",
     )(q, k, v, d_out.astype(q.dtype), lse, delta_, *args, *acc_args)
+    return dq[..., :d_real]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))

@@ -31,7 +31,14 @@ import numpy as np
 from jaxattn import schedule
 from jaxattn.kernels import pallas_triton as pt
 from jaxattn.kernels import pallas_triton_vjp as pv
-from jaxattn.kernels.common import LOG2E, NEG_INF, next_pow2
+from jaxattn.kernels.common import (
+    LOG2E,
+    NEG_INF,
+    head_dim_reason,
+    next_pow2,
+    pad_head_dim,
+    padded_head_dim,
+)
 
 #: Let the compiler contract a multiply and an add into an FMA (Triton's default, and
 #: jax-triton's) or not. Off: on the H200 (2026-11-29, JAX 0.11.2, triton 3.6,
@@ -47,11 +54,9 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def check_supported(head_dim: int) -> str | None:
-    """Why these kernels cannot serve a head dim, or None."""
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return (f"head dim D={head_dim} is not supported by the Triton kernels "
-                f"(powers of two from 16 to 256)")
-    return None
+    """Why these kernels cannot serve a head dim, or None (any D from 1 to 256, run
+    zero-padded to the next of ``KERNEL_HEAD_DIMS`` as the Pallas kernels run it)."""
+    return head_dim_reason(head_dim, "the Triton kernels")
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -187,9 +192,12 @@ def forward(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool
     Returns:
       ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
     """
-    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
-                    path=path, config=config, enable_fp_fusion=enable_fp_fusion,
-                    partials=False)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    out, lse = _forward(*(pad_head_dim(x, dp) for x in (q, k, v)), key_padding_mask,
+                        causal_offsets, causal=causal, scale=scale, path=path, config=config,
+                        enable_fp_fusion=enable_fp_fusion, partials=False)
+    return out[..., :d], lse
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "config", "enable_fp_fusion"))
@@ -199,9 +207,12 @@ def split_partials(q, k, v, key_padding_mask=None, causal_offsets=None, *, causa
     """Per-split partial states ``(out [B, Hkv, n_splits, g*Sq, D], lse [..., g*Sq])``,
     fp32, in ascending split order: the split-parallel path without its combine (as
     :func:`pallas_triton.split_partials`)."""
-    return _forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale,
-                    path="split", config=config, enable_fp_fusion=enable_fp_fusion,
-                    partials=True)
+    d = q.shape[-1]
+    dp = padded_head_dim(d)
+    out, lse = _forward(*(pad_head_dim(x, dp) for x in (q, k, v)), key_padding_mask,
+                        causal_offsets, causal=causal, scale=scale, path="split",
+                        config=config, enable_fp_fusion=enable_fp_fusion, partials=True)
+    return out[..., :d], lse
 
 
 def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, path, config,
@@ -268,8 +279,11 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal_offsets=N
 
     The Pallas backward's tiles (:func:`pallas_triton_vjp.backward_config`) set the
     accumulation order: dK/dV over query blocks of ``block_q`` rows, dQ over KV blocks
-    of ``block_kv`` keys.
+    of ``block_kv`` keys. Any head dim: the kernels run zero-padded as the forward's.
     """
+    d_real = q.shape[-1]
+    dp = padded_head_dim(d_real)
+    q, k, v, out, d_out = (pad_head_dim(x, dp) for x in (q, k, v, out, d_out))
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     if sq == 0 or skv == 0:
@@ -297,7 +311,8 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal_offsets=N
                      jax.ShapeDtypeStruct(v.shape, v.dtype)], **static)
     (acc,) = launch("bwd_dq_kernel", (-(-sq // cfg.block_q), b, hq), inputs, scalars,
                     [jax.ShapeDtypeStruct(q.shape, jnp.float32)], **static)
-    return (acc * scale).astype(q.dtype), dk, dv
+    return ((acc * scale).astype(q.dtype)[..., :d_real], dk[..., :d_real],
+            dv[..., :d_real])
 
 
 # ------------------------------------------------------------------------ custom VJP

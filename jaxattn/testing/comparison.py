@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any
 
 import jax
@@ -37,7 +38,12 @@ TE_MODULE = "transformer_engine.pytorch.attention.dot_product_attention.context_
 
 @dataclasses.dataclass
 class AttentionInputs:
-    """A prefill problem: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]`` (causal)."""
+    """A prefill problem: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]``.
+
+    ``causal`` and ``key_padding_mask`` (``[B, S]`` bool, True = keep) are passed to
+    every path; ``rope_positions`` (``[B, S]`` or ``[S]`` int) are the default positions
+    of :func:`compare_single_gpu_rope_attention`. The seed harness calls this class
+    ``AttentionComparisonInputs`` (an alias)."""
 
     q: jax.Array
     k: jax.Array
@@ -46,6 +52,13 @@ class AttentionInputs:
     lm_head_weight: jax.Array | None = None  # [Hq * D, vocab]
     target_ids: jax.Array | None = None      # [B, S] int
     active_mask: jax.Array | None = None     # [B, S] bool
+    causal: bool = True
+    key_padding_mask: jax.Array | None = None  # [B, S] bool, True = keep
+    rope_positions: jax.Array | None = None    # [B, S] or [S] int
+
+
+#: The seed harness's name of :class:`AttentionInputs`.
+AttentionComparisonInputs = AttentionInputs
 
 
 def drift(candidate, baseline, mask=None) -> dict:
@@ -144,84 +157,162 @@ def _paged_cache(k, v, page_size: int, seed: int):
     return table, jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
 
 
+#: Transformer Engine's context-parallel correction helpers the oracle calls.
+TE_HELPERS = ("flash_attn_fwd_softmax_lse_correction", "flash_attn_fwd_out_correction_init",
+              "flash_attn_fwd_out_correction")
+
+
+def _param_names(fn) -> tuple[str, ...] | None:
+    """Parameter names of ``fn`` (a Python function, a ``torch.compile`` wrapper or a
+    TorchScript function), or None when they cannot be read."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        pass
+    schema = getattr(fn, "schema", None)  # torch.jit.ScriptFunction
+    args = getattr(schema, "arguments", None)
+    return None if args is None else tuple(a.name for a in args)
+
+
+def te_unavailable(te) -> str | None:
+    """Why the module ``te`` cannot serve the oracle (a helper it lacks, or a signature
+    it does not have), in plain words, or None."""
+    missing = [name for name in TE_HELPERS if not callable(getattr(te, name, None))]
+    if missing:
+        return (f"Transformer Engine's context-parallel module ({TE_MODULE}) has no "
+                f"{', '.join(missing)}; the oracle needs {', '.join(TE_HELPERS)}")
+    for name in TE_HELPERS[1:]:
+        params = _param_names(getattr(te, name))
+        if params is not None and not {"softmax_lse"} <= set(params):
+            return (f"Transformer Engine's {name} takes ({', '.join(params)}), not the "
+                    f"out/lse arguments the oracle passes")
+    return None
+
+
+def _te_layout_kwargs(fn) -> dict:
+    """The layout arguments of a TE out-correction helper for ``out [B, S, H, D]`` and
+    ``lse [B, H, S]`` (TE's "bshd"): current releases take ``seq_dim`` (1 here), some
+    take ``movedim_src``/``movedim_dst`` (2 -> 1), and older ones none (they transpose
+    the lse's last two axes themselves, which is the same move)."""
+    params = _param_names(fn) or ()
+    if "seq_dim" in params:
+        return {"seq_dim": 1}
+    if "movedim_src" in params and "movedim_dst" in params:
+        return {"movedim_src": 2, "movedim_dst": 1}
+    return {}
+
+
 def _te_paged(op, inputs, page_size, te):
-    """Per-page partial states merged by Transformer Engine's correction helpers."""
+    """Per-page partial states merged by Transformer Engine's correction helpers, called
+    by keyword with TE's "bshd" layout (``out [B, S, H, D]``, ``lse [B, H, S]``)."""
     import torch
+
+    from jaxattn import cp
 
     q, k, v = inputs.q, inputs.k, inputs.v
     s = q.shape[2]
+    mask = inputs.key_padding_mask
     states = []
     for a, e in _chunks(s, page_size):
         # Keys [a, e) for every query: the reference CP op gives the partial state.
-        from jaxattn import cp
         o, l_ = cp.forward_fp32_with_lse(
-            q, k[:, :, a:e], v[:, :, a:e], scale=inputs.scale,
+            q, k[:, :, a:e], v[:, :, a:e], scale=inputs.scale, causal=inputs.causal,
+            key_padding_mask=None if mask is None else mask[:, a:e],
             query_position_offsets=jnp.zeros((q.shape[0],), jnp.int32),
             key_position_offsets=jnp.full((q.shape[0],), a, jnp.int32), backend="reference")
-        states.append((torch.from_numpy(np.asarray(o).copy()),
+        states.append((torch.from_numpy(np.asarray(jnp.swapaxes(o, 1, 2)).copy()),
                        torch.from_numpy(np.asarray(l_).copy())))
+    init, step = te.flash_attn_fwd_out_correction_init, te.flash_attn_fwd_out_correction
     lse = states[0][1].clone()
     for _, l_step in states[1:]:
-        te.flash_attn_fwd_softmax_lse_correction(lse, l_step)
-    out = te.flash_attn_fwd_out_correction_init(states[0][0], lse, states[0][1])
+        te.flash_attn_fwd_softmax_lse_correction(softmax_lse=lse, softmax_lse_per_step=l_step)
+    out = init(out_init_step=states[0][0], softmax_lse=lse,
+               softmax_lse_init_step=states[0][1], **_te_layout_kwargs(init))
     for o_step, l_step in states[1:]:
-        te.flash_attn_fwd_out_correction(out, o_step, lse, l_step)
-    return jnp.asarray(out.numpy()).astype(q.dtype), jnp.asarray(lse.numpy())
+        step(out=out, out_per_step=o_step, softmax_lse=lse, softmax_lse_per_step=l_step,
+             **_te_layout_kwargs(step))
+    out = jnp.swapaxes(jnp.asarray(out.numpy()), 1, 2)
+    return out.astype(q.dtype), jnp.asarray(lse.numpy())
 
 
 def compare_single_gpu_attention(inputs: AttentionInputs, query_chunk_size: int,
                                  kv_page_size: int, include_transformer_engine: bool = False,
                                  *, backend: str | None = None, seed: int = 0,
                                  progress=None) -> ComparisonReport:
-    """full_prefill vs chunked_prefill vs paged_kv (vs the TE oracle) for one backend."""
+    """full_prefill vs chunked_prefill vs paged_kv (vs the TE oracle) for one backend.
+
+    ``inputs.causal`` and ``inputs.key_padding_mask`` apply to every path: a causal
+    chunk of queries sees the keys up to its end, a non-causal one sees every key (the
+    paged path then writes the whole sequence before the first chunk reads it). The
+    paged path takes per-sequence lengths, not a mask: with a key padding mask it is
+    reported unavailable, with the reason."""
     op = get_op("attention", backend=backend)
     q, k, v = inputs.q, inputs.k, inputs.v
     b, hq, s, d = q.shape
+    causal, mask = bool(inputs.causal), inputs.key_padding_mask
     say = progress or (lambda msg: None)
     say("full_prefill")
-    fwd = jax.jit(lambda q, k, v: op.forward_with_lse(q, k, v, scale=inputs.scale))
-    base_out, base_lse = fwd(q, k, v)
+    fwd = jax.jit(lambda q, k, v, m: op.forward_with_lse(q, k, v, scale=inputs.scale,
+                                                         causal=causal, key_padding_mask=m))
+    base_out, base_lse = fwd(q, k, v, mask)
     base_logp = (_selected_logp(base_out, inputs) if inputs.lm_head_weight is not None
                  else None)
     base = (base_out, base_lse, base_logp)
-    prov_common = {"backend": op.backend, "lse_domain": "natural log, fp32"}
+    prov_common = {"backend": op.backend, "lse_domain": "natural log, fp32",
+                   "causal": causal, "key_padding_mask": mask is not None}
     paths = [_report("full_prefill", base_out, base_lse, base, inputs,
                      {**prov_common, "merge_order": "in-kernel, ascending SPLIT order"})]
 
     say("chunked_prefill")
     chunks = _chunks(s, query_chunk_size)
-    outs, lses = zip(*[fwd(q[:, :, a:e], k[:, :, :e], v[:, :, :e]) for a, e in chunks],
-                     strict=True)
+    # A causal chunk [a, e) sees keys [0, e); a non-causal one every key.
+    ends = [e if causal else s for _, e in chunks]
+    outs, lses = zip(*[fwd(q[:, :, a:e], k[:, :, :n], v[:, :, :n],
+                           None if mask is None else mask[:, :n])
+                       for (a, e), n in zip(chunks, ends, strict=True)], strict=True)
     paths.append(_report("chunked_prefill", jnp.concatenate(outs, 2), jnp.concatenate(lses, 2),
                          base, inputs, {**prov_common, "query_chunk_size": query_chunk_size,
                                         "chunk_bounds": [list(c) for c in chunks],
                                         "merge_order": "in-kernel, ascending SPLIT order"}))
 
     say("paged_kv")
-    table, kp, vp = _paged_cache(k, v, kv_page_size, seed)
-    lens = jnp.zeros((b,), jnp.int32)
-    outs, lses = [], []
-    for a, e in chunks:
-        kp, vp, lens = paged.write(kp, vp, table, lens, k[:, :, a:e], v[:, :, a:e])
-        o, l_ = paged.attention(q[:, :, a:e], kp, vp, table, lens, scale=inputs.scale,
-                                return_lse=True, backend=op.backend)
-        outs.append(o)
-        lses.append(l_)
-    paths.append(_report("paged_kv", jnp.concatenate(outs, 2), jnp.concatenate(lses, 2), base,
-                         inputs, {**prov_common, "kv_page_size": kv_page_size,
-                                  "num_pages": int(kp.shape[0]),
-                                  "block_table": np.asarray(table).tolist(),
-                                  "query_chunk_size": query_chunk_size,
-                                  "merge_order": "logical KV block order (pages read in "
-                                                 "place)"}))
+    if mask is not None:
+        paths.append(PathReport("paged_kv", available=False, unavailable_reason=(
+            "the paged cache takes per-sequence lengths (seq_lens), not a key padding "
+            "mask; run this comparison without key_padding_mask for the paged path")))
+    else:
+        table, kp, vp = _paged_cache(k, v, kv_page_size, seed)
+        lens = jnp.zeros((b,), jnp.int32)
+        if not causal:  # every chunk reads the whole sequence
+            kp, vp, lens = paged.write(kp, vp, table, lens, k, v)
+        outs, lses = [], []
+        for a, e in chunks:
+            if causal:
+                kp, vp, lens = paged.write(kp, vp, table, lens, k[:, :, a:e], v[:, :, a:e])
+            o, l_ = paged.attention(q[:, :, a:e], kp, vp, table, lens, scale=inputs.scale,
+                                    causal=causal, return_lse=True, backend=op.backend)
+            outs.append(o)
+            lses.append(l_)
+        paths.append(_report("paged_kv", jnp.concatenate(outs, 2), jnp.concatenate(lses, 2),
+                             base, inputs, {**prov_common, "kv_page_size": kv_page_size,
+                                            "num_pages": int(kp.shape[0]),
+                                            "block_table": np.asarray(table).tolist(),
+                                            "query_chunk_size": query_chunk_size,
+                                            "merge_order": "logical KV block order (pages "
+                                                           "read in place)"}))
 
     if include_transformer_engine:
         say("transformer_engine_paged_kv")
         try:
             te = importlib.import_module(TE_MODULE)
         except Exception as e:  # noqa: BLE001 - any import failure makes the path unavailable
+            te, why = None, (f"Transformer Engine is not installed here ({TE_MODULE} could "
+                             f"not be imported: {e})")
+        else:
+            why = te_unavailable(te)
+        if why is not None:
             paths.append(PathReport("transformer_engine_paged_kv", available=False,
-                                    unavailable_reason=f"{type(e).__name__}: {e}"))
+                                    unavailable_reason=why))
         else:
             o, l_ = _te_paged(op, inputs, kv_page_size, te)
             paths.append(_report("transformer_engine_paged_kv", o, l_, base, inputs,
@@ -233,27 +324,40 @@ def compare_single_gpu_attention(inputs: AttentionInputs, query_chunk_size: int,
                             {"B": b, "Hq": hq, "Hkv": k.shape[1], "S": s, "D": d}, paths)
 
 
-def compare_single_gpu_rope_attention(inputs: AttentionInputs, position_ids, *,
-                                      query_chunk_size: int, theta: float = rope.DEFAULT_THETA,
+#: Query chunk of the fused-like RoPE path when the caller names none (the seed's).
+DEFAULT_ROPE_CHUNK = 512
+
+
+def compare_single_gpu_rope_attention(inputs: AttentionInputs, position_ids=None, *,
+                                      query_chunk_size: int = DEFAULT_ROPE_CHUNK,
+                                      theta: float = rope.DEFAULT_THETA,
                                       rotary_dim: int | None = None,
                                       backend: str | None = None) -> ComparisonReport:
     """Unfused RoPE then attention vs a fused-like path (RoPE applied per query chunk at
     the chunk's positions, as a fused kernel would, then attention on the chunk).
 
-    ``inputs.q``/``inputs.k`` are pre-RoPE. Reports post-RoPE q/k drift and bits, the
-    attention drift, and the RoPE provenance.
+    ``inputs.q``/``inputs.k`` are pre-RoPE; ``position_ids`` (``[B, S]`` or ``[S]``)
+    default to ``inputs.rope_positions``, then to ``arange(S)``. ``inputs.causal`` and
+    ``inputs.key_padding_mask`` apply to both paths. Reports post-RoPE q/k drift and
+    bits, the attention drift, and the RoPE provenance.
     """
     op = get_op("attention", backend=backend)
     q, k, v = inputs.q, inputs.k, inputs.v
     b, hq, s, d = q.shape
+    if position_ids is None:
+        position_ids = (inputs.rope_positions if inputs.rope_positions is not None
+                        else jnp.arange(s, dtype=jnp.int32))
+    causal, mask = bool(inputs.causal), inputs.key_padding_mask
     pos = jnp.broadcast_to(jnp.asarray(position_ids), (b, s))
     kw = dict(theta=theta, rotary_dim=rotary_dim)
     q_rot, k_rot = rope.forward(q, pos, **kw), rope.forward(k, pos, **kw)
-    fwd = jax.jit(lambda q, k, v: op.forward_with_lse(q, k, v, scale=inputs.scale))
-    base_out, base_lse = fwd(q_rot, k_rot, v)
+    fwd = jax.jit(lambda q, k, v, m: op.forward_with_lse(q, k, v, scale=inputs.scale,
+                                                         causal=causal, key_padding_mask=m))
+    base_out, base_lse = fwd(q_rot, k_rot, v, mask)
     base = (base_out, base_lse, _selected_logp(base_out, inputs)
             if inputs.lm_head_weight is not None else None)
     prov = rope.provenance(pos, head_dim=d, output_dtype=q.dtype, **kw)
+    prov = {**prov, "causal": causal, "key_padding_mask": mask is not None}
     paths = [_report("unfused_rope_attention", base_out, base_lse, base, inputs,
                      {**prov, "fusion_boundary": "unfused_rope_attention",
                       "qk_state": "post_rope", "backend": op.backend})]
@@ -262,8 +366,10 @@ def compare_single_gpu_rope_attention(inputs: AttentionInputs, position_ids, *,
     q_parts = [rope.forward(q[:, :, a:e], pos[:, a:e], **kw) for a, e in chunks]
     k_fused = jnp.concatenate(k_parts, 2)
     q_fused = jnp.concatenate(q_parts, 2)
-    outs, lses = zip(*[fwd(q_parts[i], k_fused[:, :, :e], v[:, :, :e])
-                       for i, (_, e) in enumerate(chunks)], strict=True)
+    ends = [e if causal else s for _, e in chunks]
+    outs, lses = zip(*[fwd(q_parts[i], k_fused[:, :, :n], v[:, :, :n],
+                           None if mask is None else mask[:, :n])
+                       for i, n in enumerate(ends)], strict=True)
     rep = _report("fused_rope_attention", jnp.concatenate(outs, 2), jnp.concatenate(lses, 2),
                   base, inputs, {**prov, "fusion_boundary": "fused_rope_attention",
                                  "qk_state": "post_rope", "backend": op.backend,
@@ -280,7 +386,14 @@ def compare_decode_kv_replay(inputs: AttentionInputs, kv_page_size: int, *,
                              prompt_len: int | None = None, backend: str | None = None,
                              seed: int = 0, progress=None) -> ComparisonReport:
     """Paged decode replay (prefill the prompt into a paged cache, then one token at a
-    time) vs attention over the full logical KV."""
+    time) vs attention over the full logical KV. Decoding is causal and the paged cache
+    takes lengths, not a mask: ``inputs.causal=False`` or a ``key_padding_mask`` raise
+    ValueError."""
+    if not inputs.causal or inputs.key_padding_mask is not None:
+        raise ValueError("compare_decode_kv_replay replays causal decoding over a paged cache: "
+                         f"it needs causal=True and no key_padding_mask, got causal="
+                         f"{inputs.causal}, key_padding_mask="
+                         f"{'given' if inputs.key_padding_mask is not None else None}")
     op = get_op("attention", backend=backend)
     q, k, v = inputs.q, inputs.k, inputs.v
     b, hq, s, d = q.shape
@@ -315,6 +428,7 @@ def compare_decode_kv_replay(inputs: AttentionInputs, kv_page_size: int, *,
                             [full, rep])
 
 
-__all__ = ["AttentionInputs", "ComparisonReport", "PartialState", "PathReport",
-           "compare_decode_kv_replay", "compare_single_gpu_attention",
-           "compare_single_gpu_rope_attention", "drift", "merge_partial_states"]
+__all__ = ["AttentionComparisonInputs", "AttentionInputs", "ComparisonReport", "PartialState",
+           "PathReport", "compare_decode_kv_replay", "compare_single_gpu_attention",
+           "compare_single_gpu_rope_attention", "drift", "merge_partial_states",
+           "te_unavailable"]
