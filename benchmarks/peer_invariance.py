@@ -258,7 +258,7 @@ def main(argv):
         names = ["jaxattn:pallas", "xla"] + (["torch_flash", "torch_math"]
                                              if systems.torch_available() is None else [])
         b, hq, hkv, d, S = 2, 4, 2, 32, 80
-        chunk_sizes, steps, pads = [24, 64], [0, 37, 79], [43]
+        chunk_sizes, steps, pads = [24], [37, 79], [43]
     else:
         names = FLAGS.backends
         b, hq, hkv, d, S = (FLAGS.batch, FLAGS.num_q_heads, FLAGS.num_kv_heads,

@@ -20,13 +20,14 @@ def test_check_main_job_passes_and_writes_json(tmp_path):
     proc = subprocess.run(
         # pallas and reference: the raw Triton backend's interpreter is slow and has its
         # own battery (tests/test_backends.py).
+        # Small enough for CI: two blocks of keys, one chunk size off the block grid.
         [sys.executable, "-m", "jaxattn.check", "--backends=pallas,reference",
-         "--num_q_heads=4", "--num_kv_heads=2",
-         "--head_dim=64", "--seq_len=80", "--decode_steps=4", "--chunk_sizes=32,50",
+         "--num_q_heads=2", "--num_kv_heads=1",
+         "--head_dim=32", "--seq_len=70", "--decode_steps=2", "--chunk_sizes=50",
          f"--json_out={out}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== backend pallas ==" in proc.stdout and "== backend reference ==" in proc.stdout
-    assert "decode (4 steps) vs prefill" in proc.stdout
+    assert "decode (2 steps) vs prefill" in proc.stdout
     report = json.loads(out.read_text())
     assert report["passed"] is True
     rows = report["backends"]["pallas"]["invariance"]

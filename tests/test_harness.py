@@ -290,8 +290,8 @@ def test_check_operator_cli(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "jaxattn.check_operator", "--op", "attention", "--candidate",
-         "pallas", "--dtype", "bf16", "--num_q_heads=4", "--num_kv_heads=2", "--head_dim=64",
-         "--seq_len=100", "--decode_steps=4", "--query_chunk_size=30",
+         "pallas", "--dtype", "bf16", "--num_q_heads=2", "--num_kv_heads=1", "--head_dim=32",
+         "--seq_len=70", "--decode_steps=2", "--query_chunk_size=30",
          f"--json_out={out}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "paged_decode_replay" in proc.stdout and "PASS" in proc.stdout

@@ -55,10 +55,10 @@ def test_check_supported_reasons():
     for d in (1, 16, 48, 64, 100, 128, 200, 256):
         assert mosaic_backend.check_supported(d, bf16) is None, d
         assert mosaic_backend.check_supported(d, jnp.float16) is None, d
-    # fp32: the Pallas kernels' head dims
-    for d in (16, 32, 64, 128, 256):
+    # fp32: the Pallas kernels' head dims (every D from 1 to 256, padded inside)
+    for d in (1, 16, 32, 48, 64, 80, 128, 192, 256):
         assert mosaic_backend.check_supported(d, jnp.float32) is None, d
-    assert "fp32 runs the Pallas kernels" in mosaic_backend.check_supported(48, jnp.float32)
+    assert "fp32 runs the Pallas kernels" in mosaic_backend.check_supported(300, jnp.float32)
     assert "D=257" in mosaic_backend.check_supported(257, bf16)
     assert "D=0" in mosaic_backend.check_supported(0, bf16)
     assert "int8" in mosaic_backend.check_supported(64, jnp.int8)
@@ -66,11 +66,11 @@ def test_check_supported_reasons():
 
 def test_fp32_runs_the_pallas_kernels():
     """fp32 (no fp32 wgmma) is served by the Pallas backend's kernels (interpreted on a
-    CPU): accurate against float64, gradients included; a head dim those kernels do
-    not serve is refused with the reason. On the GPU, test_fp32_is_the_pallas_backends
-    checks the bits on every path."""
+    CPU): accurate against float64, gradients included; a head dim beyond 256 is
+    refused with the reason. On the GPU, test_fp32_is_the_pallas_backends
+    checks the bits on every path. D=48: padded to 64 inside the Pallas kernels."""
     seed = int(np.random.default_rng().integers(2**16))
-    q, k, v = rand_qkv(1, 2, 1, 12, 30, 16, jnp.float32, seed=seed)
+    q, k, v = rand_qkv(1, 2, 1, 12, 30, 48, jnp.float32, seed=seed)
     out, lse = mosaic_backend.attention(q, k, v, causal=True, scale=0.25)
     ref, ref_lse = np_attention(q, k, v, scale=0.25)
     assert out.dtype == jnp.float32 and not np.isnan(np.asarray(out)).any()
@@ -81,9 +81,9 @@ def test_fp32_runs_the_pallas_kernels():
     want = jax.grad(lambda q: reference.forward_fp32(q, k, v, causal=True, scale=0.25)
                     .sum())(q)
     assert rel_err(g, want) < 1e-4, f"seed {seed}"
-    q48 = jnp.ones((1, 1, 4, 48), jnp.float32)
+    q300 = jnp.ones((1, 1, 4, 300), jnp.float32)
     with pytest.raises(ValueError, match="fp32 runs the Pallas kernels"):
-        mosaic_backend.attention(q48, q48, q48, causal=True, scale=0.125)
+        mosaic_backend.attention(q300, q300, q300, causal=True, scale=0.125)
 
 
 @pytest.mark.gpu
