@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels the lent H200 lacks (it has no package registry), downloaded here into .whl/
-# (git-ignored) for the device call to carry: `run(carry=[".whl"], ...)`; gpu_session.sh
+# (git-ignored) for the device call to carry: `run(carry=[".whl"], ...)`; gpu_suite.sh
 # installs them into /tmp/site first. The device image already holds transformers,
 # triton, matplotlib, pytest and hypothesis (device notes, KINDS.md); only jax-triton
 # (the "triton" backend's launcher, pure Python) is missing.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several gpu_session.sh stage lists at once, one lane per GPU of a multi-GPU host, so a
+# Several gpu_suite.sh stage lists at once, one lane per GPU of a multi-GPU host, so a
 # 10-minute device call does the work of several; everything comes back as one archive.
 #
 #   LANES="0|env,tests|tests/test_pallas.py;1|check,operator;2|sweep||causal128,d64" \
@@ -27,7 +27,7 @@ for lane in "${lanes[@]}"; do
   echo "lane $i: GPUs $gpus, stages $stages${pyargs:+, tests $pyargs}${sweep:+, sweep $sweep}"
   CUDA_VISIBLE_DEVICES=$gpus OUT="$RES/lane$i" STAGES=$stages PYTEST_ARGS=${pyargs:-tests} \
     SWEEP_SELECT=$sweep JAX_COMPILATION_CACHE_DIR=/tmp/jaxattn-jax-cache-$i \
-    timeout -k 5 "$LANE_TIMEOUT" bash benchmarks/gpu_session.sh > "$RES/lane$i.log" 2>&1 &
+    timeout -k 5 "$LANE_TIMEOUT" bash benchmarks/gpu_suite.sh > "$RES/lane$i.log" 2>&1 &
   pids+=($!)
   i=$((i + 1))
 done

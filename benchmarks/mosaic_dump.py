@@ -7,7 +7,7 @@ backward's defaults) one folder under ``--out_dir`` gets Mosaic GPU's ptxas log
 (registers per thread, spill stores/loads, SMEM), and with ``--sass`` the SASS, through
 Mosaic GPU's dump switches (``MOSAIC_GPU_DUMP_PTXAS``, ``MOSAIC_GPU_DUMP_SASS``,
 ``MOSAIC_GPU_DUMP_TO``, read when a kernel is compiled). Shapes: B=2, S=4096, Hq=32,
-Hkv=8, D=128, causal, bf16 (the Mosaic issue's bar). docs/mosaic.md section 8 reads them.
+Hkv=8, D=128, causal, bf16 (the Mosaic issue's bar). docs/notes.md, 2026-11-29 reads them.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxattn.kernels import mosaic_bwd as mb
-    from jaxattn.kernels import mosaic_fwd as mf
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.mosaic import forward as mf
 
     b, hq, hkv, s, d = 2, 32, 8, 4096, 128
     q = jnp.ones((b, hq, s, d), jnp.bfloat16)

@@ -140,7 +140,7 @@ FAMILIES = {
 def check_forward(results: list) -> None:
     import jaxattn
     from jaxattn import reference
-    from jaxattn.kernels import mosaic_fwd as mf
+    from jaxattn.backends.mosaic import forward as mf
     shapes = [FWD_SHAPES[int(i)] for i in FLAGS.fwd_shapes or range(len(FWD_SHAPES))]
     for shape, causal in itertools.product(shapes, [True, False]):
         q, k, v, _ = _inputs(*shape, seed=sum(shape))
@@ -253,13 +253,13 @@ def _invariance(results, mf, q, k, v, causal, cfg, o, lse, shape, fam) -> None:
 
 def check_backward(results: list) -> None:
     from jaxattn import reference
-    from jaxattn.kernels import mosaic_bwd as mb
-    from jaxattn.kernels import pallas_triton_vjp as pv
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.pallas import backward as pv
     shapes = [BWD_SHAPES[int(i)] for i in FLAGS.bwd_shapes or range(len(BWD_SHAPES))]
     for shape, causal in itertools.product(shapes, [True, False]):
         q, k, v, do = _inputs(*shape, seed=sum(shape) + 1)
         scale = 1.0 / np.sqrt(shape[-1])
-        out, lse = pv.attention(q, k, v, None, causal, scale, False)
+        out, lse = pv.attention(q, k, v, None, None, causal, scale, False)
         dlse = jnp.zeros_like(lse)
         ref = jax.vjp(lambda q, k, v, c=causal: reference.forward_fp32(q, k, v, causal=c),
                       q, k, v)[1](do.astype(jnp.float32))
@@ -326,7 +326,7 @@ def check_backward_tails(results: list) -> None:
     dQ and ``mask="probs"`` (whose unpadded call takes the unmasked path on fully visible
     blocks and the padded one the masked path: the two paths' bits)."""
     from jaxattn import reference
-    from jaxattn.kernels import mosaic_bwd as mb
+    from jaxattn.backends.mosaic import backward as mb
     for causal, kw in itertools.product([True, False], [{}, dict(dq="fused"),
                                                         dict(mask="probs", exp2=True)]):
         row = {"kind": "backward-tails", "causal": causal, **kw}
@@ -396,10 +396,10 @@ def time_speed(results: list) -> None:
     of back-to-back calls over rotating input sets, median); then the backward
     prototype beside the Pallas backward."""
     from benchmarks import systems
-    from jaxattn.kernels import mosaic_bwd as mb
-    from jaxattn.kernels import mosaic_fwd as mf
-    from jaxattn.kernels import pallas_triton as pt
-    from jaxattn.kernels import pallas_triton_vjp as pv
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.mosaic import forward as mf
+    from jaxattn.backends.pallas import backward as pv
+    from jaxattn.backends.pallas import forward as pt
     hq, hkv, d = 32, 8, 128
     causal = FLAGS.speed_causal
     scale = 1 / np.sqrt(d)
@@ -471,8 +471,8 @@ def time_speed(results: list) -> None:
 def time_decode(results: list) -> None:
     """Decode: one query per head against Skv keys, causal, bf16, Hq=32, Hkv=8, D=128;
     GB/s counts the K and V bytes read (the floor of a decode step)."""
-    from jaxattn.kernels import mosaic_fwd as mf
-    from jaxattn.kernels import pallas_triton as pt
+    from jaxattn.backends.mosaic import forward as mf
+    from jaxattn.backends.pallas import forward as pt
     hq, hkv, d = 32, 8, 128
     scale = 1 / np.sqrt(d)
     for spec in FLAGS.decode_speed:
@@ -516,11 +516,12 @@ def time_decode(results: list) -> None:
 
 
 def probe_tails(results: list) -> None:
-    """Non-causal tail padding, taken apart (stop 18: the row at B=2, Sq=Skv=1000, D=128
+    """Non-causal tail padding, taken apart (the run of 2026-11-30, 240f678: the row at B=2,
+    Sq=Skv=1000, D=128
     differed on the H200 and not in interpret mode): keys padded by several amounts and
     dropped by a key mask, against the unpadded call, per launch configuration; how
     many outputs and lses differ in bits."""
-    from jaxattn.kernels import mosaic_fwd as mf
+    from jaxattn.backends.mosaic import forward as mf
 
     def padded_row(q, k, v, cfg, extra, o, lse, **row):
         """The unpadded call's ``(o, lse)`` against ``extra`` dropped keys appended."""
@@ -557,7 +558,7 @@ def probe_tails(results: list) -> None:
                 row["split2_lse_finite"] = int(np.isfinite(np.asarray(sp_l[1])).sum())
             results.append(row)
             print(row, flush=True)
-    # 77 x 1500 (stop 17's failing row) with the key bound always on.
+    # 77 x 1500 (failing row of the 2026-11-30 run, 1fbd2b0) with the key bound always on.
     q, k, v, _ = _inputs(1, 4, 1, 77, 1500, 64, 7)
     cfg = mf.MosaicConfig(key_bound="always")
     o, lse = mf.forward(q, k, v, causal=False, config=cfg)

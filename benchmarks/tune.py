@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from jaxattn import schedule
-from jaxattn.kernels import pallas_triton as pt
-from jaxattn.kernels import pallas_triton_vjp as pv
+from jaxattn.backends.pallas import backward as pv
+from jaxattn.backends.pallas import forward as pt
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("what", ["fwd", "bwd", "decode"], "Kernels to sweep; 'variants' times "

@@ -1,4 +1,4 @@
-# Sourced by gpu_session.sh and gpu_lanes.sh: puts the wheels carried from
+# Sourced by gpu_suite.sh and gpu_lanes.sh: puts the wheels carried from
 # benchmarks/fetch_wheels.sh (the device has no registry) on PYTHONPATH, installing them
 # into /tmp/site once per process tree (JAXATTN_WHEELS_INSTALLED marks it done, so the
 # lanes of gpu_lanes.sh never install into the same folder at once).

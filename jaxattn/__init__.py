@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxattn import backends as _backends  # noqa: F401  (registers "attention")
-from jaxattn import cp as _cp  # noqa: F401  (registers "cp_attention")
+from jaxattn import cp as _cp  # noqa: F401  (the "cp_attention" op's module)
 from jaxattn import reference, schedule
 from jaxattn.merge import merge
 from jaxattn.registry import AttentionOp, backend_names, get_op

@@ -5,13 +5,16 @@ DESIGN.md section 5. Two ways to run attention over a sequence cut into shards:
 * :func:`forward` / :func:`forward_with_lse` / :func:`forward_fp32` /
   :func:`forward_fp32_with_lse` (the seed contract, one device): queries and keys are cut
   into ``cp_world_size`` shards, each shard's keys into ranges of ``kv_chunk_size``;
-  every (query shard, key range) pair yields :class:`PartialState` objects (one per
-  ``SPLIT`` of keys with the Pallas backend), and :func:`merge_partial_states` folds
-  them with ``lax.scan`` in ascending global key order, whatever order they arrive in.
-  When every key range starts on a ``SPLIT`` boundary the bits equal the single call's.
+  every (query shard, key range) pair yields :class:`PartialState` objects (the
+  backend's ``split_states``: one per ``SPLIT`` of keys with the kernel backends), and
+  :func:`merge_partial_states` folds them with the backend's ``fold_states`` in ascending
+  global key order, whatever order they arrive in; the backward is the backend's
+  ``backward_over_ranges``. When every key range starts on a ``SPLIT`` boundary the bits
+  equal the single call's.
 * :func:`sharded_attention` (a mesh, ``jax.shard_map``): q, k and v sharded along the
   sequence over a mesh axis. K and V are all-gathered, so every device computes its own
-  query rows over all keys with the same kernels: equal in bits to one device whatever
+  query rows over all keys with the same kernels (a backend with the "cp_mesh" path):
+  equal in bits to one device whatever
   the shard boundaries (query shards must start on multiples of the backward's 64-row
   block for the backward bits). See docs/cp.md for the collectives and bytes.
 
@@ -31,13 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxattn import reference, schedule
-from jaxattn.kernels import mosaic_backend
-from jaxattn.kernels import pallas_triton as pt
-from jaxattn.kernels import pallas_triton_vjp as pv
+from jaxattn import registry, schedule
+from jaxattn.backends.base import Backend
 from jaxattn.merge import fold
-from jaxattn.registry import Backend, register, resolve
-from jaxattn.validation import Dims, resolve_scale, validate_inputs
+from jaxattn.validation import resolve_scale, validate_inputs
 
 _NEG_INF = float("-inf")
 
@@ -75,7 +75,7 @@ class PartialState:
 def merge_partial_states(states: Sequence[PartialState], fold_fn=fold) -> PartialState:
     """Fold partial states in ascending key order (:func:`jaxattn.merge.fold`: ``lax.scan``
     over :func:`jaxattn.merge.merge`; ``fold_fn``, with the same signature, in its place:
-    the ``"mosaic"`` backend's :func:`jaxattn.kernels.mosaic_fwd.fold_partials`).
+    the ``"mosaic"`` backend's :func:`jaxattn.backends.mosaic.forward.fold_partials`).
 
     The states may come in any order; they must tile one contiguous key range with no
     gap and no overlap (empty ranges are allowed anywhere inside it).
@@ -130,49 +130,19 @@ def _ranges(n: int, world: int, chunk: int | None) -> list[tuple[int, int]]:
     return out
 
 
-def _split_states(o_parts, lse_parts, start, skv):
-    """One PartialState per SPLIT of the key range ``[start, start + skv)`` from
-    ``o_parts [n, B, Hq, Sq, D]`` and ``lse_parts [n, B, Hq, Sq]``."""
+def _range_states(o_parts, lse_parts, start: int, n_keys: int) -> list[PartialState]:
+    """The PartialStates of a backend's ``split_states`` over keys ``[start, start +
+    n_keys)``: one per SPLIT of those keys, or one for the whole range (a backend
+    without splits, the reference)."""
+    n = o_parts.shape[0]
     sp = schedule.SPLIT
+    if n == 1:
+        return [PartialState(o_parts[0], lse_parts[0], start, start + n_keys)]
+    if n != schedule.num_splits(n_keys):
+        raise ValueError(f"a backend returned {n} states for {n_keys} keys (one per SPLIT of "
+                         f"{sp}, or one, expected)")
     return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
-                         start + min((i + 1) * sp, skv)) for i in range(o_parts.shape[0])]
-
-
-def _pallas_states(q, k, v, mask, offsets, start, *, causal, scale, interpret):
-    """One PartialState per SPLIT of the key range ``[start, start + Skv)``."""
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
-    if skv == 0:
-        return [PartialState.empty(q.shape, start)]
-    o_parts, lse_parts = pt.split_partials(q, k, v, mask, offsets, causal=causal,
-                                           scale=scale, interpret=interpret)
-    n = o_parts.shape[2]
-    return _split_states(jnp.moveaxis(o_parts, 2, 0).reshape(n, b, hq, sq, d),
-                         jnp.moveaxis(lse_parts, 2, 0).reshape(n, b, hq, sq), start, skv)
-
-
-def _mosaic_states(q, k, v, mask, offsets, start, *, causal, scale, interpret, config):
-    """One PartialState per SPLIT of the key range ``[start, start + Skv)`` from the
-    Mosaic kernel's split axis (:func:`mosaic_fwd.split_partials`)."""
-    from jaxattn.kernels import mosaic_fwd
-    skv = k.shape[2]
-    if skv == 0:
-        return [PartialState.empty(q.shape, start)]
-    # The lse in the kernels' base, for mosaic_fwd.fold_partials (the fold_fn that
-    # _forward_states gives merge_partial_states for this backend).
-    o_parts, lse_parts = mosaic_fwd.split_partials(
-        q, k, v, causal=causal, scale=scale, interpret=interpret, config=config,
-        key_padding_mask=mask, causal_offsets=offsets if causal else None, kernel_lse=True)
-    return _split_states(o_parts, lse_parts, start, skv)
-
-
-def _reference_state(q, k, v, mask, q_pos, k_pos, start, *, causal, scale, fp32):
-    fn = reference.forward_fp32_with_lse if fp32 else reference.forward_with_lse
-    if k.shape[2] == 0:
-        return PartialState.empty(q.shape, start)
-    out, lse = fn(q, k, v, causal=causal, scale=scale, key_padding_mask=mask,
-                  query_positions=q_pos, key_positions=k_pos)
-    return PartialState(out.astype(jnp.float32), lse, start, start + k.shape[2])
+                         start + min((i + 1) * sp, n_keys)) for i in range(n)]
 
 
 def _check_cp_args(cp_world_size, kv_chunk_size):
@@ -184,19 +154,13 @@ def _check_cp_args(cp_world_size, kv_chunk_size):
         raise ValueError(f"kv_chunk_size must be None or a positive int, got {kv_chunk_size!r}")
 
 
-def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_size,
-                    kv_chunk_size, fp32, interpret, mosaic_config=None):
-    """(out fp32, lse) from the partial states of every (query shard, key range)."""
+def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_world_size,
+                    kv_chunk_size):
+    """(out fp32, lse) from the partial states of every (query shard, key range),
+    folded per query shard by ``be.fold_states`` in ascending global key order."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
-    fold_fn = fold
-    if backend == "mosaic":
-        # Folded by Mosaic GPU, as the single call folds in its kernel (XLA's merge
-        # differed from it in the last bit on the H200).
-        from jaxattn.kernels import mosaic_fwd
-        fold_fn = functools.partial(mosaic_fwd.fold_partials, interpret=interpret,
-                                    config=mosaic_config)
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
     for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
         if qb == qa:
@@ -206,23 +170,15 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
         order = ranges[qi % len(ranges):] + ranges[:qi % len(ranges)]
         states = []
         for a, e in order:
+            if e == a:
+                states.append(PartialState.empty(qs.shape, a))
+                continue
             ms = None if mask is None else mask[:, a:e]
-            if backend == "pallas":
-                off = (qo + qa) - (ko + a)
-                states += _pallas_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off, a,
-                                         causal=causal, scale=scale, interpret=interpret)
-            elif backend == "mosaic":
-                off = (qo + qa) - (ko + a)
-                states += _mosaic_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off, a,
-                                         causal=causal, scale=scale, interpret=interpret,
-                                         config=mosaic_config)
-            else:
-                q_pos = (qo + qa)[:, None] + jnp.arange(qb - qa, dtype=jnp.int32)
-                k_pos = ko[:, None] + jnp.arange(a, e, dtype=jnp.int32)
-                states.append(_reference_state(qs, k[:, :, a:e], v[:, :, a:e], ms, q_pos,
-                                               k_pos, a, causal=causal, scale=scale,
-                                               fp32=fp32))
-        merged = merge_partial_states(states, fold_fn=fold_fn)
+            off = (qo + qa) - (ko + a)
+            o_parts, l_parts = be.split_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off,
+                                               causal=causal, scale=scale)
+            states += _range_states(o_parts, l_parts, a, e - a)
+        merged = merge_partial_states(states, fold_fn=be.fold_states)
         outs.append(merged.out)
         lses.append(merged.lse)
     if not outs:
@@ -230,82 +186,54 @@ def _forward_states(q, k, v, mask, qo, ko, *, causal, scale, backend, cp_world_s
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _pallas_cp(q, k, v, mask, offsets, causal, scale, cp_world_size, kv_chunk_size,
-               interpret):
-    qo, ko = offsets
-    out, lse = _forward_states(q, k, v, mask, qo, ko, causal=causal, scale=scale,
-                               backend="pallas", cp_world_size=cp_world_size,
-                               kv_chunk_size=kv_chunk_size, fp32=False, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size, kv_chunk_size):
+    out, lse = _forward_states(be, q, k, v, mask, qo, ko, causal=causal, scale=scale,
+                               cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size)
     return out.astype(q.dtype), lse
 
 
-def _pallas_cp_fwd(q, k, v, mask, offsets, causal, scale, cp_world_size, kv_chunk_size,
-                   interpret):
-    out, lse = _pallas_cp(q, k, v, mask, offsets, causal, scale, cp_world_size,
-                          kv_chunk_size, interpret)
-    return (out, lse), (q, k, v, mask, offsets, out, lse)
+def _cp_attention_fwd(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size,
+                      kv_chunk_size):
+    out, lse = _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size,
+                             kv_chunk_size)
+    return (out, lse), (q, k, v, mask, qo, ko, out, lse)
 
 
-def _pallas_cp_bwd(causal, scale, cp_world_size, kv_chunk_size, interpret, res, cts):
-    """dK, dV per key range from the global lse and delta; dQ accumulated over the key
-    ranges in ascending global order (one fp32 accumulator, scaled and cast once)."""
-    q, k, v, mask, (qo, ko), out, lse = res
+def _cp_attention_bwd(be, causal, scale, cp_world_size, kv_chunk_size, res, cts):
+    """The backend's backward over the key ranges in ascending global order (dK and dV
+    per range, dQ continued from range to range), from the global lse."""
+    q, k, v, mask, qo, ko, out, lse = res
     d_out, d_lse = cts
-    kw = dict(causal=causal, scale=scale, interpret=interpret)
-    dl = pv.delta(out, d_out, d_lse, interpret=interpret)
-    dks, dvs, acc = [], [], None
-    for a, e in _ranges(k.shape[2], cp_world_size, kv_chunk_size):
-        if e == a:
-            continue
-        ms = None if mask is None else mask[:, a:e]
-        off = qo - (ko + a)
-        dk, dv = pv.dkdv(q, k[:, :, a:e], v[:, :, a:e], d_out, lse, dl, ms, off, **kw)
-        dks.append(dk)
-        dvs.append(dv)
-        acc = pv.dq_accumulate(q, k[:, :, a:e], v[:, :, a:e], d_out, lse, dl, ms, off, acc,
-                               **kw)
-    if acc is None:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
-    dq = (acc * scale).astype(q.dtype)
-    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2), None, None
+    ranges = _ranges(k.shape[2], cp_world_size, kv_chunk_size)
+    dq, dk, dv = be.backward_over_ranges(q, k, v, mask, out, lse, d_out.astype(out.dtype),
+                                         d_lse, ranges=ranges, offsets=qo - ko,
+                                         causal=causal, scale=scale)
+    return dq, dk, dv, None, None, None
 
 
-_pallas_cp.defvjp(_pallas_cp_fwd, _pallas_cp_bwd)
+_cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 
 def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
         key_position_offsets, cp_world_size, kv_chunk_size, fp32, backend):
-    dims: Dims = validate_inputs(q, k, v, causal=causal, scale=scale,
-                                 key_padding_mask=key_padding_mask)
+    dims = validate_inputs(q, k, v, causal=causal, scale=scale,
+                           key_padding_mask=key_padding_mask)
     _check_cp_args(cp_world_size, kv_chunk_size)
-    # The mosaic backend's fp32 calls are the Pallas backend's.
-    be = mosaic_backend.backend_for(resolve("cp_attention", backend).name,
-                                    jnp.float32 if fp32 else dims.dtype)
-    if be == "pallas":
-        reason = pt.check_supported(dims.head_dim)
-        if reason:
-            raise ValueError(f"backend 'pallas' cannot serve this call: {reason}")
+    be = registry.resolve("cp_attention", backend)
+    if fp32:
+        dims = dims._replace(dtype=np.dtype(np.float32))
+    reason = be.unsupported(dims, "cp")
+    if reason is not None:
+        raise ValueError(f"backend {be.name!r} cannot serve this call: {reason}")
     qo = _offsets(query_position_offsets, dims.kv_len - dims.q_len, dims.batch,
                   "query_position_offsets")
     ko = _offsets(key_position_offsets, 0, dims.batch, "key_position_offsets")
     if fp32:
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    s = resolve_scale(scale, dims.head_dim)
-    if be == "pallas":
-        interpret = jax.default_backend() == "cpu"
-        out, lse = _pallas_cp(q, k, v, key_padding_mask, (qo, ko), bool(causal), s,
-                              int(cp_world_size), kv_chunk_size, interpret)
-        return out, lse
-    if be == "mosaic":
-        return mosaic_backend.cp_attention(q, k, v, key_padding_mask, qo, ko,
-                                           causal=bool(causal), scale=s,
-                                           cp_world_size=int(cp_world_size),
-                                           kv_chunk_size=kv_chunk_size)
-    out, lse = _forward_states(q, k, v, key_padding_mask, qo, ko, causal=causal, scale=s,
-                               backend="reference", cp_world_size=int(cp_world_size),
-                               kv_chunk_size=kv_chunk_size, fp32=fp32, interpret=False)
-    return out.astype(q.dtype), lse
+    return _cp_attention(q, k, v, key_padding_mask, qo, ko, be.serving(q.dtype), bool(causal),
+                         resolve_scale(scale, dims.head_dim), int(cp_world_size),
+                         kv_chunk_size)
 
 
 def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
@@ -347,46 +275,6 @@ def forward_fp32(q, k, v, **kwargs):
     return forward_fp32_with_lse(q, k, v, **kwargs)[0]
 
 
-def _attention_backend(name: str) -> Backend:
-    from jaxattn.registry import _backends
-    return _backends("attention")[name]
-
-
-def _unsupported_cp(dims: Dims) -> str | None:
-    return pt.check_supported(dims.head_dim)
-
-
-def _cp_forward_with_lse(backend_name):
-    def fn(q, k, v, *, causal, scale, key_padding_mask):
-        return forward_with_lse(q, k, v, causal=causal, scale=scale,
-                                key_padding_mask=key_padding_mask, backend=backend_name)
-    return fn
-
-
-register("cp_attention", Backend(
-    name="reference", platforms=("cpu", "gpu", "tpu"), priority={"cpu": 0, "gpu": 100, "tpu": 0},
-    forward_with_lse=_cp_forward_with_lse("reference"),
-    description="CP over the reference's partial states"))
-register("cp_attention", Backend(
-    name="pallas", platforms=("gpu", "cpu"), priority={"gpu": 10},
-    forward_with_lse=_cp_forward_with_lse("pallas"),
-    available=lambda: _attention_backend("pallas").available(),
-    unsupported=_unsupported_cp,
-    description="CP over the Pallas kernels' per-split partial states"))
-
-
-def _unsupported_mosaic_cp(dims: Dims) -> str | None:
-    return mosaic_backend.check_supported(dims.head_dim, dims.dtype)
-
-
-register("cp_attention", Backend(
-    name="mosaic", platforms=("gpu",), priority={"gpu": 5},  # as for "attention"
-    forward_with_lse=_cp_forward_with_lse("mosaic"),
-    available=lambda: _attention_backend("mosaic").available(),
-    unsupported=_unsupported_mosaic_cp,
-    description="CP over the Mosaic GPU kernels' per-split partial states"))
-
-
 # --------------------------------------------------------------------------- on a mesh
 
 def _chunks(n: int, s: int, load_balance: bool) -> list[list[int]]:
@@ -405,9 +293,15 @@ def _layout(n: int, s: int, load_balance: bool):
     return perm, c, chunks
 
 
+#: The mesh path's backend until the ``mosaic`` backend has per-device gradient kernels
+#: (its fp32 calls are the Pallas kernels' anyway).
+MESH_BACKEND = "pallas"
+
+
 def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
                       scale: float | None = None, key_padding_mask=None,
-                      load_balance: bool = False, return_lse: bool = False):
+                      load_balance: bool = False, return_lse: bool = False,
+                      backend: str | Backend | None = MESH_BACKEND):
     """Attention over q, k, v sharded along the sequence on ``mesh[axis_name]``.
 
     Args:
@@ -417,9 +311,11 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
       load_balance: for causal attention, device i holds chunks i and 2n-1-i of the
         sequence instead of chunk i (the caller passes natural order; the permutation is
         applied here). It balances the causal work and never changes the bits.
+      backend: a backend with the "cp_mesh" path (default :data:`MESH_BACKEND`; None:
+        the platform's choice, which must have that path).
 
     Forward: each device all-gathers K and V and computes its own query rows over all
-    keys with the Pallas kernels. Backward: each device all-gathers q, dO, lse and delta
+    keys with the backend's forward. Backward: each device all-gathers q, dO, lse and delta
     (and K, V), computes dK and dV of its own keys over every query and dQ of its own
     queries over every key. No reduction crosses devices, so forward and backward give
     the bits of one device when chunk boundaries fall on multiples of 64 (the backward's
@@ -432,9 +328,11 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
     if dims.q_len != dims.kv_len:
         raise ValueError(f"sharded_attention is self-attention: Sq ({dims.q_len}) must "
                          f"equal Skv ({dims.kv_len})")
-    reason = pt.check_supported(dims.head_dim)
-    if reason:
-        raise ValueError(reason)
+    be = registry.resolve("cp_attention", backend)
+    reason = be.unsupported(dims, "cp_mesh")
+    if reason is not None:
+        raise ValueError(f"backend {be.name!r} cannot serve this call: {reason}")
+    be = be.serving(dims.dtype)
     n = mesh.shape[axis_name]
     s = dims.q_len
     parts = n * (2 if load_balance else 1)
@@ -442,7 +340,6 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
         raise ValueError(f"sequence length {s} must divide into {parts} equal chunks "
                          f"({n} devices{', load-balanced' if load_balance else ''})")
     sc = resolve_scale(scale, dims.head_dim)
-    interpret = jax.default_backend() == "cpu"
     perm, c, chunks = _layout(n, s, load_balance)
     inv = np.argsort(perm)
     has_mask = key_padding_mask is not None
@@ -450,7 +347,7 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
     vec = P(None, None, axis_name)
     mspec = P(None, axis_name)
     b = dims.batch
-    kw = dict(causal=bool(causal), scale=sc, interpret=interpret)
+    kw = dict(causal=bool(causal), scale=sc)
 
     def gather(x, axis):
         full = lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -464,13 +361,14 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
     def fwd_local(q_l, k_l, v_l, m_l):
         k_all, v_all = gather(k_l, 2), gather(v_l, 2)
         m_all = gather(m_l, 1) if has_mask else None
-        outs = [pt.forward(q_l[:, :, sl], k_all, v_all, m_all, jnp.full((b,), st), **kw)
+        outs = [be.forward_with_lse(q_l[:, :, sl], k_all, v_all, key_padding_mask=m_all,
+                                    causal_offsets=jnp.full((b,), st), **kw)
                 for sl, st in my_chunks()]
         return (jnp.concatenate([o for o, _ in outs], 2),
                 jnp.concatenate([l_ for _, l_ in outs], 2))
 
     def bwd_local(q_l, k_l, v_l, m_l, out_l, lse_l, do_l, dlse_l):
-        dl_l = pv.delta(out_l, do_l, dlse_l, interpret=interpret)
+        dl_l = be.delta(out_l, do_l, dlse_l)
         q_all, do_all = gather(q_l, 2), gather(do_l.astype(q_l.dtype), 2)
         lse_all, dl_all = gather(lse_l, 2), gather(dl_l, 2)
         k_all, v_all = gather(k_l, 2), gather(v_l, 2)
@@ -478,14 +376,15 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
         dks, dvs, dqs = [], [], []
         for sl, st in my_chunks():
             ms = m_l[:, sl] if has_mask else None
-            dk, dv = pv.dkdv(q_all, k_l[:, :, sl], v_l[:, :, sl], do_all, lse_all, dl_all,
-                             ms, jnp.full((b,), -st), **kw)
-            acc = pv.dq_accumulate(q_l[:, :, sl], k_all, v_all, do_l[:, :, sl],
-                                   lse_l[:, :, sl], dl_l[:, :, sl], m_all, jnp.full((b,), st),
-                                   **kw)
+            dk, dv = be.key_gradients(q_all, k_l[:, :, sl], v_l[:, :, sl], ms, do_all,
+                                      lse_all, dl_all, causal_offsets=jnp.full((b,), -st),
+                                      **kw)
+            dq = be.query_gradients(q_l[:, :, sl], k_all, v_all, m_all, do_l[:, :, sl],
+                                    lse_l[:, :, sl], dl_l[:, :, sl],
+                                    causal_offsets=jnp.full((b,), st), **kw)
             dks.append(dk)
             dvs.append(dv)
-            dqs.append((acc * sc).astype(q_l.dtype))
+            dqs.append(dq)
         return tuple(jnp.concatenate(x, 2) for x in (dqs, dks, dvs))
 
     mask_in = key_padding_mask if has_mask else jnp.zeros((b, s), bool)

@@ -202,9 +202,9 @@ def check_paged(op, p: Problem, page_sizes: Sequence[int], steps: Sequence[int],
                 seed: int = 0) -> list[CheckResult]:
     """Decode steps and a chunk read from a paged KV cache (shuffled page table, unused
     pages full of NaN) vs the contiguous prefill rows."""
-    from jaxattn import paged
+    from jaxattn import paged, registry
 
-    if op.backend not in paged.BACKENDS:
+    if "paged" not in registry.backend(op.backend).paths:
         return [CheckResult("paged KV vs contiguous", "forward", True,
                             f"backend {op.backend!r} has no paged KV path; not checked",
                             checked=False)]

@@ -7,17 +7,15 @@ are the last ``Sq`` tokens of each sequence (decode: Sq = 1; chunked prefill: a 
 so query i of sequence b sits at position ``seq_lens[b] - Sq + i`` and the causal rule
 is the one of the tensor contract.
 
-With the Pallas backend the kernels read the pages directly (no gather into a
-contiguous copy), one ``BLOCK_N`` block at a time, so the result equals contiguous KV in
-bits for any page table whenever ``page_size`` is a multiple of ``BLOCK_N`` (64). Other
-page sizes would split a block across two pages; the Pallas backend refuses them with a
-ValueError rather than change the reduction order. The triton and reference backends
-gather the pages into contiguous K and V first (a copy, off the Pallas hot path) and
-accept any page size; the triton backend's result then equals its contiguous call in
-bits. The mosaic backend gathers too, and runs its forward with per-sequence causal
-offsets (its rows' bits are those of its contiguous call); its fp32 calls are the
-Pallas backend's (in place). Any other backend raises (no silent fallback to another
-backend).
+Each backend serves the path through its ``paged_forward``
+(:mod:`jaxattn.backends.base`): the Pallas kernels read the pages directly (no gather
+into a contiguous copy), one ``BLOCK_N`` block at a time, so the result equals contiguous
+KV in bits for any page table whenever ``page_size`` is a multiple of ``BLOCK_N`` (64);
+they refuse other page sizes with a ValueError rather than change the reduction order.
+The triton, mosaic (bf16/fp16) and reference backends gather the pages into contiguous K
+and V first (a copy) and run their forward with per-sequence causal offsets; the triton
+and mosaic results equal their contiguous calls in bits. A backend without a paged path
+raises (no silent fallback to another backend).
 """
 
 from __future__ import annotations
@@ -26,23 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import reference, schedule
-from jaxattn.kernels import mosaic_backend
-from jaxattn.kernels import pallas_triton as pt
-from jaxattn.registry import resolve
-from jaxattn.validation import SUPPORTED_DTYPES, resolve_scale
-
-#: The backends with a paged path: pallas reads pages in place, the others gather them.
-BACKENDS = ("pallas", "triton", "mosaic", "reference")
+from jaxattn import registry
+from jaxattn.backends.base import gather_pages
+from jaxattn.validation import SUPPORTED_DTYPES, Dims, resolve_scale
 
 
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def validate(q, k_pages, v_pages, block_table, seq_lens, *, backend: str) -> None:
-    """Check shapes, dtypes, page sizes and, when the values are concrete (not traced),
-    page ids and lengths. Raises ValueError / TypeError naming what it got."""
+def validate(q, k_pages, v_pages, block_table, seq_lens) -> Dims:
+    """Check shapes, dtypes and, when the values are concrete (not traced), page ids and
+    lengths. Raises ValueError / TypeError naming what it got; returns the call's
+    :class:`~jaxattn.validation.Dims` (``kv_len``: the block table's capacity)."""
     if q.ndim != 4:
         raise ValueError(f"q must have rank 4 ([B, Hq, Sq, D]), got shape {q.shape}")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -72,12 +66,6 @@ def validate(q, k_pages, v_pages, block_table, seq_lens, *, backend: str) -> Non
     for name, x in (("block_table", block_table), ("seq_lens", seq_lens)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-    if backend == "pallas" and page_size % schedule.BLOCK_N:
-        raise ValueError(
-            f"page_size {page_size} is not a multiple of BLOCK_N={schedule.BLOCK_N}: a key "
-            f"block would straddle two pages and the Pallas kernels would have to change "
-            f"the reduction order. Use a page size that is a multiple of {schedule.BLOCK_N} "
-            f"(or the reference backend, which gathers pages).")
     capacity = block_table.shape[1] * page_size
     if _is_concrete(seq_lens):
         lens = np.asarray(seq_lens)
@@ -92,13 +80,12 @@ def validate(q, k_pages, v_pages, block_table, seq_lens, *, backend: str) -> Non
                 bi, pi = map(int, np.argwhere(bad)[0])
                 raise ValueError(f"block_table[{bi}, {pi}] = {int(table[bi, pi])} is not a "
                                  f"page id in [0, {num_pages})")
+    return Dims(b, hq, hkv, q.shape[2], capacity, d, np.dtype(q.dtype))
 
 
 def gather(pages, block_table):
     """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages."""
-    g = pages[block_table]  # [B, max_pages, Hkv, page_size, D]
-    b, n, h, p, d = g.shape
-    return jnp.moveaxis(g, 2, 1).reshape(b, h, n * p, d)
+    return gather_pages(pages, block_table)
 
 
 def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True,
@@ -109,47 +96,14 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool = True
     Returns ``out [B, Hq, Sq, D]`` (and ``lse [B, Hq, Sq]`` fp32 with ``return_lse``).
     Forward only (rollout); train through :func:`jaxattn.attention`.
     """
-    # The mosaic backend's fp32 calls are the Pallas backend's.
-    be = mosaic_backend.backend_for(resolve("attention", backend).name, q.dtype)
-    validate(q, k_pages, v_pages, block_table, seq_lens, backend=be)
-    sc = resolve_scale(scale, q.shape[-1])
-    block_table = jnp.asarray(block_table, jnp.int32)
-    seq_lens = jnp.asarray(seq_lens, jnp.int32)
-    if be == "pallas":
-        reason = pt.check_supported(q.shape[-1])
-        if reason:
-            raise ValueError(f"backend 'pallas' cannot serve this call: {reason}")
-        out, lse = pt.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
-                                    causal=bool(causal), scale=sc,
-                                    interpret=jax.default_backend() == "cpu")
-    elif be in BACKENDS:
-        # Not read in place: the pages are gathered into contiguous K, V first (a copy).
-        k, v = gather(k_pages, block_table), gather(v_pages, block_table)
-        cap, sq = k.shape[2], q.shape[2]
-        keep = jnp.arange(cap)[None, :] < seq_lens[:, None]
-        if be == "triton":
-            from jaxattn.kernels import triton_backend
-            reason = triton_backend.check_supported(q.shape[-1])
-            if reason:
-                raise ValueError(f"backend 'triton' cannot serve this call: {reason}")
-            out, lse = triton_backend.forward(q, k, v, keep, seq_lens - sq,
-                                              causal=bool(causal), scale=sc)
-        elif be == "mosaic":
-            reason = mosaic_backend.check_supported(q.shape[-1], q.dtype)
-            if reason:
-                raise ValueError(f"backend 'mosaic' cannot serve this call: {reason}")
-            out, lse = mosaic_backend.paged_forward(q, k, v, keep, seq_lens - sq,
-                                                    causal=bool(causal), scale=sc)
-        else:
-            q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None, :]
-            k_pos = jnp.broadcast_to(jnp.arange(cap), keep.shape)
-            out, lse = reference.forward_with_lse(q, k, v, causal=causal, scale=sc,
-                                                  key_padding_mask=keep,
-                                                  query_positions=q_pos,
-                                                  key_positions=k_pos)
-    else:
-        raise ValueError(f"backend {be!r} has no paged KV path (pallas reads pages in "
-                         f"place; triton, mosaic and reference gather them)")
+    be = registry.resolve("attention", backend)
+    dims = validate(q, k_pages, v_pages, block_table, seq_lens)
+    reason = be.unsupported(dims, "paged", page_size=k_pages.shape[2])
+    if reason is not None:
+        raise ValueError(f"backend {be.name!r} cannot serve this call: {reason}")
+    out, lse = be.paged_forward(q, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
+                                jnp.asarray(seq_lens, jnp.int32), causal=bool(causal),
+                                scale=resolve_scale(scale, q.shape[-1]))
     return (out, lse) if return_lse else out
 
 

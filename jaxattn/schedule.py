@@ -32,7 +32,7 @@ BLOCKS_PER_SPLIT: Final[int] = SPLIT // BLOCK_N
 #: recomputed probabilities always use exp/log. On the H200 (2026-11-29, JAX 0.11.2,
 #: ``python -m benchmarks.tune --what=variants``, B=2 Hq=32 Hkv=8 S=4096 D=128 causal
 #: bf16) "2" ran the forward at 305.5 TFLOP/s against 271.8 for "e", with decode rows,
-#: chunked prefill and every tile height still equal in bits (docs/benchmarks.md).
+#: chunked prefill and every tile height still equal in bits (docs/notes.md).
 SOFTMAX_EXP_BASE: Final[str] = "2"
 
 #: Row sum of a block's probabilities: "mma" (on the matrix unit: the same bits for

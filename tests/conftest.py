@@ -38,7 +38,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
 from mosaic_support import cache_interpreter_compiles  # noqa: E402
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
@@ -143,7 +142,7 @@ def assert_configs_keep_bits(forward, q, k, v, configs):
 
 def warps_stages_config(warps: int, stages: int):
     """A forward config with ``warps`` and ``stages`` on both launch paths."""
-    from jaxattn.kernels import pallas_triton as pt
+    from jaxattn.backends.pallas import forward as pt
 
     return pt.ForwardConfig(num_warps=warps, num_stages=stages, decode_num_warps=warps,
                             decode_num_stages=stages)

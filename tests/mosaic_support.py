@@ -46,7 +46,7 @@ def missing_interpret(extra: tuple[str, ...] = ()) -> str | None:
     if jax.default_backend() != "cpu":
         return ("interpret mode is the CPU's stand-in; on a GPU the prototypes run natively "
                 "(benchmarks/mosaic_gpu_check.py)")
-    from jaxattn.kernels import mosaic_fwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
     if mosaic_fwd.interpret_params() is None:
         return f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams)"
     return None

@@ -44,7 +44,7 @@ BACKENDS = [
     BackendSpec("pallas", follows_schedule=True),
     BackendSpec("triton", follows_schedule=True, cp=False),
     # Mosaic GPU (sm90 only; skipped elsewhere with its reason); its fp32 calls run the
-    # Pallas kernels (jaxattn/kernels/mosaic_backend.py).
+    # Pallas kernels (jaxattn/backends/mosaic/backend.py).
     BackendSpec("mosaic", follows_schedule=True),
 ]
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
@@ -54,7 +54,7 @@ GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
 def _unavailable(spec) -> str | None:
     """Why ``spec``'s backend cannot run in this process (e.g. an optional dependency is
     missing), or None."""
-    return registry._backends("attention")[spec.name].available()
+    return registry.backend(spec.name).available()
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda s: s.name)

@@ -44,8 +44,7 @@ def test_check_exits_nonzero_when_a_promised_invariant_breaks():
         out, lse = reference.forward_with_lse(q, k, v, **kw)
         return out + jnp.asarray(next(counter) * 1e-3, out.dtype), lse
 
-    registry.register("attention", registry.Backend(
-        name="noisy", platforms=("cpu", "gpu"), priority={}, forward_with_lse=noisy))
+    registry.register(registry.FunctionBackend("noisy", noisy, follows_schedule=True))
     try:
         flags.FLAGS(["check", "--backends=noisy", "--num_q_heads=2", "--num_kv_heads=1",
                      "--head_dim=16", "--seq_len=24", "--decode_steps=2",
@@ -54,7 +53,7 @@ def test_check_exits_nonzero_when_a_promised_invariant_breaks():
             check.main([])
         assert exc.value.code == 1
     finally:
-        del registry._REGISTRY["attention"]["noisy"]
+        registry.unregister("noisy")
         flags.FLAGS.unparse_flags()
 
 
@@ -90,7 +89,7 @@ def test_peer_invariance_smoke(tmp_path):
     """The peers' invariance matrix runs on the CPU; jaxattn's column is all equal; no
     system's cell is an error or beyond tolerance (which would mean a broken experiment)."""
     # The smoke mode is the CPU's (tiny shapes some GPU peers refuse); on a GPU host the
-    # published matrix comes from the full binary (gpu_session.sh, stage peers).
+    # published matrix comes from the full binary (gpu_suite.sh, stage peers).
     env = cpu_env(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.peer_invariance", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,

@@ -234,13 +234,10 @@ def test_sharded_attention_rejects_bad_layouts():
 
 
 def test_cp_op_falls_to_the_reference_when_the_kernels_are_unavailable(monkeypatch):
-    import dataclasses as dc
-
     from jaxattn import registry
     for name in ("pallas", "mosaic"):
-        be = registry._backends("attention")[name]
-        monkeypatch.setitem(registry._REGISTRY["attention"], name, dc.replace(
-            be, available=lambda: "no GPU of compute capability 8+"))
+        monkeypatch.setattr(registry.backend(name), "available",
+                            lambda: "no GPU of compute capability 8+")
     assert registry.resolve("cp_attention", platform="gpu").name == "reference"
     with pytest.raises(RuntimeError, match="backend 'pallas' is unavailable: no GPU"):
         registry.resolve("cp_attention", "pallas", platform="gpu")

@@ -255,8 +255,9 @@ def test_seed_names_and_the_non_causal_and_masked_cases():
             assert not paged_path.available and "seq_lens" in paged_path.unavailable_reason
         full = rep.path("full_prefill")
         assert not np.isnan(full.out_drift["max"])
-        out, _ = jax.jit(lambda q, k, v, mm: cmp.get_op("attention", backend="pallas")
-                         .forward_with_lse(q, k, v, causal=causal, key_padding_mask=mm))(
+        op = cmp.get_op("attention", backend="pallas")
+        out, _ = jax.jit(lambda q, k, v, mm, c=causal, op=op: op.forward_with_lse(
+            q, k, v, causal=c, key_padding_mask=mm))(
             inputs.q, inputs.k, inputs.v, inputs.key_padding_mask)
         want, _ = np_attention(base.q, base.k, base.v, causal=causal, mask=m)
         assert not np.isnan(np.asarray(out)).any()

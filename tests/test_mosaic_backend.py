@@ -1,4 +1,4 @@
-"""The registered ``"mosaic"`` backend (jaxattn/kernels/mosaic_backend.py): chosen on
+"""The registered ``"mosaic"`` backend (jaxattn/backends/mosaic/backend.py): chosen on
 sm90 only, its refusals, fp32 on the Pallas kernels, its CUDA lowering (forward and
 gradient) on a CPU, and its wrapper (head-dim padding, the custom VJP) in Mosaic GPU
 interpret mode. On an sm90 GPU the parameterised battery (tests/test_backends.py) runs
@@ -19,8 +19,8 @@ from mosaic_support import (
 
 import jaxattn
 from jaxattn import reference, registry
+from jaxattn.backends.mosaic import backend as mosaic_backend
 from jaxattn.invariance import bits_equal
-from jaxattn.kernels import mosaic_backend
 
 needs_api = pytest.mark.skipif(missing_api(("load", "Layout")) is not None,
                                reason=str(missing_api(("load", "Layout"))))
@@ -31,12 +31,11 @@ needs_interpret = pytest.mark.skipif(_why_interp is not None, reason=str(_why_in
 def test_chosen_on_sm90_by_capability():
     """Priority before pallas on the GPU; chosen exactly where available (sm90), never
     on a CPU."""
-    be = registry._backends("attention")["mosaic"]
+    be = registry.backend("mosaic")
     assert be.platforms == ("gpu",)
-    assert be.priority["gpu"] < registry._backends("attention")["pallas"].priority["gpu"]
-    from jaxattn import cp  # noqa: F401  (registers the cp_attention op)
-    assert registry._backends("cp_attention")["mosaic"].priority == be.priority
-    assert registry._backends("cp_attention")["mosaic"].platforms == ("gpu",)
+    assert be.priority["gpu"] < registry.backend("pallas").priority["gpu"]
+    # One backend object serves every op whose path it has: CP resolves the same way.
+    assert "mosaic" in registry.backend_names("cp_attention")
     assert registry.resolve("attention", platform="cpu").name != "mosaic"
     if ON_GPU:
         want = "mosaic" if be.available() is None else "pallas"
@@ -197,7 +196,8 @@ def test_interpret_backend_wrapper():
     a key padding mask, causal with Sq < Skv; forward and gradients (through the custom
     VJP, eagerly: one interpreted kernel per computation) against the fp32 reference;
     the backward from saved residuals and the paged entry against the op in bits."""
-    from jaxattn.kernels import mosaic_bwd, mosaic_fwd
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
     seed = int(np.random.default_rng().integers(2**16))
     q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, jnp.bfloat16, seed=seed)
     mask = jnp.asarray(np.arange(70)[None] % 9 != 4)
@@ -234,11 +234,10 @@ def test_interpret_backend_wrapper():
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
                                       np.asarray(h).view(np.uint16),
                                       err_msg=f"d{name} (seed {seed})")
-    # The paged entry (per-sequence offsets; here the static one, Skv - Sq = 30) gives
+    # Per-sequence offsets (the paged path's; here the static one, Skv - Sq = 30) give
     # the same bits as the op, D padding included.
-    po, pl_ = mosaic_backend.paged_forward(q, k, v, mask, jnp.array([30], jnp.int32),
-                                           causal=True, scale=0.25, interpret=True,
-                                           fwd_config=kw["fwd_config"])
+    po, pl_ = mosaic_backend.attention(q, k, v, mask,
+                                       causal_offsets=jnp.array([30], jnp.int32), **kw)
     np.testing.assert_array_equal(np.asarray(po).view(np.uint16),
                                   np.asarray(out).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(pl_).view(np.uint32),
@@ -252,8 +251,9 @@ def test_interpret_cp_equals_single_call():
     SPLIT-aligned at S=256): the forward's per-split partial states merged in global
     order, and the backward with dK/dV per key range and dQ continued across them, equal
     the single call's forward and gradients in bits."""
-    from jaxattn import schedule
-    from jaxattn.kernels import mosaic_bwd, mosaic_fwd
+    from jaxattn import cp, schedule
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
     kw = dict(interpret=True, fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
               bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
     old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
@@ -263,14 +263,14 @@ def test_interpret_cp_equals_single_call():
         seed = int(np.random.default_rng().integers(2**16))
         q, k, v = rand_qkv(1, 1, 1, 256, 256, 64, jnp.bfloat16, seed=seed)
         w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
-        zero = jnp.zeros((1,), jnp.int32)
+        be = mosaic_backend.MosaicBackend(**kw)
 
         def single(q, k, v):
             return mosaic_backend.attention(q, k, v, causal=True, scale=0.125, **kw)
 
         def sharded(q, k, v):
-            return mosaic_backend.cp_attention(q, k, v, None, zero, zero, causal=True,
-                                               scale=0.125, cp_world_size=2, **kw)
+            return cp.forward_with_lse(q, k, v, causal=True, scale=0.125, cp_world_size=2,
+                                       backend=be)
 
         want = single(q, k, v)
         got = sharded(q, k, v)

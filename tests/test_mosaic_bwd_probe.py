@@ -1,4 +1,4 @@
-"""The Mosaic GPU (Hopper) backward prototype, jaxattn/kernels/mosaic_bwd.py.
+"""The Mosaic GPU (Hopper) backward prototype, jaxattn/backends/mosaic/backward.py.
 
 On a CPU: the kernels (delta, dK/dV, dQ) run in Mosaic GPU interpret mode and are
 lowered for CUDA without a GPU. Gradients are checked against ``jax.vjp`` of
@@ -57,7 +57,7 @@ needs_callbacks = pytest.mark.skipif(_missing_callbacks() is not None,
 
 @pytest.fixture
 def mosaic_bwd():
-    from jaxattn.kernels import mosaic_bwd
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
     try:
         yield mosaic_bwd
     finally:
@@ -148,7 +148,7 @@ def triton_numpy_dot():
     afterwards. (The other way round, XLA's dot inside the interpreter's wgmma callback,
     can deadlock XLA:CPU's thread pool: an XLA computation launched from a callback while
     the warpgroup threads block in barrier callbacks.)"""
-    from jaxattn.kernels import pallas_triton_vjp
+    from jaxattn.backends.pallas import backward as pallas_triton_vjp
 
     def numpy_dot(a, b, *, trans_b=False, precision=None):
         del precision  # bf16 inputs only here
@@ -187,7 +187,7 @@ def test_bits_equal_triton_with_same_products(mosaic_bwd, triton_numpy_dot, case
     grads = _mosaic(mosaic_bwd, q, k, v, out, lse, do, causal, cfg)
     for name, g, gt in zip("qkv", grads, grads_t, strict=True):
         np.testing.assert_array_equal(bits(g), bits(gt), err_msg=f"d{name} (seed {seed})")
-    from jaxattn.kernels import pallas_triton_vjp
+    from jaxattn.backends.pallas import backward as pallas_triton_vjp
     dl = mosaic_bwd.delta(out, do, interpret=True)
     np.testing.assert_array_equal(bits(dl), bits(pallas_triton_vjp.delta(out, do, None,
                                                                             interpret=True)))

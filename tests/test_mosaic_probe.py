@@ -1,4 +1,4 @@
-"""The Mosaic GPU (Hopper) forward prototype, jaxattn/kernels/mosaic_fwd.py (issue #8).
+"""The Mosaic GPU (Hopper) forward prototype, jaxattn/backends/mosaic/forward.py (issue #8).
 
 On a CPU: the kernel runs in Mosaic GPU interpret mode (wgmma, TMA, barriers and two
 warpgroups simulated by JAX) and is lowered for CUDA without a GPU. Everything skips,
@@ -30,7 +30,7 @@ needs_interpret = pytest.mark.skipif(missing_interpret() is not None,
 
 @pytest.fixture
 def mosaic_fwd():
-    from jaxattn.kernels import mosaic_fwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
     try:
         yield mosaic_fwd
     except BaseException:
@@ -89,8 +89,8 @@ def test_merge_twins_match_library_bits(mosaic_fwd):
     got = np.asarray(out_r).view(np.int32).astype(np.int64)
     ulps = np.abs(got - want.view(np.int32).astype(np.int64))
     # Exact under XLA on a CPU; XLA on the H200 forms 1 / l with its own (not correctly
-    # rounded) division, so rows there differ by up to 2 ulps (measured, stop 20). The
-    # kernels' reciprocal is checked in bits across their paths, not against XLA.
+    # rounded) division, so rows there differ by up to 2 ulps (measured, run of 2026-12-01,
+    # 79e97f6). The kernels' reciprocal is checked in bits across their paths, not against XLA.
     assert ulps.max() <= (0 if jax.default_backend() == "cpu" else 2), ulps.max()
     np.testing.assert_array_equal(np.asarray(lse_r).view(np.uint32),
                                   np.asarray(lse_b).view(np.uint32))
@@ -221,7 +221,7 @@ def exact_interpreter_matmul(monkeypatch):
     inputs: products of 8-bit significands summed over at most 128 terms), rounded once
     to the accumulator's type. Its own ``np.matmul`` in float32 rounds a row's results
     differently with the matrix's N (OpenBLAS's blocking); the H200's wgmma does not
-    (``mosaic_gpu_check``'s ``bps2`` launches, stop 19)."""
+    (``mosaic_gpu_check``'s ``bps2`` launches, run of 2026-12-01, 6a24bfd)."""
     import types
 
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -423,7 +423,7 @@ def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
 @jax.jit
 def _xla_kernel_fold(outs, lses):
     """The fold kernel's merges under XLA (``lax.scan`` as ``jaxattn.merge.fold``)."""
-    from jaxattn.kernels import mosaic_fwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
     init = (jnp.zeros_like(outs[0]), jnp.full_like(lses[0], -jnp.inf))
     (o, lse), _ = jax.lax.scan(lambda acc, x: (mosaic_fwd.kernel_merge(*acc, *x), None),
                                init, (outs, lses))
@@ -556,8 +556,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
     {"wait_next_k": False},
     {"wait_next_k": False, "persistent": 132, "prefetch_q": True},
-    # The arithmetic of stop 18 (accurate exp2/log2, a division per element, the
-    # mask's indices per tile, no fence).
+    # The arithmetic of the 2026-11-30 run (240f678) (accurate exp2/log2, a division per element,
+    # the mask's indices per tile, no fence).
     {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_launch_options_lower_for_cuda(mosaic_fwd, kw):

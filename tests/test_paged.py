@@ -41,7 +41,7 @@ def test_paged_over_more_than_one_split_and_ragged_lengths():
     sq = 3
     qs = jnp.stack([q[b, :, lens[b] - sq:lens[b]] for b in range(3)])
     for path in ("prefill", "split"):
-        out, lse = jaxattn.kernels.pallas_triton.paged_forward(
+        out, lse = jaxattn.backends.pallas.forward.paged_forward(
             qs, kp, vp, jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32),
             causal=True, scale=0.125, interpret=jax.default_backend() == "cpu", path=path)
         for b in range(3):
@@ -97,14 +97,12 @@ def test_errors():
         paged.attention(q, jnp.zeros((5, 3, 64, 64)), jnp.zeros((5, 3, 64, 64)), table, lens)
     # A backend with no paged path raises instead of handing the call to another backend.
     from jaxattn import registry
-    registry.register("attention", registry.Backend(
-        name="no_paged", platforms=("cpu", "gpu"), priority={},
-        forward_with_lse=jaxattn.reference.forward_with_lse))
+    registry.register(registry.FunctionBackend("no_paged", jaxattn.reference.forward_with_lse))
     try:
-        with pytest.raises(ValueError, match="'no_paged' has no paged KV path"):
+        with pytest.raises(ValueError, match="'no_paged' has no paged path"):
             paged.attention(q, kp, kp, table, lens, backend="no_paged")
     finally:
-        del registry._REGISTRY["attention"]["no_paged"]
+        registry.unregister("no_paged")
     # An unused table entry may hold anything (here -1): only used pages are checked.
     out = paged.attention(q, kp + 1.0, kp + 1.0, table.at[1, 1].set(-1), lens)
     assert not np.isnan(np.asarray(out)).any()

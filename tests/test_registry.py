@@ -14,7 +14,8 @@ from jaxattn.invariance import bits_equal
 
 def test_platform_priority():
     assert registry.resolve("attention", platform="cpu").name == "reference"
-    avail = {n: b.available() is None for n, b in registry._backends("attention").items()}
+    avail = {n: registry.backend(n).available() is None
+             for n in registry.backend_names("attention")}
     gpu = ("mosaic" if avail["mosaic"] else "pallas" if avail["pallas"] else "reference")
     assert registry.resolve("attention", platform="gpu").name == gpu
     op = jaxattn.get_op("attention")
@@ -56,16 +57,16 @@ def test_explicit_backend_on_wrong_platform_raises():
 
 
 def test_unavailable_backend_raises_instead_of_falling_back():
-    registry.register("attention", registry.Backend(
-        name="broken", platforms=("cpu", "gpu"), priority={"cpu": -1, "gpu": -1},
-        forward_with_lse=lambda *a, **k: None, available=lambda: "no such device"))
+    registry.register(registry.FunctionBackend(
+        "broken", lambda *a, **k: None, priority={"cpu": -1, "gpu": -1},
+        available=lambda: "no such device"))
     try:
         with pytest.raises(RuntimeError, match=r"backend 'broken' is unavailable: no such"):
             jaxattn.get_op("attention", backend="broken")
         # Automatic choice skips it (declared capability), whatever the shapes.
         assert jaxattn.get_op("attention").backend != "broken"
     finally:
-        del registry._REGISTRY["attention"]["broken"]
+        registry.unregister("broken")
 
 
 def test_op_surface():

@@ -17,8 +17,8 @@ from conftest import ON_GPU  # noqa: E402
 import jaxattn  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxattn import cp  # noqa: E402
+from jaxattn.backends.mosaic import backend as mosaic_backend  # noqa: E402
 from jaxattn.invariance import bits_equal  # noqa: E402
-from jaxattn.kernels import mosaic_backend  # noqa: E402
 from torch_bridge import bridge  # noqa: E402
 
 DEV = "cuda" if ON_GPU and torch.cuda.is_available() else "cpu"

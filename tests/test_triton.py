@@ -1,5 +1,5 @@
 """Tests specific to the raw Triton backend (``backend="triton"``,
-:mod:`jaxattn.kernels.triton_backend`).
+:mod:`jaxattn.backends.triton.launch`).
 
 The parameterised battery of ``test_backends.py`` covers accuracy, gradients and the
 invariance matrix. Here: what the backend does without its optional dependencies, its own
@@ -34,13 +34,13 @@ from conftest import (
 
 import jaxattn
 from jaxattn import invariance, reference, registry, schedule
+from jaxattn.backends.pallas import backward as pv
+from jaxattn.backends.pallas import forward as pt
+from jaxattn.backends.triton import launch as tb
 from jaxattn.invariance import bits_equal
-from jaxattn.kernels import pallas_triton as pt
-from jaxattn.kernels import pallas_triton_vjp as pv
-from jaxattn.kernels import triton_backend as tb
 from jaxattn.merge import fold
 
-UNAVAILABLE = registry._backends("attention")["triton"].available()
+UNAVAILABLE = registry.backend("triton").available()
 needs_triton = pytest.mark.skipif(UNAVAILABLE is not None,
                                   reason=f"backend 'triton' is unavailable: {UNAVAILABLE}")
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
@@ -66,11 +66,11 @@ def test_unavailable_without_triton_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec -> None, import fails
     reason = tb.unavailable_reason("cpu")
     assert reason is not None and "jaxattn[triton]" in reason
-    assert registry._backends("attention")["triton"].available() == reason
+    assert registry.backend("triton").available() == reason
     with pytest.raises(RuntimeError, match=r"backend 'triton' is unavailable: .*triton"):
         jaxattn.get_op("attention", backend="triton")
     # Without triton the registry's choice is unchanged: mosaic on sm90, else pallas.
-    mosaic = registry._backends("attention")["mosaic"].available() is None
+    mosaic = registry.backend("mosaic").available() is None
     gpu = "mosaic" if mosaic else "pallas"
     assert jaxattn.get_op("attention").backend == (gpu if ON_GPU else "reference")
 
@@ -79,7 +79,7 @@ def test_package_imports_without_triton_and_jax_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.modules['jax_triton'] = None\n"
             "import jaxattn\n"
             "from jaxattn import registry\n"
-            "print(registry._backends('attention')['triton'].available())\n"
+            "print(registry.backend('triton').available())\n"
             "print(jaxattn.get_op('attention', backend='reference').backend)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=cpu_env())
@@ -300,7 +300,7 @@ def _compile_for_sm90(name: str, arrays, scalars, outs, constexprs, *, ones=(),
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from jaxattn.kernels import triton_kernels as tk
+    from jaxattn.backends.triton import kernels as tk
 
     kernel = getattr(tk, name)
     types = [f"*{t}" for t in arrays] + list(scalars) + [f"*{t}" for t in outs]

@@ -16,8 +16,6 @@ import torch  # noqa: E402
 import jaxattn  # noqa: E402
 from jaxattn import cp as jcp  # noqa: E402
 from jaxattn import registry  # noqa: E402
-from jaxattn.kernels import mosaic_backend  # noqa: E402
-from jaxattn.kernels import pallas_triton_vjp as pv  # noqa: E402
 from jaxattn.validation import resolve_scale  # noqa: E402
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -122,20 +120,19 @@ def _jax_forward(op_name: str, backend: str, causal: bool, scale: float | None,
 @functools.cache
 def _jax_backward(op_name: str, backend: str, causal: bool, scale: float | None,
                   cp_world_size: int, kv_chunk_size: int | None):
-    """Jitted backward. The Pallas and Mosaic attention ops run their kernel backward
-    straight from the saved residuals (q, k, v, out, lse): the same function their
-    ``jax.custom_vjp`` calls, with no recomputed forward. Other ops take ``jax.vjp`` of
-    the jitted forward (which recomputes it)."""
+    """Jitted backward. The attention op runs its backend's backward from the saved
+    residuals (q, k, v, out, lse): for the kernel backends the same function their
+    ``jax.custom_vjp`` calls, with no recomputed forward. The CP op takes ``jax.vjp``
+    of the jitted forward (which recomputes it)."""
     fwd = _jax_forward(op_name, backend, causal, scale, cp_world_size, kv_chunk_size)
-    if op_name == "attention" and backend in ("pallas", "mosaic"):
+    if op_name == "attention":
+        be = registry.resolve("attention", backend)
+
         def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
             TRACE_COUNT["n"] += 1
             m = None if mask is None else mask != 0
-            kw = dict(causal=causal, scale=resolve_scale(scale, q.shape[-1]))
-            if backend == "mosaic":
-                return mosaic_backend.backward(q, k, v, m, out, lse, d_out, d_lse, **kw)
-            return pv.backward(q, k, v, m, out, lse, d_out.astype(out.dtype), d_lse,
-                               interpret=jax.default_backend() == "cpu", **kw)
+            return be.backward(q, k, v, m, out, lse, d_out, d_lse, causal=causal,
+                               scale=resolve_scale(scale, q.shape[-1]))
     else:
         def bwd(q, k, v, mask, qo, ko, out, lse, d_out, d_lse):
             TRACE_COUNT["n"] += 1

@@ -1,6 +1,6 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA) attention forward (issue #8).
 
-Registered as the ``"mosaic"`` backend through :mod:`jaxattn.kernels.mosaic_backend`
+Registered as the ``"mosaic"`` backend through :mod:`jaxattn.backends.mosaic.backend`
 (the registry's choice on sm90; docs/mosaic.md).
 Developed on a CPU machine (Mosaic GPU interpret mode, lowering for CUDA) and measured
 on an H200.
@@ -21,7 +21,7 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   moves registers from it to the compute warpgroups;
 * each compute warpgroup TMA-loads its Q tile once, then walks the key blocks in
   ascending order: S = Q K^T on wgmma, the online-softmax step (same operations as
-  :func:`jaxattn.kernels.common.online_softmax_step`; the row max of the raw scores is
+  :func:`jaxattn.backends.common.online_softmax_step`; the row max of the raw scores is
   scaled after, so ``s * scale - m`` contracts to one FMA alike on every block), the
   row sum (``rowsum``), and P V on wgmma, accumulated in place into ``acc * alpha`` or
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
-from jaxattn.kernels.common import LN2, LOG2E
+from jaxattn.backends.common import LN2, LOG2E
 
 NEG_INF = float("-inf")
 
@@ -132,7 +132,7 @@ class MosaicConfig:
     #: non-causal call with a partial last block drops its padding keys by a key
     #: padding mask instead, the kernel a caller's padding with dropped keys gets) or
     #: "always" (the same code for every shape). "needed" ran 9% faster on the H200
-    #: (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8) with the
+    #: (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/notes.md, 2026-11-29) with the
     #: bits of "always" at every checked shape, causal or not.
     key_bound: str = "needed"
     #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
@@ -142,7 +142,7 @@ class MosaicConfig:
     #: from registers (as FlashAttention-3; safe only if the compiler keeps them until
     #: the wgmma completes); "smem": P is staged in SMEM after the previous P V has
     #: completed. Both give the default's bits on the H200 and run slower (324 and 289
-    #: against 393 TFLOP/s at B=2 S=4096, docs/mosaic.md section 8).
+    #: against 393 TFLOP/s at B=2 S=4096, docs/notes.md, 2026-11-29).
     overlap: str | None = None
     #: A persistent grid of this many CTAs (0: one CTA per tile; None: the GPU's SM
     #: count where :func:`auto_persistent` says, short tiles at D <= 128, else 0). Each
@@ -173,12 +173,12 @@ class MosaicConfig:
     #: many CTAs instead of one per (batch, KV head), with ``split_decode_stages`` ring
     #: slots. The in-kernel fold merges the same states with the same operations: the
     #: same bits (a launch choice). None: split when there are fewer (batch, KV head)
-    #: CTAs than :data:`SPLIT_DECODE_BELOW_CTAS` (on the H200, stop 20: B=1 S=16384
-    #: 43.9 against 206 us, B=8 189 against 212 us; B=32 682 against 508 us).
+    #: CTAs than :data:`SPLIT_DECODE_BELOW_CTAS` (on the H200, run of 2026-12-01, 79e97f6: B=1
+    #: S=16384 43.9 against 206 us, B=8 189 against 212 us; B=32 682 against 508 us).
     split_decode: bool | None = None
     #: K/V ring slots of the split decode kernel where D <= 128 (one warpgroup: SMEM
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
-    #: us at B=2 Skv=4096, stop 20). A launch choice.
+    #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
     #: Key blocks per step of a compute warpgroup's loop (1 or 2): with 2, one TMA
     #: brings two BLOCK_N blocks of K and of V into a ring slot, Q K^T of both is one
@@ -211,8 +211,8 @@ class MosaicConfig:
     #: Wait for the next step's K while this step's P V runs (after issuing it, before
     #: reading its result back), as JAX's ``attention_mgpu`` does, instead of at the
     #: start of the next step. Scheduling only: the same bits. Ignored with ``overlap``
-    #: (which has its own waits). On the H200 (stop 20): 446.5 against 435.5 TFLOP/s at
-    #: B=2 S=4096, 491.8 against 481.1 at B=1 S=16384.
+    #: (which has its own waits). On the H200 (run of 2026-12-01, 79e97f6): 446.5 against 435.5
+    #: TFLOP/s at B=2 S=4096, 491.8 against 481.1 at B=1 S=16384.
     wait_next_k: bool = True
 
     def __post_init__(self):
@@ -412,7 +412,7 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
 #: end. In natural units the finalize is ``m * ln 2 + log(l)``, a product feeding an
 #: add, which the compiler fused into one FMA in some kernels and not in others: on
 #: the H200 a non-causal call padded into a second (empty) SPLIT gave lses 1 ulp off
-#: on a quarter of the rows with ping-pong, and no output bit changed (stop 18,
+#: on a quarter of the rows with ping-pong, and no output bit changed (run of 2026-11-30, 240f678,
 #: ``mosaic_gpu_check --tail_probe``). The base-2 state has no product feeding an add
 #: or a subtraction.
 KERNEL_LSE_BASE2 = schedule.SOFTMAX_EXP_BASE == "2"
@@ -1212,8 +1212,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
 
 #: ``MosaicConfig(persistent=None)`` runs a persistent grid when no tile has more key
-#: blocks than this (4096 keys). On the H200 (stop 21, Hq=32 Hkv=8 D=128 bf16) the
-#: persistent grid with the Q prefetch against one CTA per tile: causal B=16 S=1024
+#: blocks than this (4096 keys). On the H200 (run of 2026-12-01, 5dc95b6, Hq=32 Hkv=8 D=128 bf16)
+#: the persistent grid with the Q prefetch against one CTA per tile: causal B=16 S=1024
 #: +11%, B=2 S=4096 +4-6%, B=8 S=4096 +2%, non-causal B=2 S=4096 +5%; causal S=8192 -2%,
 #: S=16384 and S=32768 -2 to -3%, non-causal S=16384 -2% (the items' prologues and
 #: epilogues overlap; the blocks run slower).
@@ -1540,7 +1540,7 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     :func:`jaxattn.merge.fold` does, in a Mosaic GPU kernel with the forward's own
     merge (:func:`kernel_merge`, in the kernels' base). On the H200 XLA's compilation
     of :func:`jaxattn.merge.fold` contracted the merge's products otherwise than the
-    kernel (one fp32 ulp on most elements; docs/mosaic.md section 11), so the states of
+    kernel (one fp32 ulp on most elements; docs/notes.md, 2026-11-30), so the states of
     :func:`split_partials` are folded here wherever the result must equal
     :func:`forward` in bits (context parallelism, split-parallel decode).
 

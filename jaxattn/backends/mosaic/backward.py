@@ -1,11 +1,11 @@
 """Pallas Mosaic GPU (Hopper: wgmma + TMA) attention backward.
 
-The backward of the ``"mosaic"`` backend (:mod:`jaxattn.kernels.mosaic_backend`, by
-name only), the companion of :mod:`jaxattn.kernels.mosaic_fwd`, developed on a CPU
+The backward of the ``"mosaic"`` backend (:mod:`jaxattn.backends.mosaic.backend`, by
+name only), the companion of :mod:`jaxattn.backends.mosaic.forward`, developed on a CPU
 machine in Mosaic GPU interpret mode and checked there by lowering for CUDA (no GPU).
 See docs/mosaic.md, "Backward prototype".
 
-It follows the canonical backward order of :mod:`jaxattn.kernels.pallas_triton_vjp`
+It follows the canonical backward order of :mod:`jaxattn.backends.pallas.backward`
 (DESIGN.md section 4) with the same tiles (``block_q = block_kv = 64``, the Triton
 ``backward_config`` for D <= 128) and the same floating-point operations per tile, so
 that the two backends can be compared op for op:
@@ -71,9 +71,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
-from jaxattn.kernels import pallas_triton_vjp
-from jaxattn.kernels.common import LOG2E
-from jaxattn.kernels.mosaic_fwd import (
+from jaxattn.backends.common import LOG2E
+from jaxattn.backends.mosaic.forward import (
     HEAD_DIMS,
     _smem_transforms,
     check_inputs,
@@ -83,6 +82,7 @@ from jaxattn.kernels.mosaic_fwd import (
     resolve_interpret,
     zero_dropped_keys,
 )
+from jaxattn.backends.pallas import backward as pallas_triton_vjp
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -127,12 +127,12 @@ class BwdConfig:
     #: accumulator added to the running sum: the Triton source's ``acc + dot``) or
     #: "inplace" (the running sums are the wgmma accumulators; rounds differently; GPU
     #: operand path only). None: "inplace" on the GPU operand path (the faster on the
-    #: H200: 374 against 353 TFLOP/s at B=2 S=4096 with ``approx_math``, stop 19),
-    #: "fresh" in interpret mode (whose wgmma cannot accumulate into a live accumulator).
+    #: H200: 374 against 353 TFLOP/s at B=2 S=4096 with ``approx_math``, run of 2026-12-01,
+    #: 6a24bfd), "fresh" in interpret mode (whose wgmma cannot accumulate into a live accumulator).
     accumulate: str | None = None
     #: Issue each step's two independent products (``K Q^T`` and ``V dO^T``; then
     #: ``p^T dO`` and ``ds^T Q``) before waiting for either; False: one at a time (the
-    #: faster on the H200: 300 against 246 TFLOP/s, docs/mosaic.md section 8). Each
+    #: faster on the H200: 300 against 246 TFLOP/s, docs/notes.md, 2026-11-29). Each
     #: product still has its own fresh accumulator: the same bits.
     pair_products: bool = False
     #: Compute warpgroups of the dQ kernel (1 or 2). With 2, a CTA holds two 64-row
@@ -156,16 +156,16 @@ class BwdConfig:
     #: With ``dq="fused"``, how a share reaches GMEM: "tma" (staged in SMEM, stored or
     #: reduce-added by a TMA bulk copy, whose completion is awaited before the
     #: semaphore is signalled) or "atomic" (per-element fp32 atomic adds from registers:
-    #: 70 TFLOP/s on the H200 at B=2 S=4096, against 306 for the separate dQ, stop 17).
-    #: The same additions in the same order: the same bits.
+    #: 70 TFLOP/s on the H200 at B=2 S=4096, against 306 for the separate dQ, run of 2026-11-30,
+    #: 1fbd2b0). The same additions in the same order: the same bits.
     dq_add: str = "tma"
     #: Mosaic GPU's ``approx_math`` (``exp2`` as ``ex2.approx.ftz.f32``), as
-    #: :class:`~jaxattn.kernels.mosaic_fwd.MosaicConfig`'s: other bits.
+    #: :class:`~jaxattn.backends.mosaic.forward.MosaicConfig`'s: other bits.
     approx_math: bool = True
     #: The probabilities as ``exp2(s * (scale * log2 e) - lse * log2 e)``: one FMA and
     #: one ``ex2`` per element (the forward's form) instead of ``exp(s * scale - lse)``
     #: (a product, a difference and, with ``approx_math``, ``ex2`` of a further
-    #: product). Other bits. On the H200 (stop 20, with ``mask="probs"``): 383.8
+    #: product). Other bits. On the H200 (run of 2026-12-01, 79e97f6, with ``mask="probs"``): 383.8
     #: against 371.2 TFLOP/s at B=2 S=4096.
     exp2: bool = True
     #: Where the causal / key mask acts: "scores" (the scaled scores of every block set
@@ -174,8 +174,8 @@ class BwdConfig:
     #: row and key of which is visible skip the mask, as the forward's fast path:
     #: masking every block cost the forward 27% on the H200). Other bits than
     #: "scores"; the same bits on both paths of "probs" (the mask only selects). On the
-    #: H200 (stop 20): 371.2 against 363.3 TFLOP/s at B=2 S=4096, 424.4 against 402.5
-    #: at B=1 S=16384.
+    #: H200 (run of 2026-12-01, 79e97f6): 371.2 against 363.3 TFLOP/s at B=2 S=4096, 424.4 against
+    #: 402.5 at B=1 S=16384.
     mask: str = "probs"
     #: dK and dV by two kernels, one accumulator each (the same operations: the same
     #: bits); None: only where D > 128 (two 64 x 256 fp32 accumulators per warpgroup do

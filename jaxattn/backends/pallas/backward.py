@@ -1,5 +1,5 @@
 """Pallas (Triton lowering) attention backward, and the custom VJP that ties it to
-:mod:`jaxattn.kernels.pallas_triton`.
+:mod:`jaxattn.backends.pallas.forward`.
 
 Deterministic by construction (DESIGN.md section 4), with no atomics:
 
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxattn.kernels import pallas_triton
-from jaxattn.kernels.common import NEG_INF, dot, pad_head_dim, padded_head_dim, precision_for
+from jaxattn.backends.common import NEG_INF, dot, pad_head_dim, padded_head_dim, precision_for
+from jaxattn.backends.pallas import forward as pallas_triton
 
 POS_INF = float("inf")
 
@@ -362,25 +362,28 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal_offsets=N
     return (acc * scale).astype(q.dtype), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def attention(q, k, v, key_padding_mask, causal: bool, scale: float, interpret: bool):
-    """``(out, lse)`` through the Pallas forward, differentiable by the Pallas backward."""
-    return pallas_triton.forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
-                                 interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def attention(q, k, v, key_padding_mask, causal_offsets, causal: bool, scale: float,
+              interpret: bool):
+    """``(out, lse)`` through the Pallas forward, differentiable by the Pallas backward.
+    ``causal_offsets``: ``[B]`` int or None (see :func:`forward.forward`)."""
+    return pallas_triton.forward(q, k, v, key_padding_mask, causal_offsets, causal=causal,
+                                 scale=scale, interpret=interpret)
 
 
-def _attention_fwd(q, k, v, key_padding_mask, causal, scale, interpret):
-    out, lse = pallas_triton.forward(q, k, v, key_padding_mask, causal=causal, scale=scale,
-                                     interpret=interpret)
-    return (out, lse), (q, k, v, key_padding_mask, out, lse)
+def _attention_fwd(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret):
+    out, lse = pallas_triton.forward(q, k, v, key_padding_mask, causal_offsets, causal=causal,
+                                     scale=scale, interpret=interpret)
+    return (out, lse), (q, k, v, key_padding_mask, causal_offsets, out, lse)
 
 
 def _attention_bwd(causal, scale, interpret, residuals, cotangents):
-    q, k, v, key_padding_mask, out, lse = residuals
+    q, k, v, key_padding_mask, causal_offsets, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv = backward(q, k, v, key_padding_mask, out, lse, d_out.astype(out.dtype),
-                          d_lse, causal=causal, scale=scale, interpret=interpret)
-    return dq, dk, dv, None
+                          d_lse, causal_offsets, causal=causal, scale=scale,
+                          interpret=interpret)
+    return dq, dk, dv, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

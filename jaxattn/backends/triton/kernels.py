@@ -1,10 +1,10 @@
 """The canonical schedule (DESIGN.md section 4) written directly in Triton.
 
-These kernels mirror the Pallas kernels of :mod:`jaxattn.kernels.pallas_triton` and
-:mod:`jaxattn.kernels.pallas_triton_vjp` operation for operation: the same tiles, the same
+These kernels mirror the Pallas kernels of :mod:`jaxattn.backends.pallas.forward` and
+:mod:`jaxattn.backends.pallas.backward` operation for operation: the same tiles, the same
 ``BLOCK_N`` / ``SPLIT`` walk, the same online-softmax step as
-:func:`jaxattn.kernels.common.online_softmax_step`, the same finalize and merge as
-:mod:`jaxattn.merge`, the same backward loops. :mod:`jaxattn.kernels.triton_backend` calls
+:func:`jaxattn.backends.common.online_softmax_step`, the same finalize and merge as
+:mod:`jaxattn.merge`, the same backward loops. :mod:`jaxattn.backends.triton.launch` calls
 them through ``jax_triton.triton_call`` on the GPU and through Triton's interpreter on a
 CPU.
 

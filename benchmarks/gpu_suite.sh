@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 is needed for, in one call; results land under $OUT.
 #
-#   STAGES=env,tests,check,operator,bench,bridge bash benchmarks/gpu_session.sh
+#   STAGES=env,tests,check,operator,bench,bridge bash benchmarks/gpu_suite.sh
 #
 # env: versions and nvidia-smi; tests: the pytest suite on the GPU (GPU-marked tests
 # included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py", and
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX and torch may share the GPU; never let JAX grab 75% up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# Compiled executables persist between the calls of one lease (the machine stays warm
+# Compiled executables persist between the calls on one machine (while it stays warm
 # between calls): later stages reuse what the tests compiled.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxattn-jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}

@@ -1,4 +1,4 @@
-"""The raw Triton backend: the kernels of :mod:`jaxattn.kernels.triton_kernels` called
+"""The raw Triton backend: the kernels of :mod:`jaxattn.backends.triton.kernels` called
 from JAX, and the ``jax.custom_vjp`` that ties forward and backward together.
 
 On a GPU the kernels launch through ``jax_triton.triton_call`` (compiled by the ``triton``
@@ -29,9 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import schedule
-from jaxattn.kernels import pallas_triton as pt
-from jaxattn.kernels import pallas_triton_vjp as pv
-from jaxattn.kernels.common import (
+from jaxattn.backends.common import (
     LOG2E,
     NEG_INF,
     head_dim_reason,
@@ -39,6 +37,8 @@ from jaxattn.kernels.common import (
     pad_head_dim,
     padded_head_dim,
 )
+from jaxattn.backends.pallas import backward as pv
+from jaxattn.backends.pallas import forward as pt
 
 #: Let the compiler contract a multiply and an add into an FMA (Triton's default, and
 #: jax-triton's) or not. Off: on the H200 (2026-11-29, JAX 0.11.2, triton 3.6,
@@ -117,7 +117,7 @@ def _launch(name: str, grid: tuple[int, ...], inputs, scalars, out_shapes, *,
     then one pointer per output (jax-triton appends them after the positional
     arguments), then ``constexprs`` by name. Returns the outputs, a list.
     """
-    from jaxattn.kernels import triton_kernels as tk
+    from jaxattn.backends.triton import kernels as tk
 
     constexprs = dict(constexprs, INTERPRET=interpret)
     if not interpret:
@@ -317,23 +317,24 @@ def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal_offsets=N
 
 # ------------------------------------------------------------------------ custom VJP
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def attention(q, k, v, key_padding_mask, causal: bool, scale: float):
-    """``(out, lse)`` through the Triton forward, differentiable by the Triton backward."""
-    return forward(q, k, v, key_padding_mask, causal=causal, scale=scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def attention(q, k, v, key_padding_mask, causal_offsets, causal: bool, scale: float):
+    """``(out, lse)`` through the Triton forward, differentiable by the Triton backward.
+    ``causal_offsets``: ``[B]`` int or None (see :func:`forward`)."""
+    return forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale)
 
 
-def _attention_fwd(q, k, v, key_padding_mask, causal, scale):
-    out, lse = forward(q, k, v, key_padding_mask, causal=causal, scale=scale)
-    return (out, lse), (q, k, v, key_padding_mask, out, lse)
+def _attention_fwd(q, k, v, key_padding_mask, causal_offsets, causal, scale):
+    out, lse = forward(q, k, v, key_padding_mask, causal_offsets, causal=causal, scale=scale)
+    return (out, lse), (q, k, v, key_padding_mask, causal_offsets, out, lse)
 
 
 def _attention_bwd(causal, scale, residuals, cotangents):
-    q, k, v, key_padding_mask, out, lse = residuals
+    q, k, v, key_padding_mask, causal_offsets, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv = backward(q, k, v, key_padding_mask, out, lse, d_out.astype(out.dtype),
-                          d_lse, causal=causal, scale=scale)
-    return dq, dk, dv, None
+                          d_lse, causal_offsets, causal=causal, scale=scale)
+    return dq, dk, dv, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

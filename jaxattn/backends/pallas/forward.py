@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxattn import schedule
-from jaxattn.kernels.common import (
+from jaxattn.backends.common import (
     NEG_INF,
     head_dim_reason,
     natural_max,
@@ -93,7 +93,7 @@ class ForwardConfig:
 
 def forward_config(head_dim: int) -> ForwardConfig:
     """Default launch parameters for a head dim (H200 sweep of 2026-11-29, D=128:
-    benchmarks/tune.py; see docs/benchmarks.md)."""
+    benchmarks/tune.py; see docs/notes.md)."""
     if head_dim > 128:
         return ForwardConfig(block_m=64, num_warps=4, num_stages=2)
     return ForwardConfig()
@@ -323,7 +323,7 @@ def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, lse_ref, *, rows, block_m
 
 def check_supported(head_dim: int) -> str | None:
     """Why these kernels cannot serve a head dim, or None (any D from 1 to 256: a D
-    that is not one of :data:`jaxattn.kernels.common.KERNEL_HEAD_DIMS` runs zero-padded
+    that is not one of :data:`jaxattn.backends.common.KERNEL_HEAD_DIMS` runs zero-padded
     to the next one)."""
     return head_dim_reason(head_dim, "the Pallas kernels")
 

@@ -1,0 +1,224 @@
+"""The backend interface: every path of jaxattn asks a backend the same questions.
+
+A backend is one object (a subclass of :class:`Backend`) that implements, for the paths
+it serves, the same methods:
+
+* ``forward_with_lse``: attention on the canonical schedule (or, for the reference, in
+  plain ``jax.numpy``), differentiable; optional per-sequence causal offsets;
+* ``backward``: the gradients from saved residuals ``(out, lse)``, without a recomputed
+  forward (what the torch bridge's autograd runs);
+* ``split_states`` / ``fold_states`` / ``backward_over_ranges``: the per-SPLIT partial
+  states of a key range, their fold in ascending key order, and the backward over key
+  ranges in ascending order (what context parallelism on one device needs);
+* ``delta`` / ``key_gradients`` / ``query_gradients``: the backward's pieces that a
+  device of a mesh computes for its own keys and its own queries (the "cp_mesh" path);
+* ``paged_forward``: attention against a paged KV cache;
+* ``varlen_forward``: packed sequences (room for it: no backend serves it yet).
+
+``available()`` says whether the backend runs in this process and ``unsupported(dims,
+path)`` whether it serves a call's shapes on a path; ``paths`` declares which paths it has
+at all. Ops (:mod:`jaxattn`, :mod:`jaxattn.paged`, :mod:`jaxattn.cp`, the torch bridge,
+the harness) resolve a backend through :mod:`jaxattn.registry` and call these methods; they
+never name a backend. A backend that cannot serve a call says why, and the op raises:
+nothing is ever handed to another backend (that would change the bits).
+
+Layering: ops above :mod:`jaxattn.registry`, the registry above the backends, the
+backends above :mod:`jaxattn.schedule`, :mod:`jaxattn.merge` and
+:mod:`jaxattn.validation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn import merge
+from jaxattn.validation import Dims
+
+#: Every path an op may ask a backend for.
+PATHS: tuple[str, ...] = ("attention", "backward", "cp", "cp_mesh", "paged", "varlen")
+
+#: ``(out, lse)``: out in the input dtype (fp32 for partial states), lse fp32 natural log.
+OutLse = tuple[jax.Array, jax.Array]
+
+
+class Backend:
+    """One implementation of attention, with the paths it serves.
+
+    Attributes:
+      name: the backend's name (``backend=`` of every op).
+      description: one line for ``repr`` and reports.
+      platforms: the JAX platforms it runs on ("cpu", "gpu", "tpu").
+      priority: per platform, its rank for the automatic choice (lower first); a
+        platform absent here is never chosen automatically (explicit ``backend=`` only).
+      follows_schedule: it computes on the canonical schedule, so it promises every row
+        of the invariance matrix (else the first two: a row alone vs in a batch, run to
+        run).
+      paths: the paths it has (a subset of :data:`PATHS`); ``unsupported`` refuses the
+        others by name.
+    """
+
+    name: str = ""
+    description: str = ""
+    platforms: tuple[str, ...] = ()
+    priority: Mapping[str, int] = {}
+    follows_schedule: bool = True
+    paths: frozenset[str] = frozenset(("attention", "backward", "cp", "paged"))
+
+    def __repr__(self) -> str:
+        return f"<jaxattn backend {self.name!r}: {self.description}>"
+
+    # ------------------------------------------------------------------ capability
+
+    def serving(self, dtype) -> Backend:
+        """The backend whose kernels serve a call of ``dtype`` (itself, unless it hands
+        a dtype its kernels lack to another backend's kernels on every path: the
+        ``mosaic`` backend's fp32 calls are the ``pallas`` kernels'). Ops that combine
+        several methods (CP's states and their fold) use this one."""
+        return self
+
+    def available(self) -> str | None:
+        """None when the backend runs in this process, else the reason it does not."""
+        return None
+
+    def unsupported(self, dims: Dims, path: str = "attention", *,
+                    page_size: int | None = None) -> str | None:
+        """Why the backend cannot serve a call of ``dims`` on ``path`` (``page_size``: the
+        paged cache's), or None. The op raises the reason as ValueError."""
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r}; paths: {', '.join(PATHS)}")
+        if path not in self.paths:
+            return f"backend {self.name!r} has no {path} path"
+        return None
+
+    # ------------------------------------------------------------------- attention
+
+    def forward_with_lse(self, q, k, v, *, causal: bool, scale: float,
+                         key_padding_mask=None, causal_offsets=None) -> OutLse:
+        """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable.
+
+        ``scale`` is resolved (a float). ``causal_offsets`` (``[B]`` int, or None for
+        ``Skv - Sq``): with ``causal``, key j is visible to query i of sequence b iff
+        ``j <= i + causal_offsets[b]``."""
+        raise NotImplementedError
+
+    def forward_fp32_with_lse(self, q, k, v, **kw) -> OutLse:
+        """The same backend on fp32-upcast inputs: fp32 ``(out, lse)``."""
+        f32 = jnp.float32
+        return self.forward_with_lse(q.astype(f32), k.astype(f32), v.astype(f32), **kw)
+
+    def backward(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
+                 scale: float, causal_offsets=None):
+        """``(dq, dk, dv)`` from the forward's residuals ``(out, lse)`` and the cotangents
+        of both (``d_lse`` may be None). The default differentiates ``forward_with_lse``
+        (it recomputes the forward); kernel backends run their backward kernels."""
+        kw = dict(causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+                  causal_offsets=causal_offsets)
+        _, vjp = jax.vjp(lambda q, k, v: self.forward_with_lse(q, k, v, **kw), q, k, v)
+        if d_lse is None:
+            d_lse = jnp.zeros(lse.shape, jnp.float32)
+        return vjp((d_out.astype(out.dtype), d_lse))
+
+    # ------------------------------------------------------------------------- CP
+
+    def split_states(self, q, k, v, key_padding_mask, causal_offsets, *, causal: bool,
+                     scale: float) -> OutLse:
+        """The partial states of the keys ``k, v`` for every query row, one per SPLIT of
+        keys in ascending order: ``(out [n, B, Hq, Sq, D] fp32, lse [n, B, Hq, Sq])``.
+        ``causal_offsets [B]`` int: position of query 0 minus position of key 0. The lse
+        is in the backend's own representation; only :meth:`fold_states` reads it."""
+        raise NotImplementedError
+
+    def fold_states(self, outs, lses) -> OutLse:
+        """Partial states stacked on the leading axis (ascending key ranges) folded left
+        to right into one ``(out fp32, lse natural log)``."""
+        return merge.fold(outs, lses)
+
+    def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
+                             ranges: Sequence[tuple[int, int]], offsets, causal: bool,
+                             scale: float):
+        """``(dq, dk, dv)`` of attention over all the keys, with the keys taken in the
+        ascending ``ranges`` (dK/dV per range, dQ continued from range to range, in
+        ascending key order). ``offsets [B]`` int: position of query 0 minus position of
+        key 0. The default differentiates ``forward_with_lse`` over all the keys."""
+        del ranges
+        return self.backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse,
+                             causal=causal, scale=scale, causal_offsets=offsets)
+
+    # ------------------------------------------------------------------- CP mesh
+
+    def delta(self, out, d_out, d_lse):
+        """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]``, in a kernel."""
+        raise NotImplementedError(f"backend {self.name!r} has no cp_mesh path")
+
+    def key_gradients(self, q, k, v, key_padding_mask, d_out, lse, delta, *, causal: bool,
+                      scale: float, causal_offsets):
+        """``(dk, dv)`` of the keys ``k, v`` from every row of ``q`` (its final lse and
+        delta), in k's dtype; ``causal_offsets [B]``: position of query 0 minus key 0."""
+        raise NotImplementedError(f"backend {self.name!r} has no cp_mesh path")
+
+    def query_gradients(self, q, k, v, key_padding_mask, d_out, lse, delta, *,
+                        causal: bool, scale: float, causal_offsets):
+        """``dq`` of the rows ``q`` over every key of ``k, v``, in q's dtype."""
+        raise NotImplementedError(f"backend {self.name!r} has no cp_mesh path")
+
+    # ---------------------------------------------------------------------- paged
+
+    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal: bool,
+                      scale: float) -> OutLse:
+        """The last ``Sq`` tokens of each sequence against its paged KV
+        (``[num_pages, Hkv, page_size, D]``, ``block_table [B, max_pages]`` int32,
+        ``seq_lens [B]`` int32). The default gathers the pages into contiguous K and V
+        (a copy) and runs :meth:`forward_with_lse` with the keys past each sequence's
+        length dropped and per-sequence causal offsets ``seq_lens - Sq``."""
+        k, v = gather_pages(k_pages, block_table), gather_pages(v_pages, block_table)
+        keep = jnp.arange(k.shape[2])[None, :] < seq_lens[:, None]
+        offsets = seq_lens - q.shape[2]
+        return self.forward_with_lse(q, k, v, causal=causal, scale=scale,
+                                     key_padding_mask=keep,
+                                     causal_offsets=offsets if causal else None)
+
+    # --------------------------------------------------------------------- varlen
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool,
+                       scale: float) -> OutLse:
+        """Packed sequences (FlashAttention's ``cu_seqlens`` layout): no backend has this
+        path yet (``paths`` lacks "varlen")."""
+        raise NotImplementedError(f"backend {self.name!r} has no varlen path")
+
+
+def gather_pages(pages, block_table):
+    """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages."""
+    g = pages[block_table]  # [B, max_pages, Hkv, page_size, D]
+    b, n, h, p, d = g.shape
+    return jnp.moveaxis(g, 2, 1).reshape(b, h, n * p, d)
+
+
+class FunctionBackend(Backend):
+    """A backend made of one forward function ``(q, k, v, *, causal, scale,
+    key_padding_mask) -> (out, lse)`` and nothing else (the "attention" path only): for
+    tests and experiments that register a stand-in."""
+
+    paths = frozenset(("attention", "backward"))
+    follows_schedule = False
+
+    def __init__(self, name: str, forward_with_lse, *, platforms=("cpu", "gpu"),
+                 priority: Mapping[str, int] | None = None, available=None,
+                 follows_schedule: bool = False, description: str = ""):
+        self.name = name
+        self._fn = forward_with_lse
+        self.platforms = tuple(platforms)
+        self.priority = dict(priority or {})
+        self.follows_schedule = follows_schedule
+        self.description = description or f"function backend {name!r}"
+        if available is not None:
+            self.available = available
+
+    def forward_with_lse(self, q, k, v, *, causal, scale, key_padding_mask=None,
+                         causal_offsets=None):
+        if causal_offsets is not None:
+            raise ValueError(f"backend {self.name!r} takes no causal offsets")
+        return self._fn(q, k, v, causal=causal, scale=scale,
+                        key_padding_mask=key_padding_mask)

@@ -1,0 +1,329 @@
+"""The ``"mosaic"`` backend: the Mosaic GPU (Hopper) forward and backward
+(:mod:`jaxattn.backends.mosaic.forward`, :mod:`jaxattn.backends.mosaic.backward`) behind the
+backend interface (:class:`MosaicBackend`), differentiable through ``jax.custom_vjp``.
+
+On an sm90 GPU the registry chooses it before ``"pallas"``: it serves every
+call the ``"pallas"`` backend serves. What it serves (:func:`check_supported`, raised as
+ValueError by the op otherwise):
+
+* bf16 or fp16 inputs on the Mosaic GPU kernels (the wgmma operand types);
+* fp32 inputs on the Pallas backend's kernels (Hopper's wgmma has no fp32 product, only
+  tf32): every fp32 path of this backend (forward, backward, paged KV, CP) is the
+  ``"pallas"`` backend's, so fp32 keeps that backend's invariance matrix, and
+  ``forward_fp32`` (which upcasts) is the Pallas backend's fp32 result. The head dims
+  are then the Pallas kernels' (1 to 256, zero-padded to a power of two from 16);
+* bf16/fp16 head dims 1 to 256: D < 64 runs zero-padded to 64, 64 < D < 128 to 128,
+  128 < D < 256 to 256. The padding adds exact zeros to every dot product, and a given
+  D always runs the same padded kernel, so the invariance matrix is unaffected; the
+  scale is that of the real D;
+* any B, Hq, Hkv with Hq a multiple of Hkv, any Sq and Skv (padded inside the kernels;
+  Sq = 0 or Skv = 0 are answered without a kernel: no rows, or rows with no visible
+  key: 0 and lse = -inf), causal or not, with or without a key padding mask;
+* an NVIDIA GPU of compute capability 9.0 (wgmma and TMA as sm90a has them).
+
+Paged KV (:mod:`jaxattn.paged`): the pages are gathered into contiguous K and V and the
+forward runs with per-sequence causal offsets (``seq_lens - Sq``) and the keys past each
+sequence's length dropped, so a row's bits are those of its contiguous call. CP
+(:mod:`jaxattn.cp`): the kernel's per-SPLIT partial states, folded by the Mosaic fold
+kernel, and the backward over key ranges.
+
+The Mosaic modules are imported on first use, so importing jaxattn never depends on
+``jax.experimental.pallas.mosaic_gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.backends.base import Backend
+from jaxattn.backends.common import pad_head_dim, padded_head_dim
+from jaxattn.backends.pallas import forward as pallas_triton
+from jaxattn.backends.pallas.backend import BACKEND as PALLAS
+
+#: Head dims the kernels take natively; others are zero-padded to the next one.
+NATIVE_HEAD_DIMS = (64, 128, 256)
+#: The dtypes of the Mosaic GPU kernels.
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def on_pallas(dtype) -> bool:
+    """Whether this backend serves a call of ``dtype`` on the Pallas backend's kernels
+    (fp32: Hopper's wgmma has no fp32 product)."""
+    return np.dtype(dtype) == np.dtype(jnp.float32)
+
+
+def check_supported(head_dim: int, dtype) -> str | None:
+    """Why this backend cannot serve a call of this head dim and dtype, or None."""
+    if on_pallas(dtype):
+        reason = pallas_triton.check_supported(head_dim)
+        return None if reason is None else f"fp32 runs the Pallas kernels: {reason}"
+    if np.dtype(dtype) not in DTYPES:
+        return (f"dtype {np.dtype(dtype).name} is not supported by the Mosaic GPU kernels "
+                f"(bf16 or fp16; fp32 on the Pallas kernels)")
+    if not 1 <= head_dim <= NATIVE_HEAD_DIMS[-1]:
+        return (f"head dim D={head_dim} is not supported by the Mosaic GPU kernels "
+                f"(1 to {NATIVE_HEAD_DIMS[-1]})")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot run the Mosaic GPU kernels, or None."""
+    platform = jax.default_backend()
+    if platform not in ("gpu", "cuda"):
+        return (f"the Mosaic GPU kernels need an NVIDIA Hopper GPU (sm90), the platform is "
+                f"{platform!r} (their interpret-mode tests: tests/test_mosaic_*.py)")
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    if cc != "9.0":
+        return f"the Mosaic GPU kernels need compute capability 9.0 (sm90a), got {cc!r}"
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the installed JAX
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+    return None
+
+
+def _padded_head_dim(d: int) -> int:
+    return padded_head_dim(d, NATIVE_HEAD_DIMS)
+
+
+def _refuse_unsupported(q) -> None:
+    """Raise :func:`check_supported`'s reason (ValueError), if any."""
+    reason = check_supported(q.shape[-1], q.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _is_empty(q, k) -> bool:
+    """No rows, or rows that see no key: answered without a kernel."""
+    return 0 in (*q.shape[:3], k.shape[2])
+
+
+def _served(q, k, v, run):
+    """The Mosaic entries' common frame: refuse what the kernels do not serve, answer
+    empty calls without a kernel (0 and -inf, zero gradients), zero-pad the head dim to
+    a native one, ``run(q, k, v) -> (out, lse)`` and cut the output back to D."""
+    _refuse_unsupported(q)
+    if on_pallas(q.dtype):
+        raise ValueError("fp32 runs the Pallas kernels, not this entry (an internal error)")
+    b, hq, sq, d = q.shape
+    if _is_empty(q, k):
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    dp = _padded_head_dim(d)
+    out, lse = run(*(pad_head_dim(x, dp) for x in (q, k, v)))
+    return out[..., :d], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _core(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret, fwd_config,
+          bwd_config):
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    return mosaic_fwd.forward(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                              config=fwd_config, key_padding_mask=key_padding_mask,
+                              causal_offsets=causal_offsets if causal else None)
+
+
+def _core_fwd(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret,
+              fwd_config, bwd_config):
+    out, lse = _core(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret,
+                     fwd_config, bwd_config)
+    return (out, lse), (q, k, v, key_padding_mask, causal_offsets, out, lse)
+
+
+def _kernel_backward(q, k, v, key_padding_mask, causal_offsets, out, lse, d_out, d_lse, *,
+                     causal, scale, interpret, bwd_config):
+    """The Mosaic backward of native-D inputs: with per-sequence causal offsets, the
+    backward over one key range (its kernels take dynamic offsets)."""
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    d_out = d_out.astype(out.dtype)
+    if causal and causal_offsets is not None:
+        return mosaic_bwd.backward_over_ranges(
+            q, k, v, out, lse, d_out, d_lse, ranges=[(0, k.shape[2])],
+            offsets=jnp.asarray(causal_offsets, jnp.int32), causal=True, scale=scale,
+            interpret=interpret, config=bwd_config, key_padding_mask=key_padding_mask)
+    return mosaic_bwd.backward(q, k, v, out, lse, d_out, d_lse, causal=causal, scale=scale,
+                               interpret=interpret, config=bwd_config,
+                               key_padding_mask=key_padding_mask)
+
+
+def _core_bwd(causal, scale, interpret, fwd_config, bwd_config, residuals, cotangents):
+    q, k, v, key_padding_mask, causal_offsets, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = _kernel_backward(q, k, v, key_padding_mask, causal_offsets, out, lse, d_out,
+                                  d_lse, causal=causal, scale=scale, interpret=interpret,
+                                  bwd_config=bwd_config)
+    return dq, dk, dv, None, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _pad_all(dp, *xs):
+    return tuple(None if x is None else pad_head_dim(x, dp) for x in xs)
+
+
+class MosaicBackend(Backend):
+    """The Mosaic GPU kernels behind the interface; fp32 calls on every path are the
+    Pallas backend's (:func:`on_pallas`). ``interpret`` and the configs are for tests
+    (Mosaic GPU interpret mode on a CPU with one-warpgroup configurations); the
+    registered instance compiles for the GPU with the default configurations."""
+
+    name = "mosaic"
+    description = ("Pallas Mosaic GPU kernels (Hopper: wgmma, TMA) on the canonical "
+                   "schedule; bf16/fp16 (fp32 on the Pallas kernels)")
+    platforms = ("gpu",)
+    priority = {"gpu": 5}  # before pallas wherever available (sm90)
+
+    def __init__(self, *, interpret=False, fwd_config=None, bwd_config=None):
+        self.interpret = interpret
+        self.fwd_config = fwd_config
+        self.bwd_config = bwd_config
+        if interpret:
+            self.platforms = ("gpu", "cpu")
+
+    def available(self) -> str | None:
+        return None if self.interpret else unavailable_reason()
+
+    def unsupported(self, dims, path="attention", *, page_size=None):
+        if on_pallas(dims.dtype):
+            reason = PALLAS.unsupported(dims, path, page_size=page_size)
+            return None if reason is None else f"fp32 runs the Pallas kernels: {reason}"
+        return (super().unsupported(dims, path, page_size=page_size)
+                or check_supported(dims.head_dim, dims.dtype))
+
+    def serving(self, dtype) -> Backend:
+        """fp32 calls are served by the Pallas kernels on every path."""
+        return PALLAS if on_pallas(dtype) else self
+
+    def _kw(self):
+        return dict(interpret=self.interpret, fwd_config=self.fwd_config,
+                    bwd_config=self.bwd_config)
+
+    def forward_with_lse(self, q, k, v, *, causal, scale, key_padding_mask=None,
+                         causal_offsets=None):
+        if on_pallas(q.dtype):
+            return PALLAS.forward_with_lse(q, k, v, causal=causal, scale=scale,
+                                           key_padding_mask=key_padding_mask,
+                                           causal_offsets=causal_offsets)
+        return attention(q, k, v, key_padding_mask, causal=causal, scale=scale,
+                         causal_offsets=causal_offsets, **self._kw())
+
+    def backward(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal, scale,
+                 causal_offsets=None):
+        return backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, causal=causal,
+                        scale=scale, causal_offsets=causal_offsets,
+                        interpret=self.interpret, bwd_config=self.bwd_config)
+
+    def split_states(self, q, k, v, key_padding_mask, causal_offsets, *, causal, scale):
+        """The Mosaic kernel's split axis (:func:`forward.split_partials`), the lse in
+        the kernels' base, for :meth:`fold_states`."""
+        if on_pallas(q.dtype):
+            return PALLAS.split_states(q, k, v, key_padding_mask, causal_offsets,
+                                       causal=causal, scale=scale)
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        _refuse_unsupported(q)
+        d = q.shape[-1]
+        dp = _padded_head_dim(d)
+        o_parts, lse_parts = mosaic_fwd.split_partials(
+            *_pad_all(dp, q, k, v), causal=bool(causal), scale=float(scale),
+            interpret=self.interpret, config=self.fwd_config,
+            key_padding_mask=key_padding_mask,
+            causal_offsets=causal_offsets if causal else None, kernel_lse=True)
+        return o_parts[..., :d], lse_parts
+
+    def fold_states(self, outs, lses):
+        """Folded by the Mosaic fold kernel, as the single call folds in its kernel
+        (XLA's merge differed from it in the last bit on the H200). For the states of a
+        bf16/fp16 call; an fp32 call's states are the Pallas kernels' (:meth:`serving`)."""
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        d = outs.shape[-1]
+        dp = _padded_head_dim(d)
+        out, lse = mosaic_fwd.fold_partials(pad_head_dim(outs, dp), lses,
+                                            interpret=self.interpret, config=self.fwd_config)
+        return out[..., :d], lse
+
+    def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
+                             ranges, offsets, causal, scale):
+        """dK/dV per key range and dQ continued across the ranges in ascending order
+        (:func:`backward.backward_over_ranges`); ranges that do not start on multiples
+        of 128 keys (an unaligned ``kv_chunk_size``, whose bits CP does not promise)
+        are taken as one range."""
+        if on_pallas(q.dtype):
+            return PALLAS.backward_over_ranges(q, k, v, key_padding_mask, out, lse, d_out,
+                                               d_lse, ranges=ranges, offsets=offsets,
+                                               causal=causal, scale=scale)
+        _refuse_unsupported(q)
+        if _is_empty(q, k):
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        from jaxattn.backends.mosaic import backward as mosaic_bwd
+        skv = k.shape[2]
+        ranges = [(a, e) for a, e in ranges if e > a]
+        if any(a % (2 * mosaic_bwd.BLOCK_KV) for a, _ in ranges):
+            ranges = [(0, skv)]
+        offsets = offsets if causal else jnp.zeros_like(offsets)
+        d = q.shape[-1]
+        dp = _padded_head_dim(d)
+        q_, k_, v_, out_, d_out_ = _pad_all(dp, q, k, v, out, d_out.astype(out.dtype))
+        grads = mosaic_bwd.backward_over_ranges(
+            q_, k_, v_, out_, lse, d_out_, d_lse, ranges=ranges, offsets=offsets,
+            causal=causal, scale=scale, interpret=self.interpret, config=self.bwd_config,
+            key_padding_mask=key_padding_mask)
+        return tuple(g[..., :d] for g in grads)
+
+    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale):
+        """fp32: the Pallas kernels (pages read in place). bf16/fp16: the pages gathered
+        into contiguous K and V (a copy) and the forward with the keys past each
+        sequence's length dropped and per-sequence causal offsets ``seq_lens - Sq``
+        (each row's bits are those of its contiguous call)."""
+        if on_pallas(q.dtype):
+            return PALLAS.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
+                                        causal=causal, scale=scale)
+        return super().paged_forward(q, k_pages, v_pages, block_table, seq_lens,
+                                     causal=causal, scale=scale)
+
+
+def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
+              causal_offsets=None, interpret=False, fwd_config=None, bwd_config=None):
+    """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable (the
+    Mosaic backward; dK/dV and dQ kernels). ``causal_offsets``: ``[B]`` int or None
+    (with ``causal``, row i of sequence b sees key j iff ``j <= i + causal_offsets[b]``).
+    ``interpret`` and the configs are for tests. fp32: the Pallas backend's kernels
+    (interpreted on a CPU)."""
+    if on_pallas(q.dtype):
+        _refuse_unsupported(q)
+        return PALLAS.forward_with_lse(q, k, v, causal=causal, scale=scale,
+                                       key_padding_mask=key_padding_mask,
+                                       causal_offsets=causal_offsets)
+    offs = None if causal_offsets is None else jnp.asarray(causal_offsets, jnp.int32)
+    return _served(q, k, v, lambda q, k, v: _core(
+        q, k, v, key_padding_mask, offs, bool(causal), float(scale), interpret, fwd_config,
+        bwd_config))
+
+
+def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,
+             scale: float, causal_offsets=None, interpret=False, bwd_config=None):
+    """``(dq, dk, dv)`` from the forward's residuals ``(out, lse)`` of :func:`attention`
+    and the cotangents ``d_out``, ``d_lse``: the backward :func:`attention`'s custom VJP
+    runs, without recomputing the forward (for callers that keep the residuals, as the
+    torch bridge does), and the same bits. The head dim is zero-padded as the forward
+    pads it (the forward's padded output columns are exact zeros); fp32: the Pallas
+    backend's backward. Empty calls give zero gradients."""
+    _refuse_unsupported(q)
+    if on_pallas(q.dtype):
+        return PALLAS.backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse,
+                               causal=causal, scale=scale, causal_offsets=causal_offsets)
+    if _is_empty(q, k):
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    d = q.shape[-1]
+    dp = _padded_head_dim(d)
+    q_, k_, v_, out_, d_out_ = _pad_all(dp, q, k, v, out, d_out.astype(out.dtype))
+    grads = _kernel_backward(q_, k_, v_, key_padding_mask, causal_offsets, out_, lse, d_out_,
+                             d_lse, causal=causal, scale=scale, interpret=interpret,
+                             bwd_config=bwd_config)
+    return tuple(g[..., :d] for g in grads)
+
+
+BACKEND = MosaicBackend()
