@@ -48,7 +48,9 @@ if has env; then
   tail -5 "$OUT/env.txt"
 fi
 if has tests; then
-  $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+  # PYTEST_WORKERS: pytest-xdist workers sharing the GPU (addopts asks a worker per core).
+  $PY -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests} \
+      ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | tee "$OUT/pytest.txt" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
