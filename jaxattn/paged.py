@@ -57,7 +57,8 @@ def validate(q, k_pages, v_pages, block_table, seq_lens) -> Dims:
     if dk != d:
         raise ValueError(f"head-dim mismatch: q has D={d}, k_pages has D={dk}")
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq must be a multiple of Hkv: q has Hq={hq}, pages have Hkv={hkv}")
+        raise ValueError(f"Hq must be a multiple of Hkv: Hq={hq} (q) is not divisible by "
+                         f"Hkv={hkv} (the pages)")
     if block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must have shape [B, max_pages] with B={b}, got "
                          f"{block_table.shape}")

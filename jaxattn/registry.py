@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from jaxattn import platform as _platform
 from jaxattn.backends import builtin
 from jaxattn.backends.base import Backend, FunctionBackend
 from jaxattn.validation import resolve_scale, validate_inputs
@@ -184,9 +185,9 @@ def backend_names(op_name: str = "attention") -> tuple[str, ...]:
 
 
 def current_platform() -> str:
-    """The default JAX platform: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
-    platform = jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+    """The platform of the call: JAX's default ("cpu", "gpu" for CUDA or ROCm, "tpu"),
+    or the one :func:`jaxattn.platform.use` names while a caller traces on it."""
+    return _platform.current()
 
 
 def resolve(op_name: str = "attention", backend: str | Backend | None = None,

@@ -56,3 +56,20 @@ def num_blocks(num_keys: int) -> int:
 def num_splits(num_keys: int) -> int:
     """Number of ``SPLIT`` splits that cover ``num_keys`` keys."""
     return -(-num_keys // SPLIT)
+
+
+def bucket_length(n: int) -> int:
+    """The padded length a caller compiles for instead of ``n`` (a key count, or the
+    query count of a prefill chunk): the next power of two up to ``SPLIT``, the next
+    multiple of ``SPLIT`` above. A cache growing token by token then compiles once per
+    bucket (1, 2, 4, ..., 1024, 2048, 3072, ...) instead of once per length.
+
+    Padding is free in bits on a backend that follows the schedule (the tail-padding
+    row of the invariance matrix); the true lengths are passed at run time, so the
+    blocks past them are skipped. Costs: at most ``n - 1`` extra keys below ``SPLIT``
+    (memory of the padded copy, up to 2x), at most ``SPLIT - 1`` above."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"bucket_length takes a positive int, got {n!r}")
+    if n <= SPLIT:
+        return 1 << (n - 1).bit_length()
+    return -(-n // SPLIT) * SPLIT

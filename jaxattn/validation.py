@@ -98,8 +98,8 @@ def validate_inputs(
                          f"(shape {k.shape})")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(
-            f"Hq must be a multiple of Hkv: q has Hq={hq} (shape {q.shape}), "
-            f"k has Hkv={hkv} (shape {k.shape})"
+            f"Hq must be a multiple of Hkv: Hq={hq} is not divisible by Hkv={hkv} (q has "
+            f"shape {tuple(q.shape)}, k has shape {tuple(k.shape)})"
         )
     if d == 0:
         raise ValueError(f"head dim D must be positive, got q shape {q.shape}")

@@ -112,7 +112,10 @@ def test_bridge_benchmark_smoke(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["bridge_ms"] > 0 and r["jax_ms"] > 0 for r in rows)
+    assert len(rows) == 6 and all(r["bridge_ms"] > 0 and r["jax_ms"] > 0 and r["sdpa_ms"] > 0
+                                  for r in rows)
+    assert {r["shape"] for r in rows} == {"tiny", "decode", "prefill"}
+    assert json.loads((tmp_path / "results.json").read_text())["growing"]["bridge_ms"] > 0
 
 
 def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):

@@ -192,12 +192,39 @@ def key_padding_mask_from(attention_mask: torch.Tensor | None, batch: int, sq: i
     return kpm
 
 
+class _MaskMemo:
+    """The last mask derived, by identity: transformers builds one mask per forward and
+    hands the same tensor to every layer, so the element-wise check (which reads the
+    mask's values: a host wait on a GPU) runs once per forward, not once per layer. A
+    padding mask that keeps every key becomes None (no mask crosses to JAX)."""
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    def get(self, attention_mask, b, sq, skv):
+        if attention_mask is None or _compiling() or not isinstance(attention_mask,
+                                                                   torch.Tensor):
+            return key_padding_mask_from(attention_mask, b, sq, skv)
+        key = (id(attention_mask), attention_mask.data_ptr(), attention_mask._version,
+               tuple(attention_mask.shape), attention_mask.dtype, b, sq, skv)
+        if key != self.key:
+            kpm = key_padding_mask_from(attention_mask, b, sq, skv)
+            if kpm is not None and bool(kpm.all()):
+                kpm = None
+            # The mask itself is held, so its id and storage are not reused while cached.
+            self.key, self.value, self._held = key, kpm, attention_mask
+        return self.value
+
+
 # ------------------------------------------------------------------ attention function
 
 def make_attention_function(backend: str | None = None) -> Callable:
     """An ``AttentionInterface`` function running ``torch_bridge.get_op("attention",
     backend=backend)``. Its ``.op`` attribute is the op (``.op.backend`` names the backend)."""
     op = get_op("attention", backend=backend)
+    memo = _MaskMemo()
+    _derived_mask = memo.get
 
     def jaxattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                   key: torch.Tensor, value: torch.Tensor,
@@ -218,7 +245,7 @@ def make_attention_function(backend: str | None = None) -> Callable:
                              "only (is_causal=False)")
         b, _, sq, _ = query.shape
         skv = key.shape[2]
-        kpm = key_padding_mask_from(attention_mask, b, sq, skv)
+        kpm = _derived_mask(attention_mask, b, sq, skv)
         out = op(query, key, value, causal=True,
                  scale=None if scaling is None else float(scaling), key_padding_mask=kpm)
         return out.transpose(1, 2).contiguous(), None

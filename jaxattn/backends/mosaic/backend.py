@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import platform as _platform
 from jaxattn.backends.base import Backend
 from jaxattn.backends.common import pad_head_dim, padded_head_dim
 from jaxattn.backends.pallas import forward as pallas_triton
@@ -72,10 +73,10 @@ def check_supported(head_dim: int, dtype) -> str | None:
 
 def unavailable_reason() -> str | None:
     """Why this process cannot run the Mosaic GPU kernels, or None."""
-    platform = jax.default_backend()
-    if platform not in ("gpu", "cuda"):
+    here = _platform.current()
+    if here != "gpu":
         return (f"the Mosaic GPU kernels need an NVIDIA Hopper GPU (sm90), the platform is "
-                f"{platform!r} (their interpret-mode tests: tests/test_mosaic_*.py)")
+                f"{here!r} (their interpret-mode tests: tests/test_mosaic_*.py)")
     cc = str(getattr(jax.devices()[0], "compute_capability", ""))
     if cc != "9.0":
         return f"the Mosaic GPU kernels need compute capability 9.0 (sm90a), got {cc!r}"

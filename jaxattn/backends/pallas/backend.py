@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxattn import platform as _platform
 from jaxattn import schedule
 from jaxattn.backends.base import Backend
 from jaxattn.backends.pallas import backward as pv
@@ -22,15 +23,15 @@ from jaxattn.backends.pallas import forward as pt
 
 def interpret() -> bool:
     """Whether the kernels run in interpret mode here (on a CPU)."""
-    return jax.default_backend() == "cpu"
+    return _platform.current() == "cpu"
 
 
 def nvidia_gpu_reason(what: str) -> str | None:
     """Why this process's GPU cannot run Triton kernels on the canonical schedule
     (``what`` names them in the message), or None."""
-    platform = jax.default_backend()
-    if platform != "gpu" and platform != "cuda":
-        return f"{what} need an NVIDIA GPU, the platform is {platform!r}"
+    here = _platform.current()
+    if here != "gpu":
+        return f"{what} need an NVIDIA GPU, the platform is {here!r}"
     cc = getattr(jax.devices()[0], "compute_capability", None)
     try:
         major = int(str(cc).split(".")[0])

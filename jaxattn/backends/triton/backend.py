@@ -16,9 +16,8 @@ from jaxattn.backends.triton import launch
 
 
 def _platform() -> str:
-    import jax
-    platform = jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+    from jaxattn import platform
+    return platform.current()
 
 
 class TritonBackend(Backend):

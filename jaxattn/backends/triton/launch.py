@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import platform as _platform
 from jaxattn import schedule
 from jaxattn.backends.common import (
     LOG2E,
@@ -79,7 +80,7 @@ def unavailable_reason(platform: str) -> str | None:
 
 
 def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
+    return _platform.current() == "cpu"
 
 
 # -------------------------------------------------------------------------- launching
