@@ -8,7 +8,8 @@
 # PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
 # matrix + accuracy at GPU sizes; operator: the check_operator CLI at Qwen3-8B shapes
 # (B=8, S=4096); bench: benchmarks/attention_bench.py at the shapes; bridge: the
-# torch bridge's overhead (benchmarks/bridge_bench.py); peers: the invariance matrix of
+# torch bridge's overhead (benchmarks/bridge_bench.py); hf: HF transformers decode and
+# training steps beside sdpa (benchmarks/hf_bench.py); peers: the invariance matrix of
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
 # to 128k; each part under its own timeout, results kept as they come; SWEEP_SELECT=a,b
@@ -77,6 +78,11 @@ if has bench; then
 fi
 if has bridge; then
   $PY -m benchmarks.bridge_bench --out_dir="$OUT/bridge" 2>&1 | tee "$OUT/bridge.txt" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has hf; then
+  # HF transformers: attn_implementation="jaxattn" beside "sdpa" (decode and training).
+  $PY -m benchmarks.hf_bench --out_dir="$OUT/hf" 2>&1 | tee "$OUT/hf.txt" | tail -10
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has peers; then
