@@ -416,3 +416,48 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
     if load_balance:
         out, lse = jnp.take(out, inv, axis=2), jnp.take(lse, inv, axis=2)
     return (out, lse) if return_lse else out
+
+
+class CPAttentionOp(registry.AttentionOp):
+    """The ``"cp_attention"`` op (this module's CP reference contract)
+    bound to one backend: every entry takes the attention arguments plus
+    ``query_position_offsets`` / ``key_position_offsets`` (``[B]`` int, global positions
+    of query 0 and key 0), ``cp_world_size`` and ``kv_chunk_size``."""
+
+    path = "cp"
+
+    def forward_with_lse(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                         key_padding_mask=None, query_position_offsets=None,
+                         key_position_offsets=None, cp_world_size: int = 1,
+                         kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``."""
+        return forward_with_lse(
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+            query_position_offsets=query_position_offsets,
+            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+            kv_chunk_size=kv_chunk_size, backend=self._backend)
+
+    def forward(self, q, k, v, **kwargs) -> jax.Array:
+        """``out [B, Hq, Sq, D]`` in ``q.dtype``."""
+        return self.forward_with_lse(q, k, v, **kwargs)[0]
+
+    __call__ = forward
+
+    def forward_fp32_with_lse(self, q, k, v, *, causal: bool = True,
+                              scale: float | None = None, key_padding_mask=None,
+                              query_position_offsets=None, key_position_offsets=None,
+                              cp_world_size: int = 1,
+                              kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """fp32 inputs, fp32 ``(out, lse)``."""
+        return forward_fp32_with_lse(
+            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+            query_position_offsets=query_position_offsets,
+            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
+            kv_chunk_size=kv_chunk_size, backend=self._backend)
+
+    def forward_fp32(self, q, k, v, **kwargs) -> jax.Array:
+        """fp32 inputs, fp32 ``out``."""
+        return self.forward_fp32_with_lse(q, k, v, **kwargs)[0]
+
+
+registry.register_op("cp_attention", CPAttentionOp)

@@ -19,9 +19,9 @@ from jaxattn.backends import builtin
 from jaxattn.backends.base import Backend, FunctionBackend
 from jaxattn.validation import resolve_scale, validate_inputs
 
-__all__ = ["AttentionOp", "Backend", "CPAttentionOp", "FunctionBackend", "backend",
+__all__ = ["AttentionOp", "Backend", "FunctionBackend", "backend",
            "backend_names", "current_platform", "get_op", "op_names", "register", "resolve",
-           "unregister"]
+           "register_op", "unregister"]
 
 _BACKENDS: dict[str, Backend] = {}
 
@@ -118,52 +118,15 @@ class AttentionOp:
                                           key_padding_mask=key_padding_mask)[0]
 
 
-class CPAttentionOp(AttentionOp):
-    """The ``"cp_attention"`` op (:mod:`jaxattn.cp`, the seed's CP reference contract)
-    bound to one backend: every entry takes the attention arguments plus
-    ``query_position_offsets`` / ``key_position_offsets`` (``[B]`` int, global positions
-    of query 0 and key 0), ``cp_world_size`` and ``kv_chunk_size``."""
-
-    path = "cp"
-
-    def forward_with_lse(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                         key_padding_mask=None, query_position_offsets=None,
-                         key_position_offsets=None, cp_world_size: int = 1,
-                         kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-        """``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``."""
-        from jaxattn import cp
-        return cp.forward_with_lse(
-            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
-            query_position_offsets=query_position_offsets,
-            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
-            kv_chunk_size=kv_chunk_size, backend=self._backend)
-
-    def forward(self, q, k, v, **kwargs) -> jax.Array:
-        """``out [B, Hq, Sq, D]`` in ``q.dtype``."""
-        return self.forward_with_lse(q, k, v, **kwargs)[0]
-
-    __call__ = forward
-
-    def forward_fp32_with_lse(self, q, k, v, *, causal: bool = True,
-                              scale: float | None = None, key_padding_mask=None,
-                              query_position_offsets=None, key_position_offsets=None,
-                              cp_world_size: int = 1,
-                              kv_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-        """fp32 inputs, fp32 ``(out, lse)``."""
-        from jaxattn import cp
-        return cp.forward_fp32_with_lse(
-            q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
-            query_position_offsets=query_position_offsets,
-            key_position_offsets=key_position_offsets, cp_world_size=cp_world_size,
-            kv_chunk_size=kv_chunk_size, backend=self._backend)
-
-    def forward_fp32(self, q, k, v, **kwargs) -> jax.Array:
-        """fp32 inputs, fp32 ``out``."""
-        return self.forward_fp32_with_lse(q, k, v, **kwargs)[0]
-
-
 #: Every op: its class (whose ``path`` is the backend path it needs).
-OPS: dict[str, type[AttentionOp]] = {"attention": AttentionOp, "cp_attention": CPAttentionOp}
+OPS: dict[str, type[AttentionOp]] = {"attention": AttentionOp}
+
+
+def register_op(name: str, cls: type[AttentionOp]) -> None:
+    """Add the op ``name`` (an :class:`AttentionOp` subclass whose ``path`` names the
+    backend path it needs). The ops' modules call it (``"cp_attention"``: :mod:`jaxattn.cp`,
+    imported by ``import jaxattn``), so the registry imports no op."""
+    OPS[name] = cls
 
 
 def op_names() -> tuple[str, ...]:
@@ -234,7 +197,7 @@ def get_op(name: str = "attention", *, backend: str | Backend | None = None,
     On a GPU: the Mosaic GPU kernels where available (sm90), then the Pallas kernels,
     then the reference. On a CPU: the reference (``backend="pallas"`` runs the kernels in
     interpret mode, for tests). Ops: ``"attention"`` (:class:`AttentionOp`) and
-    ``"cp_attention"`` (:class:`CPAttentionOp`, the same entries with the CP arguments of
+    ``"cp_attention"`` (:class:`jaxattn.cp.CPAttentionOp`, the same entries with the CP arguments of
     :mod:`jaxattn.cp`).
     """
     return _op_class(name)(name, resolve(name, backend, platform))

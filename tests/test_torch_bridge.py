@@ -256,6 +256,19 @@ def test_arguments_are_validated_before_any_conversion():
         op(q, k, v, key_padding_mask=[[True] * 8])
 
 
+def test_bucket_length_rule():
+    """Powers of two up to SPLIT, multiples of SPLIT above; anything else is refused."""
+    bl = jaxattn.schedule.bucket_length
+    split = jaxattn.schedule.SPLIT
+    assert [bl(n) for n in (1, 2, 3, 5, 64, 65, 1000, split)] == [1, 2, 4, 8, 64, 128, 1024,
+                                                                   split]
+    assert [bl(n) for n in (split + 1, 2049, 3 * split)] == [2 * split, 3 * split, 3 * split]
+    assert all(n <= bl(n) < 2 * n or bl(n) - n < split for n in range(1, 5000, 7))
+    for bad in (0, -3, 2.0, True, None):
+        with pytest.raises(ValueError, match="bucket_length takes a positive int"):
+            bl(bad)
+
+
 def _decode_bucket_case(backend: str, steps: int, d: int):
     """``steps`` decode steps against a cache growing from 1 key: per step the bridge's
     (out, lse), the traces it took, and the unbucketed JAX prefill of every step at once."""
