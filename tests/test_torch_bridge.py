@@ -359,3 +359,6 @@ def test_cpu_tensors_run_on_jax_cpu_on_any_host():
     assert _same(out, jo) and _same(lse, jl)
     if DEV == "cuda":  # the same op still runs CUDA tensors on the GPU
         assert op(q.cuda(), k.cuda(), v.cuda()).device.type == "cuda"
+    if torch.cuda.is_available() and not ON_GPU:  # pragma: no cover - CUDA torch, CPU JAX
+        with pytest.raises(ValueError, match="this JAX has no 'gpu' devices"):
+            op(q.cuda(), k.cuda(), v.cuda())

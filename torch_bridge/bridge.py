@@ -577,6 +577,12 @@ class TorchOp:
     def _resolve(self, platform: str) -> str:
         name = self._by_platform.get(platform)
         if name is None:
+            if platform != registry.current_platform() and not _jax_has(platform):
+                raise ValueError(
+                    f"the tensors are on {'CUDA' if platform == 'gpu' else platform} but "
+                    f"this JAX has no {platform!r} devices (for CUDA tensors install "
+                    f"jax[cuda12] or jax[cuda13]); the bridge never copies to another "
+                    f"device")
             with _jplatform.use(platform):
                 name = registry.resolve(self.op_name, self._requested, platform).name
             self._by_platform[platform] = name
@@ -600,11 +606,9 @@ class TorchOp:
                   kv_chunk_size=kv_chunk_size)
         qo = _as_offsets(query_position_offsets, q)
         ko = _as_offsets(key_position_offsets, q)
-        device = _check_same_device({"q": q, "k": k, "v": v,
-                                     "key_padding_mask": key_padding_mask,
-                                     "query_position_offsets": qo,
-                                     "key_position_offsets": ko})
-        backend = self._resolve(_platform(q)) if device.type == "cpu" else self._backend
+        _check_same_device({"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask,
+                            "query_position_offsets": qo, "key_position_offsets": ko})
+        backend = self._resolve(_platform(q))
         if fp32:
             q, k, v = q.float(), k.float(), v.float()
         args = (q, k, v, key_padding_mask, qo, ko, self.op_name, backend, bool(causal),
@@ -634,6 +638,13 @@ class TorchOp:
     def forward_fp32_with_lse(self, q, k, v, **kwargs):
         """Inputs upcast to fp32 (a copy), fp32 ``(out, lse)``."""
         return self._run(q, k, v, fp32=True, **kwargs)
+
+
+def _jax_has(platform: str) -> bool:
+    try:
+        return bool(jax.devices("cuda" if platform == "gpu" else platform))
+    except RuntimeError:
+        return False
 
 
 def _as_offsets(x: Any, like: torch.Tensor) -> torch.Tensor | None:
