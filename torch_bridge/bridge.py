@@ -402,7 +402,10 @@ def _setup_context(ctx, inputs, output):
     ctx.opts = opts
 
 
-def _backward(ctx, d_out, d_lse):
+def _gradients(ctx, d_out, d_lse, run):
+    """The autograd backward both paths share: ``run`` (the backward custom op, or its
+    implementation outside ``torch.compile``) on the saved residuals; gradients only for
+    the inputs that need them, None for the 9 other arguments."""
     q, k, v, mask, qo, ko, out, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
     if not any(needs):
@@ -411,10 +414,14 @@ def _backward(ctx, d_out, d_lse):
         d_out = torch.zeros_like(out)
     if d_lse is None:
         d_lse = torch.zeros_like(lse)
-    dq, dk, dv = _attention_backward_op(q, k, v, mask, qo, ko, out, lse,
-                                        d_out.contiguous(), d_lse.contiguous(), *ctx.opts)
+    dq, dk, dv = run(q, k, v, mask, qo, ko, out, lse, d_out.contiguous(), d_lse.contiguous(),
+                     *ctx.opts)
     grads = [g if need else None for g, need in zip((dq, dk, dv), needs, strict=True)]
     return (*grads, *([None] * 9))
+
+
+def _backward(ctx, d_out, d_lse):
+    return _gradients(ctx, d_out, d_lse, _attention_backward_op)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -428,24 +435,12 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, qo, ko, *opts):
         out, lse = _forward_impl(q, k, v, mask, qo, ko, *opts)
-        ctx.save_for_backward(q, k, v, mask, qo, ko, out, lse)
-        ctx.opts = opts
+        _setup_context(ctx, (q, k, v, mask, qo, ko, *opts), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, mask, qo, ko, out, lse = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        if not any(needs):
-            return (None,) * 12
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        if d_lse is None:
-            d_lse = torch.zeros_like(lse)
-        dq, dk, dv = _backward_impl(q, k, v, mask, qo, ko, out, lse, d_out.contiguous(),
-                                    d_lse.contiguous(), *ctx.opts)
-        grads = [g if need else None for g, need in zip((dq, dk, dv), needs, strict=True)]
-        return (*grads, *([None] * 9))
+        return _gradients(ctx, d_out, d_lse, _backward_impl)
 
 
 # ------------------------------------------------------------------------ validation
