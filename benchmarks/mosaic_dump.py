@@ -2,8 +2,8 @@
 
     python -m benchmarks.mosaic_dump --out_dir=$OUT/dump [--sass]
 
-For each configuration (the forward's defaults, its persistent and overlap variants, the
-backward's defaults) one folder under ``--out_dir`` gets Mosaic GPU's ptxas log
+For each configuration (the forward's defaults, its persistent variant, the backward's
+defaults) one folder under ``--out_dir`` gets Mosaic GPU's ptxas log
 (registers per thread, spill stores/loads, SMEM), and with ``--sass`` the SASS, through
 Mosaic GPU's dump switches (``MOSAIC_GPU_DUMP_PTXAS``, ``MOSAIC_GPU_DUMP_SASS``,
 ``MOSAIC_GPU_DUMP_TO``, read when a kernel is compiled). Shapes: B=2, S=4096, Hq=32,
@@ -37,8 +37,6 @@ def main(argv):
         "fwd-default": lambda: mf.forward(q, k, k, causal=True),
         "fwd-persistent": lambda: mf.forward(q, k, k, causal=True,
                                              config=mf.MosaicConfig(persistent=132)),
-        "fwd-overlap-registers": lambda: mf.forward(
-            q, k, k, causal=True, config=mf.MosaicConfig(overlap="registers")),
         "bwd-default": lambda: mb.backward(q, k, k, q, lse, q, causal=True),
     }
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"

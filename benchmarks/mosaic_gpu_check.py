@@ -49,8 +49,8 @@ flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
                                    "pers-pf:persistent=132:prefetch_q=True",
                                    "nopp:pingpong=False"],
                   "Mosaic forward variants timed by --speed: name[:key=value...] "
-                  "(MosaicConfig fields; earlier ones: kb-always:key_bound=always, "
-                  "ov-regs:overlap=registers, s3:stages=3, r240:registers=240/24, ...).")
+                  "(MosaicConfig fields; earlier ones: s3:stages=3, "
+                  "r240:registers=240/24, ...).")
 flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
                   "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("tail_probe", False, "Non-causal tail padding taken apart (probe_tails).")
@@ -62,15 +62,14 @@ flags.DEFINE_list("decode_variants", [],
                   "More Mosaic decode launches timed by --decode_speed (name[:key=value...], "
                   "MosaicConfig fields), e.g. split-s4:split_decode=True:stages=4.")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
-                                   "fused:dq=fused", "fused-inplace:dq=fused:accumulate=inplace",
                                    "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
-                                   "pairs:pair_products=True", "noregs:registers=None"],
+                                   "noregs:registers=None"],
                   "Mosaic backward variants timed by --backward_speed: name[:key=value...] "
                   "(BwdConfig fields).")
 
 FWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 2048, 2048, 64), (4, 32, 8, 128, 4096, 128),
               (1, 4, 4, 256, 128, 64), (2, 8, 2, 1000, 1000, 128), (1, 4, 1, 77, 1500, 64),
-              # D=256 (not with prefetch_q or blocks_per_step=2: SMEM)
+              # D=256 (not with prefetch_q: SMEM)
               (2, 8, 2, 1500, 1500, 256)]
 BWD_SHAPES = [(2, 8, 2, 2048, 2048, 128), (2, 8, 2, 1024, 2048, 64), (1, 4, 4, 256, 128, 64),
               # D=256: dK and dV by two kernels (split_dkdv), one dQ tile per CTA
@@ -111,21 +110,12 @@ LAUNCH_VARIANTS = {
     "ascending-noregs": dict(q_order="ascending", registers=None),
     "warpgroup": dict(semantics="warpgroup"),
     "smem-operands": dict(gpu_operands=False),
-    "overlap-smem": dict(overlap="smem"),
-    "overlap-registers": dict(overlap="registers"),
-    "key-bound-always": dict(key_bound="always"),
     # The default is a persistent grid where the tiles are short (the checks' shapes):
-    # one CTA per tile, and persistent grids of each item order, Q prefetch or not.
+    # one CTA per tile, and persistent grids, Q prefetch or not.
     "plain-grid": dict(persistent=0),
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
-    "persistent-snake": dict(persistent=132, persistent_order="snake"),
     "persistent-7": dict(persistent=7),  # more items per CTA
-    # Two key blocks per loop step (one Q K^T wgmma of N=128): the same operations.
-    "bps2": dict(blocks_per_step=2),
-    "bps2-nopp": dict(blocks_per_step=2, pingpong=False),
-    "bps2-1wg": dict(blocks_per_step=2, compute_wgs=1),
-    "bps2-persistent-prefetch": dict(blocks_per_step=2, persistent=132, prefetch_q=True),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {
@@ -149,12 +139,9 @@ def check_forward(results: list) -> None:
         fin = np.isfinite(np.asarray(rl))
         for fam in FLAGS.families:
             fkw = FAMILIES[fam]
-            # The SMEM operand path cannot accumulate in place; the overlap needs it
-            # (and the fp32 row sum).
+            # The SMEM operand path cannot accumulate in place.
             every = [n for n in FLAGS.launches or LAUNCH_VARIANTS
-                     if not (n == "smem-operands" and fkw["accumulate"] == "inplace")
-                     and not (n.startswith("overlap") and fkw != FAMILIES[
-                         "inplace-reduce32"])]
+                     if not (n == "smem-operands" and fkw["accumulate"] == "inplace")]
             names = (every if fam == FLAGS.families[0] else
                      [n for n in every if n in ("default", "1wg-64", "nopingpong")])
             launches = {n: LAUNCH_VARIANTS[n] for n in names}
@@ -267,17 +254,14 @@ def check_backward(results: list) -> None:
                           interpret=False)
         first = None
         # The defaults first, then one launch parameter changed at a time: these must
-        # agree in bits. "inplace" is its own arithmetic (errors only); the fused dQ has
-        # its own dQ order (errors, run-to-run and batch invariance in bits).
-        configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2), dict(pair_products=False),
+        # agree in bits. "inplace" is its own arithmetic (errors only).
+        configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2),
                    dict(registers=None), dict(semantics="warpgroup"),
                    dict(gpu_operands=False), dict(split_dkdv=True),
-                   dict(accumulate="inplace"), dict(dq="fused"),
-                   dict(dq="fused", dq_add="atomic"),
+                   dict(accumulate="inplace"),
                    # their own arithmetic (errors; bits only against the default's where
                    # both mask paths meet: the all-kept key mask, check_backward_tails)
                    dict(mask="probs"), dict(mask="probs", exp2=True)]
-        fused = None
         for kw in configs:
             row = {"kind": "backward", "shape": shape, "causal": causal, **kw}
             try:
@@ -292,23 +276,6 @@ def check_backward(results: list) -> None:
                            bits_eq_pallas=[_same(a, t) for a, t in zip(g, tri, strict=True)])
                 if first is None:
                     first = g
-                elif "dq" in kw:  # its own dQ order: run-to-run and batch invariance
-                    # Five more calls: the fused dQ's global semaphores outlive a
-                    # launch, so a count left behind would show in a later call.
-                    reruns = [mb.backward(q, k, v, out, lse, do, dlse, causal=causal,
-                                          scale=scale, config=cfg) for _ in range(5)]
-                    g1 = mb.backward(q[:1], k[:1], v[:1], out[:1], lse[:1], do[:1],
-                                     dlse[:1], causal=causal, scale=scale, config=cfg)
-                    row.update(run_to_run=all(_same(a, c) for g2 in reruns
-                                              for a, c in zip(g, g2, strict=True)),
-                               batch=all(_same(a[:1], c) for a, c in zip(g, g1,
-                                                                         strict=True)),
-                               dq_bits_eq_separate=_same(g[0], first[0]))
-                    if "dq_add" in kw:  # the same additions in the same order
-                        row["bits_eq_fused_tma"] = fused is not None and all(
-                            _same(a, f) for a, f in zip(g, fused, strict=True))
-                    else:
-                        fused = g
                 elif not {"accumulate", "mask"} & set(kw):  # launch parameters: same bits
                     row["bits_eq_first"] = all(_same(a, f) for a, f in zip(g, first,
                                                                             strict=True))
@@ -322,13 +289,12 @@ def check_backward_tails(results: list) -> None:
     """The backward at Sq=Skv=1000 (padded inside) with a random key padding mask:
     errors against the fp32 reference's gradients with that mask, zero gradients for
     the dropped keys; and 1000 tokens padded to 1100 with the padding keys dropped (zero
-    cotangent on the padding rows) against the 1000 alone, in bits. Defaults, the fused
-    dQ and ``mask="probs"`` (whose unpadded call takes the unmasked path on fully visible
+    cotangent on the padding rows) against the 1000 alone, in bits. Defaults and
+    ``mask="probs"`` (whose unpadded call takes the unmasked path on fully visible
     blocks and the padded one the masked path: the two paths' bits)."""
     from jaxattn import reference
     from jaxattn.backends.mosaic import backward as mb
-    for causal, kw in itertools.product([True, False], [{}, dict(dq="fused"),
-                                                        dict(mask="probs", exp2=True)]):
+    for causal, kw in itertools.product([True, False], [{}, dict(mask="probs", exp2=True)]):
         row = {"kind": "backward-tails", "causal": causal, **kw}
         try:
             cfg = mb.BwdConfig(**kw)
@@ -455,8 +421,7 @@ def time_speed(results: list) -> None:
                 sec, reps = report.sampled_seconds(fn, [(q, k, v, o, lse, do)],
                                      jax.block_until_ready, FLAGS.iters, 3, 10, 0.03)
                 after = fn(q, k, v, o, lse, do)
-                # The same bits after every timed call (the fused dQ's semaphores
-                # outlive a launch), and no NaN.
+                # The same bits after every timed call, and no NaN.
                 row.update(ms=sec * 1e3, tflops=2.5 * flops / sec / 1e12,
                            bits_after_timing=all(_same(a, c) for a, c in zip(before, after,
                                                                               strict=True)),
@@ -538,8 +503,7 @@ def probe_tails(results: list) -> None:
     q, k, v, _ = _inputs(2, 8, 2, 1000, 1000, 128, 7)
     for name, cfg in (("default", mf.MosaicConfig()),
                       ("nopp", mf.MosaicConfig(pingpong=False)),
-                      ("one-wg", mf.MosaicConfig(compute_wgs=1, pingpong=False)),
-                      ("kb-always", mf.MosaicConfig(key_bound="always"))):
+                      ("one-wg", mf.MosaicConfig(compute_wgs=1, pingpong=False))):
         o, lse = mf.forward(q, k, v, causal=False, config=cfg)
         for extra in (30, 100, 1100):
             row, (op, lp, kp, vp, keep) = padded_row(q, k, v, cfg, extra, o, lse,
@@ -558,11 +522,11 @@ def probe_tails(results: list) -> None:
                 row["split2_lse_finite"] = int(np.isfinite(np.asarray(sp_l[1])).sum())
             results.append(row)
             print(row, flush=True)
-    # 77 x 1500 (failing row of the 2026-11-30 run, 1fbd2b0) with the key bound always on.
+    # 77 x 1500 (failing row of the 2026-11-30 run, 1fbd2b0).
     q, k, v, _ = _inputs(1, 4, 1, 77, 1500, 64, 7)
-    cfg = mf.MosaicConfig(key_bound="always")
+    cfg = mf.MosaicConfig()
     o, lse = mf.forward(q, k, v, causal=False, config=cfg)
-    row, _ = padded_row(q, k, v, cfg, 100, o, lse, config="kb-always", shape="77x1500")
+    row, _ = padded_row(q, k, v, cfg, 100, o, lse, config="default", shape="77x1500")
     results.append(row)
     print(row, flush=True)
 

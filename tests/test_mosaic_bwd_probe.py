@@ -266,7 +266,9 @@ def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
 @needs_interpret
 def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
     """Two KV blocks per CTA sharing one query stream (the second block's earlier,
-    fully masked query blocks add exact zeros) give the bits of one block per CTA."""
+    fully masked query blocks add exact zeros) give the bits of one block per CTA. (Two
+    dQ tiles per CTA, ``dq_wgs=2``, are checked in bits on the H200 by mosaic_gpu_check:
+    a three-warpgroup kernel hangs this interpreter too often.)"""
     seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
     out, lse, _ = _triton(q, k, v, do, True)
     one = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
@@ -274,23 +276,6 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
     two = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
                   mosaic_bwd.BwdConfig(dkdv_wgs=2, dq_wgs=1))
     for name, a, b in zip("qkv", one, two, strict=True):
-        assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
-        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
-
-
-@needs_threads
-@needs_interpret
-def test_interpret_paired_products_keepbits(mosaic_bwd):
-    """Each step's two independent products issued together give the bits of one
-    product at a time. (Two dQ tiles per CTA, ``dq_wgs=2``, are checked in bits on the
-    H200 by mosaic_gpu_check: a three-warpgroup kernel hangs this interpreter too often.)"""
-    seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
-    out, lse, _ = _triton(q, k, v, do, True)
-    base = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
-                   mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, pair_products=False))
-    new = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
-                  mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, pair_products=True))
-    for name, a, b in zip("qkv", base, new, strict=True):
         assert not np.isnan(np.asarray(a, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
@@ -437,33 +422,29 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"accumulate": "inplace"},
                                 {"accumulate": "inplace", "dkdv_wgs": 1},
                                 {"dq_wgs": 2}, {"dq_wgs": 2, "accumulate": "inplace"},
-                                {"pair_products": False}, {"registers": None},
-                                {"dq": "fused"}, {"dq": "fused", "dkdv_wgs": 1},
-                                {"dq": "fused", "accumulate": "inplace"},
-                                {"dq": "fused", "dq_add": "atomic"},
+                                {}, {"registers": None},
                                 {"mask": "scores"}, {"exp2": False},
                                 {"mask": "scores", "exp2": False, "dq_wgs": 2},
                                 {"split_dkdv": True}],
-                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
+                         or "default")
 def test_dkdv_options_lower(mosaic_bwd, kw):
-    """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, paired or
-    single products, with or without register reallocation."""
+    """One or two dK/dV (and dQ) warpgroups, fresh or in-place accumulation, with or
+    without register reallocation, both masks and exponentials, dK and dV by one kernel
+    or two."""
     q = jax.ShapeDtypeStruct((1, 4, 256, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     cfg = mosaic_bwd.BwdConfig(**kw)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
-    # delta and dK/dV, and the dQ kernel unless dK/dV forms dQ itself
-    # delta, dK/dV (two kernels with split_dkdv) and dQ unless dK/dV forms it
-    assert text.count("custom_call @mosaic_gpu") == (
-        2 if cfg.dq == "fused" else 4 if cfg.split_dkdv else 3)
+    # delta, dK/dV (two kernels with split_dkdv) and dQ
+    assert text.count("custom_call @mosaic_gpu") == (4 if cfg.split_dkdv else 3)
 
 
 @needs_api
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     """D=256: delta, dK and dV by two kernels, dQ with one tile and one K/V slot per
-    CTA (the SMEM: 192 KiB each), tails and a key mask included; the fused dQ, which
-    needs dK and dV in one kernel, is refused."""
+    CTA (the SMEM: 192 KiB each), tails and a key mask included."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 2, 300, 256), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((2, 300), jnp.bool_)
@@ -471,13 +452,10 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
         text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
                                          config=mosaic_bwd.BwdConfig()).as_text()
         assert text.count("custom_call @mosaic_gpu") == 4
-    with pytest.raises(ValueError, match="D > 128"):
-        mosaic_bwd.lower_for_cuda(q, k, k, causal=causal,
-                                  config=mosaic_bwd.BwdConfig(dq="fused"))
 
 
 @needs_api
-@pytest.mark.parametrize("kw", [{}, {"dq": "fused"}, {"accumulate": "inplace"},
+@pytest.mark.parametrize("kw", [{}, {"accumulate": "inplace"},
                                 {"gpu_operands": False, "dq_wgs": 1},
                                 {"mask": "scores", "exp2": False}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
@@ -491,41 +469,19 @@ def test_tails_and_key_mask_lower(mosaic_bwd, kw, causal):
     mask = jax.ShapeDtypeStruct((2, 300), jnp.bool_)
     text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=mask,
                                      config=mosaic_bwd.BwdConfig(**kw)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == (2 if kw.get("dq") == "fused" else 3)
-
-
-@needs_api
-def test_fused_dq_rejections(mosaic_bwd):
-    """dq='fused' needs the GPU (semaphores, atomics)."""
-    cfg = mosaic_bwd.BwdConfig(dq="fused")
-    q = jnp.ones((1, 1, 64, 64), jnp.bfloat16)
-    lse = jnp.zeros((1, 1, 64), jnp.float32)
-    with pytest.raises(ValueError, match="interpret"):
-        mosaic_bwd.backward(q, q, q, q, lse, q, causal=True, interpret=True, config=cfg)
-
-
-@needs_api
-def test_fused_dq_lowers_beyond_one_wave(mosaic_bwd):
-    """More dK/dV CTAs than the GPU holds at once (here 260 of one head): the fused dQ
-    launches the highest KV block first, so no size limit applies; the kernel waits
-    on the semaphores and the last share resets them (a decrementing wait)."""
-    cfg = mosaic_bwd.BwdConfig(dq="fused")
-    skv = 2 * mosaic_bwd.BLOCK_KV * 260
-    qs = jax.ShapeDtypeStruct((1, 1, 128, 64), jnp.bfloat16)
-    ks = jax.ShapeDtypeStruct((1, 1, skv, 64), jnp.bfloat16)
-    text = mosaic_bwd.lower_for_cuda(qs, ks, ks, causal=True, config=cfg).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 2
+    assert text.count("custom_call @mosaic_gpu") == 3
 
 
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
                {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
-               {"dq": "atomic"}, {"dq_add": "red"}, {"mask": "logits"},
-               {"split_dkdv": True, "dq": "fused"}):
+               {"mask": "logits"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
-    with pytest.raises(ValueError, match="lane"):
-        mosaic_bwd.BwdConfig(dq="fused", semantics="warpgroup")
+    # Retired options (docs/mosaic.md, "Configuration options retired").
+    for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic")):
+        with pytest.raises(TypeError, match=name):
+            mosaic_bwd.BwdConfig(**{name: value})
 
 
 @needs_api

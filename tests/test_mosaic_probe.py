@@ -132,7 +132,7 @@ _CASES = [
 _MORE_CASES = [
     (1, 2, 1, 100, 150, 64, True, _ONE_WG),
     (1, 2, 1, 1, 130, 64, True, {}),
-    (1, 1, 1, 40, 100, 64, True, {"key_bound": "always", **_ONE_WG}),
+    (1, 1, 1, 40, 100, 64, True, _ONE_WG),
 ]
 
 
@@ -199,67 +199,19 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
     """A persistent grid of 3 CTAs walks the 8 (tile, head) items (two or three per
-    CTA, its K/V ring running on across items: the greedy table's order, and the snake
-    order's 0, 5, 6 / 1, 4, 7 / 2, 3) and gives the bits of one CTA per tile, with and
-    without the next item's Q loaded during this one (two Q buffers); non-causal with a
-    partial last key block."""
+    CTA, its K/V ring running on across items, in the greedy table's order) and gives
+    the bits of one CTA per tile, with and without the next item's Q loaded during this
+    one (two Q buffers); non-causal with a partial last key block."""
     seed, q, k, v = _inputs(1, 2, 1, 256, 256 if causal else 200, 64)
     base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                               config=mosaic_fwd.MosaicConfig(**_ONE_WG))
-    for kw in ({}, {"prefetch_q": True}, {"persistent_order": "snake"}):
+    for kw in ({}, {"prefetch_q": True}):
         other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                    config=mosaic_fwd.MosaicConfig(persistent=3, **kw,
                                                                   **_ONE_WG))
         for x, y in zip(base, other, strict=True):
             assert not np.isnan(np.asarray(x, np.float32)).any(), f"seed {seed}"
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{kw} seed {seed}")
-
-
-@pytest.fixture
-def exact_interpreter_matmul(monkeypatch):
-    """The interpreter's wgmma as an exact product: float64 (exact for these bf16
-    inputs: products of 8-bit significands summed over at most 128 terms), rounded once
-    to the accumulator's type. Its own ``np.matmul`` in float32 rounds a row's results
-    differently with the matrix's N (OpenBLAS's blocking); the H200's wgmma does not
-    (``mosaic_gpu_check``'s ``bps2`` launches, run of 2026-12-01, 6a24bfd)."""
-    import types
-
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    class _Numpy(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(np, name)
-
-    shim = _Numpy("numpy_exact_matmul")
-    shim.matmul = lambda a, b, dtype=None: np.matmul(
-        np.asarray(a, np.float64), np.asarray(b, np.float64)).astype(dtype)
-    monkeypatch.setattr(gpu_callbacks, "np", shim)
-
-
-@needs_threads
-@needs_interpret
-def test_interpret_blocks_per_step_keeps_bits(mosaic_fwd, exact_interpreter_matmul):
-    """Two key blocks per loop step (one ring slot and one Q K^T of N=128 for both; the
-    softmax and P V block by block), and the next step's K awaited during this step's
-    P V (``wait_next_k``), give the bits of one block per step: causal with an odd
-    number of blocks (a last step of one block, steps across the masked boundary, a
-    second SPLIT), two compute warpgroups with ping-pong, non-causal with a partial
-    last block, and split decode (a CTA per SPLIT: each ends at its split)."""
-    cases = [((1, 2, 1, 64, 1050, 64), True, _ONE_WG),
-             ((1, 2, 1, 128, 320, 64), True, {}),
-             ((1, 1, 1, 64, 200, 64), False, _ONE_WG),
-             ((1, 4, 1, 1, 1100, 64), True, {"split_decode": True})]
-    for shape, causal, kw in cases:
-        seed, q, k, v = _inputs(*shape)
-        one = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
-                                 config=mosaic_fwd.MosaicConfig(wait_next_k=False, **kw))
-        for extra in ({"wait_next_k": True}, {"blocks_per_step": 2, "wait_next_k": True}):
-            two = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
-                                     config=mosaic_fwd.MosaicConfig(**extra, **kw))
-            for x, y in zip(one, two, strict=True):
-                assert not np.isnan(np.asarray(x, np.float32)).any(), f"{shape} seed {seed}"
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"{shape} {extra} seed {seed}")
 
 
 @needs_threads
@@ -544,18 +496,10 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
     {"accumulate": "inplace", "rowsum": "reduce32", "stages": 3},
     {"pingpong": False, "registers": None, "q_order": "ascending"},
     {"semantics": "warpgroup", "accumulate": "inplace"},
-    {"overlap": "smem"},
-    {"overlap": "registers", "compute_wgs": 1, "stages": 3},
-    {"key_bound": "always"},
     {"persistent": 132},
     {"persistent": 132, "prefetch_q": True},
-    {"persistent": 132, "persistent_order": "round_robin"},
-    {"persistent": 132, "persistent_order": "snake", "prefetch_q": True},
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
-    {"blocks_per_step": 2},
-    {"blocks_per_step": 2, "persistent": 132, "prefetch_q": True, "pingpong": False},
-    {"wait_next_k": False},
-    {"wait_next_k": False, "persistent": 132, "prefetch_q": True},
+    {"persistent": 132, "prefetch_q": True, "pingpong": False},
     # The arithmetic of the 2026-11-30 run (240f678) (accurate exp2/log2, a division per element,
     # the mask's indices per tile, no fence).
     {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
@@ -574,16 +518,16 @@ def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
 @pytest.mark.parametrize("causal", [True, False])
 def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
     """Decode with the GQA group's 4 heads stacked as rows (and Skv off the block grid)
-    lowers for CUDA, in-place accumulation and the overlap pipeline included."""
+    lowers for CUDA, with in-place and with fresh accumulation."""
     q = jax.ShapeDtypeStruct((2, 32, 1, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 8, 1000, 128), jnp.bfloat16)
-    for cfg in (mosaic_fwd.MosaicConfig(), mosaic_fwd.MosaicConfig(overlap="smem")):
+    for cfg in (mosaic_fwd.MosaicConfig(), mosaic_fwd.MosaicConfig(accumulate="fresh")):
         lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=cfg)
         assert "mosaic_gpu" in lowered.as_text()
 
 
 @needs_api
-@pytest.mark.parametrize("kw", [{}, {"overlap": "registers"}, {"persistent": 132},
+@pytest.mark.parametrize("kw", [{}, {"persistent": 132},
                                 {"rowsum": "mma", "accumulate": "fresh"}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
                          or "default")
@@ -651,18 +595,15 @@ def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
 @needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
-               {"q_order": "random"}, {"block_m": 32}, {"overlap": "yes"},
-               {"key_bound": "never"}, {"persistent": -1}, {"prefetch_q": True},
-               {"blocks_per_step": 3}, {"blocks_per_step": 2, "rowsum": "mma"},
-               {"blocks_per_step": 2, "overlap": "smem"}, {"normalize": "round"},
-               {"split_decode_stages": 0}, {"persistent_order": "zigzag"}):
+               {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
+               {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
-    q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)
-    for kw in ({"overlap": "smem", "rowsum": "mma"}, {"overlap": "registers",
-                                                      "accumulate": "fresh"}):
-        with pytest.raises(ValueError, match="overlap needs"):
-            mosaic_fwd.lower_for_cuda(q, q, q, config=mosaic_fwd.MosaicConfig(**kw))
+    # The retired options are gone, not ignored (docs/mosaic.md, retired options).
+    for kw in ({"overlap": "smem"}, {"key_bound": "always"}, {"blocks_per_step": 2},
+               {"persistent_order": "snake"}, {"wait_next_k": False}):
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="head dim"):
         mosaic_fwd.check_inputs(q[..., :48], q[..., :48], q[..., :48])

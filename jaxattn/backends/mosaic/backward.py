@@ -36,11 +36,9 @@ On the GPU dK and dV are summed in the wgmma accumulators (``accumulate``, defau
 accumulates into a *fresh* accumulator that is added to the running value in
 registers. No atomics; the order never depends on the shapes. ``exp2`` is the
 approximate ``ex2`` instruction on the GPU (``approx_math``, as the forward's). Options
-with their own bits (:class:`BwdConfig`): ``accumulate``, ``approx_math`` and
-``dq="fused"`` (dQ formed in the dK/dV kernel and added in global memory in a
-semaphore-enforced order), and the prepared ``exp2`` and ``mask="probs"``. Rows with no
-visible key have ``lse = -inf``, hence ``lse_safe = +inf`` and ``p = 0`` exactly: zero
-gradients.
+with their own bits (:class:`BwdConfig`): ``accumulate``, ``approx_math``, ``exp2``
+and ``mask``. Rows with no visible key have ``lse = -inf``, hence ``lse_safe = +inf``
+and ``p = 0`` exactly: zero gradients.
 
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
 
@@ -63,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +103,8 @@ __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
     """Launch parameters of the backward kernels. ``accumulate``, ``approx_math``,
-    ``exp2``, ``mask`` and ``dq`` change the floating-point operations (each is its own
-    set of bits, fixed per backend); the others never change a bit."""
+    ``exp2`` and ``mask`` change the floating-point operations (each is its own set of
+    bits, fixed per backend); the others never change a bit."""
 
     #: SMEM ring slots of the streamed operands (TMA prefetch depth).
     stages: int = 2
@@ -130,11 +129,6 @@ class BwdConfig:
     #: H200: 374 against 353 TFLOP/s at B=2 S=4096 with ``approx_math``, run of 2026-12-01,
     #: 6a24bfd), "fresh" in interpret mode (whose wgmma cannot accumulate into a live accumulator).
     accumulate: str | None = None
-    #: Issue each step's two independent products (``K Q^T`` and ``V dO^T``; then
-    #: ``p^T dO`` and ``ds^T Q``) before waiting for either; False: one at a time (the
-    #: faster on the H200: 300 against 246 TFLOP/s, docs/notes.md, 2026-11-29). Each
-    #: product still has its own fresh accumulator: the same bits.
-    pair_products: bool = False
     #: Compute warpgroups of the dQ kernel (1 or 2). With 2, a CTA holds two 64-row
     #: query tiles that share one stream of KV blocks (each tile's rows see the same
     #: blocks in the same order as with 1: the same bits). Needs ``Sq`` to be a
@@ -143,22 +137,6 @@ class BwdConfig:
     #: ``setmaxnreg`` (compute, producer) where a kernel has two compute warpgroups
     #: (three warpgroups share the register file); None: no reallocation.
     registers: tuple[int, int] | None = (240, 24)
-    #: dQ: "separate" (the dQ kernel: each tile walks its KV blocks, recomputing the
-    #: scores and dp: 7 matrix products per block pair in all) or "fused" (the dK/dV
-    #: kernel also forms each block's dS K and adds it to the tile's fp32 dQ in global
-    #: memory, in a fixed order enforced by one GMEM semaphore per tile: descending KV
-    #: block, the order in which the causal wavefront reaches a tile; 5 products).
-    #: "fused" is its own arithmetic (other dQ bits), GPU only (the interpreter has no
-    #: semaphores or atomics), and needs the "lane" semantics. With it the dK/dV CTAs
-    #: launch highest KV block first, so a CTA only ever waits for CTAs launched before
-    #: it (no co-residency needed).
-    dq: str = "separate"
-    #: With ``dq="fused"``, how a share reaches GMEM: "tma" (staged in SMEM, stored or
-    #: reduce-added by a TMA bulk copy, whose completion is awaited before the
-    #: semaphore is signalled) or "atomic" (per-element fp32 atomic adds from registers:
-    #: 70 TFLOP/s on the H200 at B=2 S=4096, against 306 for the separate dQ, run of 2026-11-30,
-    #: 1fbd2b0). The same additions in the same order: the same bits.
-    dq_add: str = "tma"
     #: Mosaic GPU's ``approx_math`` (``exp2`` as ``ex2.approx.ftz.f32``), as
     #: :class:`~jaxattn.backends.mosaic.forward.MosaicConfig`'s: other bits.
     approx_math: bool = True
@@ -179,7 +157,7 @@ class BwdConfig:
     mask: str = "probs"
     #: dK and dV by two kernels, one accumulator each (the same operations: the same
     #: bits); None: only where D > 128 (two 64 x 256 fp32 accumulators per warpgroup do
-    #: not fit in registers). Not with ``dq="fused"``.
+    #: not fit in registers).
     split_dkdv: bool | None = None
 
     def __post_init__(self):
@@ -194,17 +172,8 @@ class BwdConfig:
                              f"{self.accumulate!r}")
         if self.dkdv_wgs not in (1, 2):
             raise ValueError(f"dkdv_wgs must be 1 or 2, got {self.dkdv_wgs}")
-        if self.dq not in ("separate", "fused"):
-            raise ValueError(f"dq must be 'separate' or 'fused', got {self.dq!r}")
-        if self.split_dkdv and self.dq == "fused":
-            raise ValueError("split_dkdv needs dq='separate' (the fused dQ is formed with "
-                             "dK and dV in one kernel)")
         if self.mask not in ("scores", "probs"):
             raise ValueError(f"mask must be 'scores' or 'probs', got {self.mask!r}")
-        if self.dq_add not in ("tma", "atomic"):
-            raise ValueError(f"dq_add must be 'tma' or 'atomic', got {self.dq_add!r}")
-        if self.dq == "fused" and self.semantics != "lane":
-            raise ValueError("dq='fused' needs semantics='lane' (atomic adds)")
         if self.dq_wgs not in (1, 2):
             raise ValueError(f"dq_wgs must be 1 or 2, got {self.dq_wgs}")
         if self.registers is not None and (
@@ -322,23 +291,6 @@ def _wgmma(a, b, shape):
     return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
 
 
-def _wgmma_pair(a1, b1, shape1, a2, b2, shape2, together: bool):
-    """``(a1 @ b1, a2 @ b2)``, each into a fresh fp32 accumulator (the bits of two
-    :func:`_wgmma` calls); ``together``: both issued before the first wait, so the second
-    product runs while the first completes."""
-    if not together:
-        return _wgmma(a1, b1, shape1), _wgmma(a2, b2, shape2)
-
-    def f(acc1, acc2):
-        plgpu.wgmma(acc1, a1, b1)
-        plgpu.wgmma(acc2, a2, b2)
-        plgpu.wgmma_wait(0)
-        return (plgpu.wgmma_accumulator_load(acc1, wait_n=None),
-                plgpu.wgmma_accumulator_load(acc2, wait_n=None))
-
-    return pl.run_scoped(f, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
-
-
 def _set_registers(cfg: BwdConfig, nwg: int, interpret, role: int):
     """``setmaxnreg`` for a compute (role 0) or producer (role 1) warpgroup of a kernel
     with ``nwg`` compute warpgroups (only with two, and only on the GPU)."""
@@ -412,278 +364,288 @@ def _first_qblock(start, *, causal, offset, n_q):
     return lax.min(first, jnp.int32(n_q))
 
 
-def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-                interpret, offset=None, key_mask=False, dyn_offsets=False, parts="dkdv"):
-    """dK/dV (and with ``dq="fused"`` dQ) for ``sq`` query rows and ``skv`` keys (both
-    multiples of 64); query row i sees key j iff ``j <= i + offset`` when causal
-    (default ``skv - sq``). ``key_mask``: the kernel also takes ``keep`` (fp32
-    ``[B, skv]``, 1 = keep) and drops the other keys. ``dyn_offsets``: the kernel also
-    takes ``offs`` (int32 ``[B]``, last), sequence b's offset in place of ``offset``.
-    ``parts``: "dkdv" (both), "dk" or "dv" (that one alone, by the same operations: a
-    warpgroup then holds one 64 x D accumulator, as D=256 needs; one warpgroup)."""
-    if parts not in ("dkdv", "dk", "dv"):
-        raise ValueError(f"parts must be 'dkdv', 'dk' or 'dv', got {parts!r}")
-    want_dk, want_dv = parts != "dv", parts != "dk"
-    bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
-    nwg = cfg.dkdv_wgs if skv % (cfg.dkdv_wgs * bkv) == 0 and parts == "dkdv" else 1
-    inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
-                                  else "fresh")) == "inplace"
-    if inplace and (not gpu_operands or interpret is not None):
-        raise ValueError("accumulate='inplace' needs the GPU operand path (and no "
-                         "interpret mode)")
-    fused = cfg.dq == "fused"
-    if fused and (not gpu_operands or interpret is not None):
-        raise ValueError("dq='fused' needs the GPU operand path (and no interpret mode: "
-                         "the interpreter has no semaphores or atomics)")
-    group, n_q = hq // hkv, sq // BLOCK_Q
-    static_offset = skv - sq if offset is None else offset
-    n_kv = skv // bkv
-    itemsize = jnp.dtype(dtype).itemsize
-    lay = _Layouts(interpret)
-    tr = functools.partial(_smem_transforms, itemsize=itemsize)
-    dyn = {}  # the kernel puts its ``offs`` ref here (dyn_offsets)
+class _DkdvTile(NamedTuple):
+    """A dK/dV CTA's place in the schedule (:meth:`_DkdvKernel.schedule`): batch ``bi``,
+    KV head ``kvh``, ``start`` (the first key of the CTA's first KV block) and its
+    stream of ``total`` steps, step t being query block ``first + t % n`` of query head
+    ``kvh * group + t // n``; ``offs``: the ``offs`` ref (``dyn_offsets``) or None."""
 
-    def offset_of(bi):
-        return dyn["offs"][bi] if dyn_offsets else static_offset
+    bi: jax.Array
+    kvh: jax.Array
+    start: jax.Array
+    first: jax.Array
+    n: jax.Array
+    total: jax.Array
+    offs: object
 
-    def add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, kb):
-        """Fused dQ: this block's share ``dS K`` of the query tile of step ``t``, into
-        the tile's fp32 dQ in global memory once every later KV block has added its
-        share (the tile's semaphore counts them). The first share is stored (no zero
-        fill is needed); rows that see no key at all are zeroed by the caller.
 
-        The semaphores are global: they outlive the launch. The tile's last share
-        (block 0) takes the count back to zero as it waits and signals nothing, so
-        every launch starts from zeros (a launch cut short would leave them dirty)."""
-        i = first + lax.rem(t, n)
-        h = kvh * group + lax.div(t, n)
-        hi = _last_kvblock(i * bq, causal=causal, offset=offset_of(bi), n_kv=n_kv)
+class _DkdvBlock(NamedTuple):
+    """A compute warpgroup's KV block (:meth:`_DkdvKernel.load_block`): its SMEM views
+    ``sm`` (K, V and the staged A operands of this warpgroup), first key ``start``, the
+    causal ``offset``, the tile's ``diag`` (key index minus query index) and ``kept``
+    (the kept keys as rows of ``[keys, queries]``, or None)."""
 
-        @pl.when(kb < hi)  # this block is one of the tile's [0, hi)
-        def _():
-            sm["dsq"][...] = ds_t.astype(dtype)  # [keys, queries]
-            plgpu.commit_smem()
-            part = _wgmma(_t(sm["dsq"]), sm["k"], (bq, d))  # dS [q, keys] @ K
-            rank = hi - 1 - kb
-            sem = sems.at[(bi * hq + h) * n_q + i]
-            last = kb == 0
-            if cfg.dq_add == "tma":  # staged in SMEM before the wait, not after
-                sm["dqs"][...] = part
-                plgpu.commit_smem()
+    sm: dict
+    start: jax.Array
+    offset: object
+    diag: jax.Array
+    kept: jax.Array | None
 
-            @pl.when(~last)
-            def _():
-                plgpu.semaphore_wait(sem, rank, decrement=False, memory_scope="gpu")
 
-            @pl.when(last)
-            def _():
-                plgpu.semaphore_wait(sem, rank, decrement=True, memory_scope="gpu")
+@dataclasses.dataclass(kw_only=True)
+class _DkdvKernel:
+    """The dK/dV kernel for ``sq`` query rows and ``skv`` keys (both multiples of 64);
+    query row i sees key j iff ``j <= i + offset`` when causal (default ``skv - sq``).
+    ``key_mask``: the kernel also takes ``keep`` (fp32 ``[B, skv]``, 1 = keep) and drops
+    the other keys. ``dyn_offsets``: the kernel also takes ``offs`` (int32 ``[B]``, last),
+    sequence b's offset in place of ``offset``. ``parts``: "dkdv" (both), "dk" or "dv"
+    (that one alone, by the same operations: a warpgroup then holds one 64 x D
+    accumulator, as D=256 needs; one warpgroup).
 
-            dst = dq_ref.at[bi, h, pl.ds(i * bq, bq)]
-            if cfg.dq_add == "tma":
-                # The bulk copy stores (first share) or adds in L2, and its writes are
-                # complete before the signal.
-                @pl.when(rank == 0)
-                def _():
-                    plgpu.copy_smem_to_gmem(sm["dqs"], dst)
+    The fields are the static launch parameters; the stages, in schedule order, are
+    :meth:`schedule` (tile scheduler), :meth:`produce` (producer warpgroup: the TMA
+    ring of Q, dO, lse, delta), the consumer's :meth:`load_block`, :meth:`mainloop`
+    (over :meth:`steps` of :meth:`step`) and :meth:`epilogue`; :meth:`kernel` ties them
+    together and :meth:`build` launches it."""
 
-                @pl.when(rank > 0)
-                def _():
-                    plgpu.copy_smem_to_gmem(sm["dqs"], dst, reduction_op="add")
+    b: int
+    hq: int
+    hkv: int
+    sq: int
+    skv: int
+    d: int
+    dtype: object
+    causal: bool
+    scale: float
+    cfg: BwdConfig
+    gpu_operands: bool
+    interpret: object
+    offset: int | None = None
+    key_mask: bool = False
+    dyn_offsets: bool = False
+    parts: str = "dkdv"
 
-                plgpu.wait_smem_to_gmem(0)
-            else:
-                @pl.when(rank == 0)
-                def _():
-                    dst[...] = part
+    def __post_init__(self):
+        if self.parts not in ("dkdv", "dk", "dv"):
+            raise ValueError(f"parts must be 'dkdv', 'dk' or 'dv', got {self.parts!r}")
+        cfg, bkv = self.cfg, BLOCK_KV
+        self.want_dk, self.want_dv = self.parts != "dv", self.parts != "dk"
+        self.stages = cfg.stages
+        self.nwg = (cfg.dkdv_wgs if self.skv % (cfg.dkdv_wgs * bkv) == 0
+                    and self.parts == "dkdv" else 1)
+        gpu = self.gpu_operands and self.interpret is None
+        self.inplace = (cfg.accumulate or ("inplace" if gpu else "fresh")) == "inplace"
+        if self.inplace and not gpu:
+            raise ValueError("accumulate='inplace' needs the GPU operand path (and no "
+                             "interpret mode)")
+        self.group, self.n_q = self.hq // self.hkv, self.sq // BLOCK_Q
+        self.static_offset = self.skv - self.sq if self.offset is None else self.offset
+        self.lay = _Layouts(self.interpret)
+        self.tr = functools.partial(_smem_transforms,
+                                    itemsize=jnp.dtype(self.dtype).itemsize)
+        #: The streamed operands, in the ring's copy order.
+        self.names = ["q", "do", "lse", "delta"] + ([] if self.gpu_operands
+                                                    else ["qt", "dot"])
 
-                @pl.when(rank > 0)
-                def _():
-                    plgpu.atomic_add(dst, part)
+    def offset_of(self, bi, offs_ref):
+        """The causal offset of sequence ``bi`` (read from ``offs`` with
+        ``dyn_offsets``)."""
+        return offs_ref[bi] if self.dyn_offsets else self.static_offset
 
-            @pl.when(~last)
-            def _():
-                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+    # -- tile scheduler
 
-    def compute_wg(w, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first, n,
-                   total, dq_ref=None, sems=None, keep_ref=None):
-        # Warpgroup w holds the CTA's w-th KV block; the query stream starts at the
-        # CTA's ``first`` (that of its first block), so where this block's own first
-        # visible query block is later, the steps before it are fully masked.
-        start = start + w * bkv
-        offset = offset_of(bi)
+    def schedule(self, offs_ref) -> _DkdvTile:
+        """Tile scheduler: the CTA (grid ``(kv, h, b)``) holds ``nwg`` consecutive KV
+        blocks from ``start`` and walks the GQA group's query heads in ascending order
+        and, for each, the query blocks in ascending order from the first with a row
+        that sees key ``start``."""
+        kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+        start = kb * (self.nwg * BLOCK_KV)
+        first = _first_qblock(start, causal=self.causal, offset=self.offset_of(bi, offs_ref),
+                              n_q=self.n_q)
+        n = jnp.int32(self.n_q) - first
+        total = n * self.group
+        n = lax.max(n, jnp.int32(1))  # a divisor; total == 0 when no block is visible
+        return _DkdvTile(bi, kvh, start, first, n, total, offs_ref)
+
+    def steps(self, blk: _DkdvBlock, tile: _DkdvTile, body, carry):
+        """The step order: ``body`` over the steps [0, total) in order. With
+        ``mask="probs"`` and a causal mask alone, each head's query blocks that see
+        every key of the block (from the first whose first row sees the block's last
+        key) take the unmasked path."""
+        cfg, bq, bkv = self.cfg, BLOCK_Q, BLOCK_KV
+        total, first = tile.total, tile.first
+        if cfg.mask == "scores" or not self.causal or self.key_mask:
+            return lax.fori_loop(0, total, body, carry)
+        per = lax.div(total, jnp.int32(self.group))  # query blocks per head
+        late = lax.max(blk.start + (bkv - 1) - blk.offset, 0)
+        n_mask = lax.min(lax.max(lax.div(late + (bq - 1), jnp.int32(bq)) - first, 0),
+                         per)
+
+        def head(hh, carry):
+            base = hh * per
+            carry = lax.fori_loop(base, base + n_mask, body, carry)
+            return lax.fori_loop(base + n_mask, base + per,
+                                 functools.partial(body, masked=False), carry)
+
+        return lax.fori_loop(0, self.group, head, carry)
+
+    # -- producer
+
+    def produce(self, refs, sm, bars, tile: _DkdvTile):
+        """Producer warpgroup: the TMA ring; step t's Q, dO, lse and delta tiles (and
+        Q^T, dO^T off the GPU operand path) go to slot ``t % stages``."""
+        bq, group = BLOCK_Q, self.group
+
+        def source(name, ref, t):
+            h = tile.kvh * group + lax.div(t, tile.n)
+            rows = pl.ds((tile.first + lax.rem(t, tile.n)) * bq, bq)
+            return (ref.at[tile.bi, h, :, rows] if name in ("qt", "dot")
+                    else ref.at[tile.bi, h, rows])
+
+        srcs = {name: refs[name] for name in self.names}
+        _produce(srcs, sm, bars, self.stages, tile.total, source)
+
+    # -- consumer
+
+    def load_block(self, w, refs, sm, bars, tile: _DkdvTile) -> _DkdvBlock:
+        """Consumer prologue: warpgroup w holds the CTA's w-th KV block and loads its K
+        and V (and keep values) once. The query stream starts at the CTA's ``first``
+        (that of its first block), so where this block's own first visible query block
+        is later, the steps before it are fully masked."""
+        bq, bkv, lay, bi, kvh = BLOCK_Q, BLOCK_KV, self.lay, tile.bi, tile.kvh
+        start = tile.start + w * bkv
+        offset = self.offset_of(bi, tile.offs)
         sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
-        if fused:
-            sm.update(dsq=sm["dsq"].at[w])
-            if cfg.dq_add == "tma":
-                sm.update(dqs=sm["dqs"].at[w])
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, kvh, pl.ds(start, bkv)], sm["k"],
+        plgpu.copy_gmem_to_smem(refs["k"].at[bi, kvh, pl.ds(start, bkv)], sm["k"],
                                 bars["misc"].at[2 * w])
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(start, bkv)], sm["v"],
+        plgpu.copy_gmem_to_smem(refs["v"].at[bi, kvh, pl.ds(start, bkv)], sm["v"],
                                 bars["misc"].at[2 * w + 1])
         plgpu.barrier_wait(bars["misc"].at[2 * w])
         plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
         # [keys, queries]: visible iff start + r <= q0 + c + offset.
         diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
         kept = None
-        if key_mask:  # the block's keys that are kept, as rows of [keys, queries]
-            plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(start, bkv)], sm["keep"].at[w],
-                                    bars["keep"].at[w])
+        if self.key_mask:  # the block's keys that are kept, as rows of [keys, queries]
+            plgpu.copy_gmem_to_smem(refs["keep"].at[bi, pl.ds(start, bkv)],
+                                    sm["keep"].at[w], bars["keep"].at[w])
             plgpu.barrier_wait(bars["keep"].at[w])
             kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[w], 1), (bkv, bq), [0]) != 0.0
+        return _DkdvBlock(sm, start, offset, diag, kept)
 
-        def step(t, carry, accs=None, masked=True):
-            """One query block; ``accs``: the (dK, dV) wgmma accumulators to sum into
-            in place (the carry then stays as it is); ``masked``: False where every key
-            of the block is visible to every row of the query block (``mask="probs"``
-            only)."""
-            dk, dv = carry
-            slot = lax.rem(t, jnp.int32(stages))
-            q0 = (first + lax.rem(t, n)) * bq
-            for name in ("lse", "delta", "q", "do") + (() if gpu_operands else ("qt", "dot")):
-                plgpu.barrier_wait(bars[name].at[slot])
-            lse = lay.vec(sm["lse"].at[slot], 0)
-            dlt = lay.vec(sm["delta"].at[slot], 0)
-            q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
-            qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
-            dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
-            # pallas_triton_vjp._dkdv_kernel.q_body, op for op.
+    def step(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
+             masked=True):
+        """Consumer step t (one query block, pallas_triton_vjp._dkdv_kernel.q_body op
+        for op): ``s^T = K Q^T`` and ``dp^T = V dO^T``, P recomputed from lse (masked
+        unless ``masked`` is False: every key of the block visible to every row),
+        ``ds^T = p^T (dp^T - delta)``, then ``dV += p^T dO`` and ``dK += ds^T Q``;
+        frees the slot. ``accs``: the (dK, dV) wgmma accumulators to sum into in place
+        (the carry then stays as it is)."""
+        bq, bkv, d, lay, sm, cfg = BLOCK_Q, BLOCK_KV, self.d, self.lay, blk.sm, self.cfg
+        want_dk, want_dv, gpu_operands = self.want_dk, self.want_dv, self.gpu_operands
+        dk, dv = carry
+        slot = lax.rem(t, jnp.int32(self.stages))
+        q0 = (tile.first + lax.rem(t, tile.n)) * bq
+        for name in ("lse", "delta", "q", "do") + (() if gpu_operands else ("qt", "dot")):
+            plgpu.barrier_wait(bars[name].at[slot])
+        lse = lay.vec(sm["lse"].at[slot], 0)
+        dlt = lay.vec(sm["delta"].at[slot], 0)
+        q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+        qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
+        dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
+        s_t = _wgmma(sm["k"], qt, (bkv, bq))
+        dp_t = _wgmma(sm["v"], dot_, (bkv, bq)) if want_dk else None  # dV alone: no dP
+        visible = None
+        if masked:
+            visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
+            if blk.kept is not None:
+                visible = blk.kept if visible is None else visible & blk.kept
+        lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
+        p_t = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
+        p_op = (_a_operand(p_t.astype(self.dtype), sm.get("p"), gpu_operands) if want_dv
+                else None)
+        ds_op = None
+        if want_dk:
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
+            ds_op = _a_operand(ds_t.astype(self.dtype), sm.get("ds"), gpu_operands)
+        if accs is not None:
+            if want_dv:
+                plgpu.wgmma(accs[1], p_op, do_s)
             if want_dk:
-                s_t, dp_t = _wgmma_pair(sm["k"], qt, (bkv, bq), sm["v"], dot_, (bkv, bq),
-                                        cfg.pair_products)
-            else:  # dV alone: no dP
-                s_t, dp_t = _wgmma(sm["k"], qt, (bkv, bq)), None
-            visible = None
-            if masked:
-                visible = diag <= q0 + offset - start if causal else None
-                if kept is not None:
-                    visible = kept if visible is None else visible & kept
-            lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
-            p_t = _probs(cfg, s_t, lse_safe, scale, visible, 1)
-            p_op = (_a_operand(p_t.astype(dtype), sm.get("p"), gpu_operands) if want_dv
-                    else None)
-            ds_t = ds_op = None
-            if want_dk:
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
-                ds_op = _a_operand(ds_t.astype(dtype), sm.get("ds"), gpu_operands)
-            if accs is not None:
-                if want_dv:
-                    plgpu.wgmma(accs[1], p_op, do_s)
-                if want_dk:
-                    plgpu.wgmma(accs[0], ds_op, q_s)
-                plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
-            elif parts == "dkdv":
-                pv, dsq = _wgmma_pair(p_op, do_s, (bkv, d), ds_op, q_s, (bkv, d),
-                                      cfg.pair_products)
-                dv, dk = dv + pv, dk + dsq
-            elif want_dv:
-                dv = dv + _wgmma(p_op, do_s, (bkv, d))
-            else:
-                dk = dk + _wgmma(ds_op, q_s, (bkv, d))
-            if fused:
-                add_dq(ds_t, t, sm, dq_ref, sems, bi, kvh, first, n, start // bkv)
-            plgpu.barrier_arrive(bars["free"].at[slot])
-            return dk, dv
+                plgpu.wgmma(accs[0], ds_op, q_s)
+            plgpu.wgmma_wait(0)  # the slot's Q and dO are read: free it
+        elif self.parts == "dkdv":
+            pv = _wgmma(p_op, do_s, (bkv, d))
+            dsq = _wgmma(ds_op, q_s, (bkv, d))
+            dv, dk = dv + pv, dk + dsq
+        elif want_dv:
+            dv = dv + _wgmma(p_op, do_s, (bkv, d))
+        else:
+            dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+        plgpu.barrier_arrive(bars["free"].at[slot])
+        return dk, dv
 
-        def steps(body, carry):
-            """``body`` over the steps [0, total) in order. With ``mask="probs"`` and a
-            causal mask alone, each head's query blocks that see every key of the
-            block (from the first whose first row sees the block's last key) take
-            the unmasked path."""
-            if cfg.mask == "scores" or not causal or key_mask:
-                return lax.fori_loop(0, total, body, carry)
-            per = lax.div(total, jnp.int32(group))  # query blocks per head
-            late = lax.max(start + (bkv - 1) - offset, 0)
-            n_mask = lax.min(lax.max(lax.div(late + (bq - 1), jnp.int32(bq)) - first, 0),
-                             per)
-
-            def head(hh, carry):
-                base = hh * per
-                carry = lax.fori_loop(base, base + n_mask, body, carry)
-                return lax.fori_loop(base + n_mask, base + per,
-                                     functools.partial(body, masked=False), carry)
-
-            return lax.fori_loop(0, group, head, carry)
-
-        zeros = lay.zeros((bkv, d))
-        # (A part not computed keeps a placeholder: the loop carry's zeros.)
-        if inplace and parts == "dkdv":
+    def mainloop(self, blk: _DkdvBlock, tile: _DkdvTile, bars):
+        """Consumer mainloop: dK and dV summed over the steps, in the wgmma accumulators
+        (``accumulate="inplace"``) or in registers (fresh products added); a part not
+        computed keeps a placeholder (the loop carry's zeros)."""
+        bkv, d = BLOCK_KV, self.d
+        step = functools.partial(self.step, blk, tile, bars)
+        zeros = self.lay.zeros((bkv, d))
+        if self.inplace and self.parts == "dkdv":
             # The running sums live in wgmma accumulators across the query blocks.
             def run(dk_ref, dv_ref):
                 dk_ref[...] = zeros
                 dv_ref[...] = zeros
-                steps(functools.partial(step, accs=(dk_ref, dv_ref)), (zeros, zeros))
+                self.steps(blk, tile, functools.partial(step, accs=(dk_ref, dv_ref)),
+                           (zeros, zeros))
                 return dk_ref[...], dv_ref[...]
 
-            dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
-                                   plgpu.ACC((bkv, d), jnp.float32))
-        elif inplace:
+            return pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
+                                 plgpu.ACC((bkv, d), jnp.float32))
+        if self.inplace:
             def run_one(acc_ref):
                 acc_ref[...] = zeros
-                accs = (acc_ref, None) if want_dk else (None, acc_ref)
-                steps(functools.partial(step, accs=accs), (zeros, zeros))
+                accs = (acc_ref, None) if self.want_dk else (None, acc_ref)
+                self.steps(blk, tile, functools.partial(step, accs=accs), (zeros, zeros))
                 return acc_ref[...]
 
             one = pl.run_scoped(run_one, plgpu.ACC((bkv, d), jnp.float32))
-            dk, dv = (one, None) if want_dk else (None, one)
-        else:
-            dk, dv = steps(step, (zeros, zeros))
-        # K and V are no longer needed: their SMEM stages the results.
-        if want_dk:
-            sm["k"][...] = (dk * scale).astype(dtype)
-        if want_dv:
-            sm["v"][...] = dv.astype(dtype)
+            return (one, None) if self.want_dk else (None, one)
+        return self.steps(blk, tile, step, (zeros, zeros))
+
+    # -- epilogue
+
+    def epilogue(self, blk: _DkdvBlock, tile: _DkdvTile, refs, dk, dv):
+        """Epilogue: dK scaled, both cast to k's dtype and staged in the SMEM of K and V
+        (no longer needed), then stored by TMA."""
+        sm, rows = blk.sm, (tile.bi, tile.kvh, pl.ds(blk.start, BLOCK_KV))
+        if self.want_dk:
+            sm["k"][...] = (dk * self.scale).astype(self.dtype)
+        if self.want_dv:
+            sm["v"][...] = dv.astype(self.dtype)
         plgpu.commit_smem()
-        if want_dk:
-            plgpu.copy_smem_to_gmem(sm["k"], dk_ref.at[bi, kvh, pl.ds(start, bkv)])
-        if want_dv:
-            plgpu.copy_smem_to_gmem(sm["v"], dv_ref.at[bi, kvh, pl.ds(start, bkv)])
+        if self.want_dk:
+            plgpu.copy_smem_to_gmem(sm["k"], refs["dk"].at[rows])
+        if self.want_dv:
+            plgpu.copy_smem_to_gmem(sm["v"], refs["dv"].at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    def producer_wg(srcs, sm, bars, bi, kvh, first, n, total):
-        def source(name, ref, t):
-            h = kvh * group + lax.div(t, n)
-            rows = pl.ds((first + lax.rem(t, n)) * bq, bq)
-            return ref.at[bi, h, :, rows] if name in ("qt", "dot") else ref.at[bi, h, rows]
+    def consume(self, w, refs, sm, bars, tile: _DkdvTile):
+        """Compute warpgroup w: its block's prologue, mainloop and epilogue."""
+        blk = self.load_block(w, refs, sm, bars, tile)
+        dk, dv = self.mainloop(blk, tile, bars)
+        self.epilogue(blk, tile, refs, dk, dv)
 
-        _produce(srcs, sm, bars, stages, total, source)
+    # -- the kernel
 
-    names = ["q", "do", "lse", "delta"] + ([] if gpu_operands else ["qt", "dot"])
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        keep_ref = None
-        if key_mask:
-            keep_ref, *rest = rest
-        if dyn_offsets:
-            dyn["offs"], *rest = rest
-        if fused:
-            *t_refs, dk_ref, dv_ref, dq_ref = rest
-            sems = pl.get_global(plgpu.SemaphoreType.REGULAR((b * hq * n_q,)))
-        else:
-            dq_ref, sems = None, None
-            if parts == "dkdv":
-                *t_refs, dk_ref, dv_ref = rest
-            elif want_dk:
-                (*t_refs, dk_ref), dv_ref = rest, None
-            else:
-                (*t_refs, dv_ref), dk_ref = rest, None
-        kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
-        if fused:
-            # The grid is (b, h, kv) here: the last axis varies fastest in launch order
-            # (Mosaic GPU maps it to blockIdx.x), so one head's CTAs launch together,
-            # highest KV block first: each CTA waits only for CTAs launched before it,
-            # and the heads' heavy (early) blocks start at staggered times.
-            kb = jnp.int32(skv // (nwg * bkv) - 1) - kb
-        start = kb * (nwg * bkv)
-        first = _first_qblock(start, causal=causal, offset=offset_of(bi), n_q=n_q)
-        n = jnp.int32(n_q) - first
-        total = n * group
-        n = lax.max(n, jnp.int32(1))  # a divisor; total == 0 when no block is visible
-        srcs = dict(q=q_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
-        if not gpu_operands:
-            srcs.update(qt=t_refs[0], dot=t_refs[1])
+    def smem(self):
+        """The SMEM of a CTA: K and V per warpgroup, the ring's slots (and the staged A
+        operands off the GPU operand path), and the keep values (``key_mask``)."""
+        dtype, tr, nwg, stages, bq, bkv, d = (self.dtype, self.tr, self.nwg, self.stages,
+                                              BLOCK_Q, BLOCK_KV, self.d)
         spec = {
             "k": plgpu.SMEM((nwg, bkv, d), dtype, transforms=tr(d)),
             "v": plgpu.SMEM((nwg, bkv, d), dtype, transforms=tr(d)),
@@ -692,24 +654,40 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             "lse": plgpu.SMEM((stages, bq), jnp.float32),
             "delta": plgpu.SMEM((stages, bq), jnp.float32),
         }
-        if not gpu_operands:
+        if not self.gpu_operands:
             spec.update(
                 qt=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
                 dot=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
                 p=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)),
                 ds=plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq)))
-        if fused:
-            spec["dsq"] = plgpu.SMEM((nwg, bkv, bq), dtype, transforms=tr(bq))
-            if cfg.dq_add == "tma":
-                spec["dqs"] = plgpu.SMEM((nwg, bq, d), jnp.float32,
-                                         transforms=_smem_transforms(d, itemsize=4))
-        if key_mask:
+        if self.key_mask:
             spec["keep"] = plgpu.SMEM((nwg, bkv), jnp.float32)
-        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
+        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in self.names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=2 * nwg)
-        if key_mask:
+        if self.key_mask:
             bar_spec["keep"] = plgpu.Barrier(num_barriers=nwg)
+        return spec, bar_spec
+
+    def kernel(self, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        """The kernel body: the CTA's schedule, then ``nwg`` compute warpgroups and the
+        producer warpgroup."""
+        refs = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
+        offs_ref = None
+        if self.key_mask:
+            refs["keep"], *rest = rest
+        if self.dyn_offsets:
+            offs_ref, *rest = rest
+        if self.parts == "dkdv":
+            *t_refs, refs["dk"], refs["dv"] = rest
+        elif self.want_dk:
+            *t_refs, refs["dk"] = rest
+        else:
+            *t_refs, refs["dv"] = rest
+        if not self.gpu_operands:
+            refs.update(qt=t_refs[0], dot=t_refs[1])
+        tile = self.schedule(offs_ref)
+        cfg, nwg, interpret = self.cfg, self.nwg, self.interpret
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
@@ -717,25 +695,30 @@ def _build_dkdv(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operan
             @pl.when(wg < nwg)
             def _():
                 _set_registers(cfg, nwg, interpret, 0)
-                compute_wg(wg, k_ref, v_ref, dk_ref, dv_ref, sm, bars, bi, kvh, start, first,
-                           n, total, dq_ref, sems, keep_ref)
+                self.consume(wg, refs, sm, bars, tile)
 
             @pl.when(wg == nwg)
             def _():
                 _set_registers(cfg, nwg, interpret, 1)
-                producer_wg(srcs, sm, bars, bi, kvh, first, n, total)
+                self.produce(refs, sm, bars, tile)
 
-        pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
+        pl.run_scoped(body, *self.smem(), collective_axes="wg")
 
-    kv_grad = jax.ShapeDtypeStruct((b, hkv, skv, d), dtype)
-    return plgpu.kernel(
-        kernel,
-        out_type=(kv_grad,) * (2 if parts == "dkdv" else 1)
-        + ((jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),) if fused else ()),
-        **(dict(grid=(b, hkv, skv // (nwg * bkv)), grid_names=("b", "h", "kv")) if fused
-           else dict(grid=(skv // (nwg * bkv), hkv, b), grid_names=("kv", "h", "b"))),
-        num_threads=nwg + 1, thread_name="wg",
-        compiler_params=_compiler_params(cfg), interpret=interpret)
+    def build(self):
+        """The launch: one CTA per (``nwg`` KV blocks, KV head, batch), ``nwg + 1``
+        warpgroups."""
+        kv_grad = jax.ShapeDtypeStruct((self.b, self.hkv, self.skv, self.d), self.dtype)
+        return plgpu.kernel(
+            self.kernel, out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
+            grid=(self.skv // (self.nwg * BLOCK_KV), self.hkv, self.b),
+            grid_names=("kv", "h", "b"),
+            num_threads=self.nwg + 1, thread_name="wg",
+            compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
+
+
+def _build_dkdv(**kw):
+    """The dK/dV kernel (:class:`_DkdvKernel`'s parameters)."""
+    return _DkdvKernel(**kw).build()
 
 
 # --------------------------------------------------------------------------------- dQ
@@ -751,50 +734,139 @@ def _last_kvblock(q0, *, causal, offset, n_kv):
                    jnp.int32(n_kv))
 
 
-def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands,
-              interpret, offset=None, key_mask=False, dyn_offsets=False,
-              continue_acc=False):
-    """The unscaled fp32 dQ accumulator; ``offset``, ``key_mask`` and ``dyn_offsets`` as
-    in :func:`_build_dkdv` (the keep values stream with K and V). ``continue_acc``: the
-    kernel also takes ``acc`` (fp32 ``[B, Hq, sq, D]``, after ``offs``) and goes on from
-    it instead of from zero (dQ over key ranges in ascending order: context
-    parallelism), the same additions as one call over their union."""
-    bq, bkv, stages = BLOCK_Q, BLOCK_KV, cfg.stages
-    # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
-    # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there. At D=256 one tile
-    # and one K/V slot fit (Q, dO, the fp32 output tile and K, V: 192 KiB); launch
-    # parameters, the same operations.
-    nwg = (cfg.dq_wgs if sq % (cfg.dq_wgs * bq) == 0 and (gpu_operands or d <= 64)
-           and d <= 128 else 1)
-    if d > 128:
-        stages = 1
-    group, n_kv = hq // hkv, skv // BLOCK_KV
-    static_offset = skv - sq if offset is None else offset
-    dyn = {}  # the kernel puts its ``offs`` and ``acc`` refs here
+class _DqTile(NamedTuple):
+    """A dQ CTA's place in the schedule (:meth:`_DqKernel.schedule`): batch ``bi``,
+    query head ``h`` (of KV head ``kvh``), first row ``tile0`` of its ``nwg`` tiles and
+    ``hi_cta``, the KV blocks [0, hi_cta) that its last tile sees (a superset of every
+    tile's); ``offs``: the ``offs`` ref (``dyn_offsets``) or None."""
 
-    def offset_of(bi):
-        return dyn["offs"][bi] if dyn_offsets else static_offset
+    bi: jax.Array
+    h: jax.Array
+    kvh: jax.Array
+    tile0: jax.Array
+    hi_cta: jax.Array
+    offs: object
 
-    itemsize = jnp.dtype(dtype).itemsize
-    lay = _Layouts(interpret)
-    tr = functools.partial(_smem_transforms, itemsize=itemsize)
-    names = (["k", "v"] if gpu_operands else ["k", "kt", "vt"]) + (["keep"] if key_mask
-                                                                  else [])
-    row_names = ("q", "do", "lse", "delta")
 
-    def compute_wg(w, q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h, tile0,
-                   hi_cta):
-        # Warpgroup w holds the CTA's w-th tile of 64 rows; it walks the blocks its rows
-        # see ([0, hi)) exactly as a CTA of one warpgroup would, and releases the
-        # blocks only the other warpgroup needs ([hi, hi_cta)) unread.
-        q0 = tile0 + w * bq
-        offset = offset_of(bi)
-        hi = _last_kvblock(q0, causal=causal, offset=offset, n_kv=n_kv)
+class _DqRows(NamedTuple):
+    """A compute warpgroup's query tile (:meth:`_DqKernel.load_rows`): first row
+    ``q0``, the causal ``offset``, the KV blocks [0, hi) its rows see, its rows
+    ``rows_sl``, its SMEM ``own`` (Q, dO, lse, delta, the fp32 output tile), the rows'
+    ``lse_safe`` and delta ``dlt``, the tile's ``diag`` (key index minus query index)
+    and ``ds_s`` (the staged dS off the GPU operand path, or None)."""
+
+    q0: jax.Array
+    offset: object
+    hi: jax.Array
+    rows_sl: object
+    own: dict
+    lse_safe: jax.Array
+    dlt: jax.Array
+    diag: jax.Array
+    ds_s: object
+
+
+@dataclasses.dataclass(kw_only=True)
+class _DqKernel:
+    """The dQ kernel: the unscaled fp32 dQ accumulator; ``offset``, ``key_mask`` and
+    ``dyn_offsets`` as in :class:`_DkdvKernel` (the keep values stream with K and V).
+    ``continue_acc``: the kernel also takes ``acc`` (fp32 ``[B, Hq, sq, D]``, after
+    ``offs``) and goes on from it instead of from zero (dQ over key ranges in ascending
+    order: context parallelism), the same additions as one call over their union.
+
+    The fields are the static launch parameters; the stages, in schedule order, are
+    :meth:`schedule` (tile scheduler), :meth:`produce` (producer warpgroup: the TMA
+    ring of K, V and the keep values), the consumer's :meth:`load_rows`,
+    :meth:`mainloop` (over :meth:`step`, then :meth:`release`) and :meth:`epilogue`;
+    :meth:`kernel` ties them together and :meth:`build` launches it."""
+
+    b: int
+    hq: int
+    hkv: int
+    sq: int
+    skv: int
+    d: int
+    dtype: object
+    causal: bool
+    scale: float
+    cfg: BwdConfig
+    gpu_operands: bool
+    interpret: object
+    offset: int | None = None
+    key_mask: bool = False
+    dyn_offsets: bool = False
+    continue_acc: bool = False
+
+    def __post_init__(self):
+        cfg, bq, d = self.cfg, BLOCK_Q, self.d
+        self.stages = cfg.stages
+        # Two tiles need the Hopper operand path's SMEM at D=128: the staged operands of
+        # the other path (K^T, V^T, ds) exceed the H200's 227 KiB there. At D=256 one
+        # tile and one K/V slot fit (Q, dO, the fp32 output tile and K, V: 192 KiB);
+        # launch parameters, the same operations.
+        self.nwg = (cfg.dq_wgs if self.sq % (cfg.dq_wgs * bq) == 0
+                    and (self.gpu_operands or d <= 64) and d <= 128 else 1)
+        if d > 128:
+            self.stages = 1
+        self.group, self.n_kv = self.hq // self.hkv, self.skv // BLOCK_KV
+        self.static_offset = self.skv - self.sq if self.offset is None else self.offset
+        self.lay = _Layouts(self.interpret)
+        self.tr = functools.partial(_smem_transforms,
+                                    itemsize=jnp.dtype(self.dtype).itemsize)
+        #: The streamed operands, in the ring's copy order.
+        self.names = ((["k", "v"] if self.gpu_operands else ["k", "kt", "vt"])
+                      + (["keep"] if self.key_mask else []))
+
+    def offset_of(self, bi, offs_ref):
+        """The causal offset of sequence ``bi`` (read from ``offs`` with
+        ``dyn_offsets``)."""
+        return offs_ref[bi] if self.dyn_offsets else self.static_offset
+
+    # -- tile scheduler
+
+    def schedule(self, offs_ref) -> _DqTile:
+        """Tile scheduler: the CTA (grid ``(q, h, b)``) holds ``nwg`` consecutive query
+        tiles of 64 rows from ``tile0`` and walks the KV blocks [0, hi_cta) in
+        ascending order."""
+        bq, nwg = BLOCK_Q, self.nwg
+        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+        kvh = lax.div(h, jnp.int32(self.group))
+        tile0 = qi * (nwg * bq)
+        # The blocks of the CTA's last tile: a superset of every tile's.
+        hi_cta = _last_kvblock(tile0 + (nwg - 1) * bq, causal=self.causal,
+                               offset=self.offset_of(bi, offs_ref), n_kv=self.n_kv)
+        return _DqTile(bi, h, kvh, tile0, hi_cta, offs_ref)
+
+    # -- producer
+
+    def produce(self, srcs, sm, bars, tile: _DqTile):
+        """Producer warpgroup: the TMA ring; block j's K and V (K, K^T and V^T off the
+        GPU operand path) and keep values go to slot ``j % stages``."""
+        bkv, bi, kvh = BLOCK_KV, tile.bi, tile.kvh
+
+        def source(name, ref, j):
+            cols = pl.ds(j * bkv, bkv)
+            if name == "keep":
+                return ref.at[bi, cols]
+            return ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
+
+        _produce(srcs, sm, bars, self.stages, tile.hi_cta, source)
+
+    # -- consumer
+
+    def load_rows(self, w, refs, sm, bars, tile: _DqTile) -> _DqRows:
+        """Consumer prologue: warpgroup w holds the CTA's w-th tile of 64 rows and loads
+        its Q, dO, lse and delta (and the accumulator so far: ``continue_acc``) once."""
+        bq, bkv, lay, bi, h = BLOCK_Q, BLOCK_KV, self.lay, tile.bi, tile.h
+        q0 = tile.tile0 + w * bq
+        offset = self.offset_of(bi, tile.offs)
+        hi = _last_kvblock(q0, causal=self.causal, offset=offset, n_kv=self.n_kv)
         rows_sl = pl.ds(q0, bq)
+        row_names = ("q", "do", "lse", "delta")
         own = {name: sm[name].at[w] for name in (*row_names, "out")}
-        srcs = [*zip(row_names, (q_ref, do_ref, lse_ref, delta_ref), strict=True)]
-        if continue_acc:  # the accumulator so far, into the output tile's SMEM
-            srcs.append(("out", dyn["acc"]))
+        srcs = [(name, refs[name]) for name in row_names]
+        if self.continue_acc:  # the accumulator so far, into the output tile's SMEM
+            srcs.append(("out", refs["acc_in"]))
         for i, (name, ref) in enumerate(srcs):
             plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], own[name],
                                     bars["misc"].at[5 * w + i])
@@ -806,76 +878,88 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
         # [queries, keys]: visible iff j * bkv + c <= q0 + r + offset.
         diag = lay.iota((bq, bkv), 1) - lay.iota((bq, bkv), 0)
         ds_s = sm["ds"].at[w] if "ds" in sm else None
+        return _DqRows(q0, offset, hi, rows_sl, own, lse_safe, dlt, diag, ds_s)
 
-        def step(j, dq, masked=True):
-            slot = lax.rem(j, jnp.int32(stages))
-            for name in names:
-                plgpu.barrier_wait(bars[name].at[slot])
-            k_s = sm["k"].at[slot]
-            kt = _t(k_s) if gpu_operands else sm["kt"].at[slot]
-            vt = _t(sm["v"].at[slot]) if gpu_operands else sm["vt"].at[slot]
-            # pallas_triton_vjp._dq_kernel.body, op for op.
-            s, dp = _wgmma_pair(own["q"], kt, (bq, bkv), own["do"], vt, (bq, bkv),
-                                cfg.pair_products)
-            visible = None
-            if masked:
-                visible = diag <= q0 + offset - j * bkv if causal else None
-                if key_mask:
-                    kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0),
-                                                (bq, bkv), [1]) != 0.0
-                    visible = kept if visible is None else visible & kept
-            p = _probs(cfg, s, lse_safe, scale, visible, 0)
-            ds = p * (dp - lax.broadcast_in_dim(dlt, (bq, bkv), [0]))
-            ds_op = _a_operand(ds.astype(dtype), ds_s, gpu_operands)
-            dq = dq + _wgmma(ds_op, k_s, (bq, d))
-            plgpu.barrier_arrive(bars["free"].at[slot])
-            return dq
+    def step(self, rows: _DqRows, sm, bars, j, dq, masked=True):
+        """Consumer step j (one KV block, pallas_triton_vjp._dq_kernel.body op for op):
+        ``s = Q K^T`` and ``dp = dO V^T``, P recomputed from lse (masked unless
+        ``masked`` is False: every key of the block visible to every row),
+        ``ds = p (dp - delta)``, ``dQ += ds K``; frees the slot."""
+        bq, bkv, lay, gpu_operands = BLOCK_Q, BLOCK_KV, self.lay, self.gpu_operands
+        slot = lax.rem(j, jnp.int32(self.stages))
+        for name in self.names:
+            plgpu.barrier_wait(bars[name].at[slot])
+        k_s = sm["k"].at[slot]
+        kt = _t(k_s) if gpu_operands else sm["kt"].at[slot]
+        vt = _t(sm["v"].at[slot]) if gpu_operands else sm["vt"].at[slot]
+        s = _wgmma(rows.own["q"], kt, (bq, bkv))
+        dp = _wgmma(rows.own["do"], vt, (bq, bkv))
+        visible = None
+        if masked:
+            visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
+            if self.key_mask:
+                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0),
+                                            (bq, bkv), [1]) != 0.0
+                visible = kept if visible is None else visible & kept
+        p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
+        ds = p * (dp - lax.broadcast_in_dim(rows.dlt, (bq, bkv), [0]))
+        ds_op = _a_operand(ds.astype(self.dtype), rows.ds_s, gpu_operands)
+        dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
+        plgpu.barrier_arrive(bars["free"].at[slot])
+        return dq
 
-        dq = lay.tile(own["out"]) if continue_acc else lay.zeros((bq, d))
-        if cfg.mask == "scores" or not causal or key_mask:
+    def release(self, bars, j, _):
+        """Consumer step j of a block that only the other warpgroup's tile sees: waits
+        for the slot and frees it unread."""
+        slot = lax.rem(j, jnp.int32(self.stages))
+        for name in self.names:
+            plgpu.barrier_wait(bars[name].at[slot])
+        plgpu.barrier_arrive(bars["free"].at[slot])
+        return None
+
+    def mainloop(self, rows: _DqRows, tile: _DqTile, sm, bars):
+        """Consumer mainloop: the tile walks the blocks its rows see ([0, hi)) exactly
+        as a CTA of one warpgroup would (with ``mask="probs"`` and a causal mask alone,
+        those whose last key the tile's first row sees unmasked), then releases the
+        blocks only the other warpgroup needs ([hi, hi_cta)) unread."""
+        step = functools.partial(self.step, rows, sm, bars)
+        hi, q0, offset, bkv = rows.hi, rows.q0, rows.offset, BLOCK_KV
+        dq = (self.lay.tile(rows.own["out"]) if self.continue_acc
+              else self.lay.zeros((BLOCK_Q, self.d)))
+        if self.cfg.mask == "scores" or not self.causal or self.key_mask:
             dq = lax.fori_loop(0, hi, step, dq)
         else:
             # Blocks whose last key the tile's first row sees: no mask (mask="probs").
             full = lax.min(lax.div(lax.max(q0 + offset + 1, 0), jnp.int32(bkv)), hi)
             dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
             dq = lax.fori_loop(full, hi, step, dq)
+        if self.nwg > 1:
+            lax.fori_loop(hi, tile.hi_cta, functools.partial(self.release, bars), None)
+        return dq
 
-        def skip(j, _):
-            slot = lax.rem(j, jnp.int32(stages))
-            for name in names:
-                plgpu.barrier_wait(bars[name].at[slot])
-            plgpu.barrier_arrive(bars["free"].at[slot])
-            return None
+    # -- epilogue
 
-        if nwg > 1:
-            lax.fori_loop(hi, hi_cta, skip, None)
-        own["out"][...] = dq
+    def epilogue(self, rows: _DqRows, tile: _DqTile, refs, dq):
+        """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA."""
+        rows.own["out"][...] = dq
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(own["out"], acc_ref.at[bi, h, rows_sl])
+        plgpu.copy_smem_to_gmem(rows.own["out"], refs["acc"].at[tile.bi, tile.h,
+                                                                 rows.rows_sl])
         plgpu.wait_smem_to_gmem(0)
 
-    def producer_wg(srcs, sm, bars, bi, kvh, hi):
-        def source(name, ref, j):
-            cols = pl.ds(j * bkv, bkv)
-            if name == "keep":
-                return ref.at[bi, cols]
-            return ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
+    def consume(self, w, refs, sm, bars, tile: _DqTile):
+        """Compute warpgroup w: its tile's prologue, mainloop and epilogue."""
+        rows = self.load_rows(w, refs, sm, bars, tile)
+        dq = self.mainloop(rows, tile, sm, bars)
+        self.epilogue(rows, tile, refs, dq)
 
-        _produce(srcs, sm, bars, stages, hi, source)
+    # -- the kernel
 
-    def kernel(q_ref, do_ref, lse_ref, delta_ref, *rest):
-        *kv_refs, acc_ref = rest
-        if continue_acc:
-            *kv_refs, dyn["acc"] = kv_refs
-        if dyn_offsets:
-            *kv_refs, dyn["offs"] = kv_refs
-        qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-        kvh = lax.div(h, jnp.int32(group))
-        tile0 = qi * (nwg * bq)
-        # The blocks of the CTA's last tile: a superset of every tile's.
-        hi_cta = _last_kvblock(tile0 + (nwg - 1) * bq, causal=causal,
-                               offset=offset_of(bi), n_kv=n_kv)
-        srcs = dict(zip(names, kv_refs, strict=True))
+    def smem(self):
+        """The SMEM of a CTA: each warpgroup's Q, dO, lse, delta and fp32 output tile
+        (and staged dS off the GPU operand path), and the ring's slots."""
+        dtype, tr, nwg, stages, bq, bkv, d = (self.dtype, self.tr, self.nwg, self.stages,
+                                              BLOCK_Q, BLOCK_KV, self.d)
         spec = {
             "q": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
             "do": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
@@ -885,18 +969,33 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
                               transforms=_smem_transforms(d, 4)),
             "k": plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d)),
         }
-        if gpu_operands:
+        if self.gpu_operands:
             spec["v"] = plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d))
         else:
             spec.update(
                 kt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
                 vt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
                 ds=plgpu.SMEM((nwg, bq, bkv), dtype, transforms=tr(bkv)))
-        if key_mask:
+        if self.key_mask:
             spec["keep"] = plgpu.SMEM((stages, bkv), jnp.float32)
-        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in names}
+        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in self.names}
         bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=5 * nwg)
+        return spec, bar_spec
+
+    def kernel(self, q_ref, do_ref, lse_ref, delta_ref, *rest):
+        """The kernel body: the CTA's schedule, then ``nwg`` compute warpgroups and the
+        producer warpgroup."""
+        refs = dict(q=q_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
+        *kv_refs, refs["acc"] = rest
+        offs_ref = None
+        if self.continue_acc:
+            *kv_refs, refs["acc_in"] = kv_refs
+        if self.dyn_offsets:
+            *kv_refs, offs_ref = kv_refs
+        tile = self.schedule(offs_ref)
+        srcs = dict(zip(self.names, kv_refs, strict=True))
+        cfg, nwg, interpret = self.cfg, self.nwg, self.interpret
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
@@ -904,21 +1003,30 @@ def _build_dq(*, b, hq, hkv, sq, skv, d, dtype, causal, scale, cfg, gpu_operands
             @pl.when(wg < nwg)
             def _():
                 _set_registers(cfg, nwg, interpret, 0)
-                compute_wg(wg, q_ref, do_ref, lse_ref, delta_ref, acc_ref, sm, bars, bi, h,
-                           tile0, hi_cta)
+                self.consume(wg, refs, sm, bars, tile)
 
             @pl.when(wg == nwg)
             def _():
                 _set_registers(cfg, nwg, interpret, 1)
-                producer_wg(srcs, sm, bars, bi, kvh, hi_cta)
+                self.produce(srcs, sm, bars, tile)
 
-        pl.run_scoped(body, spec, bar_spec, collective_axes="wg")
+        pl.run_scoped(body, *self.smem(), collective_axes="wg")
 
-    return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),
-        grid=(sq // (nwg * bq), hq, b), grid_names=("q", "h", "b"),
-        num_threads=nwg + 1, thread_name="wg",
-        compiler_params=_compiler_params(cfg), interpret=interpret)
+    def build(self):
+        """The launch: one CTA per (``nwg`` query tiles, query head, batch), ``nwg + 1``
+        warpgroups."""
+        return plgpu.kernel(
+            self.kernel,
+            out_type=jax.ShapeDtypeStruct((self.b, self.hq, self.sq, self.d), jnp.float32),
+            grid=(self.sq // (self.nwg * BLOCK_Q), self.hq, self.b),
+            grid_names=("q", "h", "b"),
+            num_threads=self.nwg + 1, thread_name="wg",
+            compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
+
+
+def _build_dq(**kw):
+    """The dQ kernel (:class:`_DqKernel`'s parameters)."""
+    return _DqKernel(**kw).build()
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -961,9 +1069,7 @@ def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None =
 def dkdv(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float, interpret=False,
          config: BwdConfig | None = None):
     """dK, dV ``([B, Hkv, Skv, D], [B, Hkv, Skv, D])`` in k's dtype, given the final lse
-    and delta of every query row (``pallas_triton_vjp.dkdv``'s contract); with
-    ``BwdConfig(dq="fused")`` also the unscaled fp32 dQ accumulator ``[B, Hq, Sq, D]``
-    (:func:`dq_accumulate`'s contract, its own order)."""
+    and delta of every query row (``pallas_triton_vjp.dkdv``'s contract)."""
     _check_whole_tiles(q, k, v, d_out, lse, delta_)
     return _dkdv_parts(q, k, v, d_out.astype(q.dtype), lse, delta_, None,
                        offset=k.shape[2] - q.shape[2], causal=causal, scale=float(scale),
@@ -1042,16 +1148,13 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
     """Gradients ``(dq, dk, dv)`` with per-sequence causal offsets and the keys taken in
     ``ranges`` (``[(a, e), ...]``, ascending and covering ``[0, Skv)``; context
     parallelism's key shards): dK and dV of each range by the dK/dV kernel, dQ by the
-    dQ kernel continued from range to range (:func:`_build_dq`'s ``continue_acc``),
+    dQ kernel continued from range to range (:class:`_DqKernel`'s ``continue_acc``),
     scaled and cast once. Row i of sequence b sees key j iff ``j <= i + offsets[b]``
     (causal). The ranges' starts must be multiples of ``2 * BLOCK_KV`` (SPLIT-aligned
     shards are): each range's CTAs then hold the key blocks one call over all keys
     holds, and the result is that call's in bits. Each sequence's rows are placed at
     their own lead (``offsets[b] mod 64``), as the forward places them."""
     cfg = config or BwdConfig()
-    if cfg.dq == "fused":
-        raise ValueError("backward_over_ranges continues the separate dQ kernel "
-                         "(dq='separate')")
     k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask)
     b, hq, sq, d = q.shape
     skv = k.shape[2]
@@ -1126,12 +1229,8 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     d_out = d_out.astype(q.dtype)
     dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg)
     keep = None if keep is None else keep.astype(jnp.float32)
-    outs = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
-    if cfg.dq == "fused":
-        dk, dv, acc = outs
-    else:
-        dk, dv = outs
-        acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
+    dk, dv = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
+    acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
     return (acc * scale).astype(q.dtype), dk, dv
 
 
@@ -1155,8 +1254,6 @@ def _dkdv_parts(q, k, v, d_out, lse, delta_, keep, offs=None, *, config, **kw):
     split = config.split_dkdv if config.split_dkdv is not None else q.shape[-1] > 128
     if not split:
         return _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, **kw)
-    if config.dq == "fused":
-        raise ValueError("D > 128 needs dq='separate' (dK and dV by two kernels)")
     (dk,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dk",
                          **kw)
     (dv,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dv",
@@ -1173,16 +1270,8 @@ def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, *, offset, causal
     keep_in = () if keep is None else (keep,)
     offs_in = () if offs is None else (offs,)
     t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
-    outs = _build_dkdv(**dims, parts=parts)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in,
+    return _build_dkdv(**dims, parts=parts)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in,
                                             *t_in)
-    if config.dq != "fused" or not causal:
-        return outs
-    dk, dv, acc = outs
-    # Rows that see no key (i + offset < 0): no KV block adds to their tiles, which are
-    # never written; their gradient is zero.
-    off = offset if offs is None else offs[:, None, None, None]
-    rows = jnp.arange(q.shape[2])[:, None]
-    return dk, dv, jnp.where(rows + off >= 0, acc, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",

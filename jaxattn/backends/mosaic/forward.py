@@ -79,7 +79,7 @@ class MosaicConfig:
 
     Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
     ``semantics``, ``pingpong``, ``registers``, ``q_order``, ``persistent``,
-    ``prefetch_q``, ``blocks_per_step``, ``masks_in_loop``, ``fence``, ...) must not
+    ``prefetch_q``, ``masks_in_loop``, ``fence``, ...) must not
     change the bits of a row; ``benchmarks/mosaic_gpu_check.py`` checks that on the GPU.
     ``accumulate``, ``rowsum``, ``normalize`` and ``approx_math`` change the
     floating-point operations, so they are fixed per backend, never chosen by shape.
@@ -127,40 +127,12 @@ class MosaicConfig:
     #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
     #: benchmarks/mosaic_gpu_check.py).
     stack_decode: bool = True
-    #: Masked blocks also mask keys from Skv on: "needed" (never in the kernel: a
-    #: causal row never sees a key beyond Skv, padding rows are dropped, and a
-    #: non-causal call with a partial last block drops its padding keys by a key
-    #: padding mask instead, the kernel a caller's padding with dropped keys gets) or
-    #: "always" (the same code for every shape). "needed" ran 9% faster on the H200
-    #: (392.7 against 360.3 TFLOP/s at B=2 S=4096, docs/notes.md, 2026-11-29) with the
-    #: bits of "always" at every checked shape, causal or not.
-    key_bound: str = "needed"
-    #: FlashAttention-3's intra-warpgroup pipeline: block j+1's Q K^T and block j's
-    #: P V stay in flight during block j+1's softmax (GPU operand path, in-place
-    #: accumulation and the fp32 row sum only; ping-pong off). The same operations as
-    #: the in-place default, so the same bits. None: off; "registers": P V reads P
-    #: from registers (as FlashAttention-3; safe only if the compiler keeps them until
-    #: the wgmma completes); "smem": P is staged in SMEM after the previous P V has
-    #: completed. Both give the default's bits on the H200 and run slower (324 and 289
-    #: against 393 TFLOP/s at B=2 S=4096, docs/notes.md, 2026-11-29).
-    overlap: str | None = None
     #: A persistent grid of this many CTAs (0: one CTA per tile; None: the GPU's SM
     #: count where :func:`auto_persistent` says, short tiles at D <= 128, else 0). Each
-    #: CTA walks its (tile, head, batch) items in the order ``persistent_order`` deals
-    #: them, its K/V ring running on across items. The rows' operations are those of
-    #: one CTA per tile: the same bits.
+    #: CTA walks its (tile, head, batch) items in the order of its row of the greedy
+    #: table (:func:`persistent_schedule`), its K/V ring running on across items. The
+    #: rows' operations are those of one CTA per tile: the same bits.
     persistent: int | None = None
-    #: How a persistent grid's CTAs share the items. "greedy": the items in the order
-    #: of the grid without ``persistent`` (heads fastest, then tiles, then batch), each
-    #: given to the CTA that is free first by a count of its key blocks (a table
-    #: computed on the host, as the hardware hands out CTAs of a plain grid: the items
-    #: in flight together share K/V heads in the L2). The others take rounds of ``n``
-    #: items, tiles outermost and batch fastest: "snake" (round r's items go to CTAs 0,
-    #: ..., n-1 when r is even and n-1, ..., 0 when odd, so a CTA that took a heavier
-    #: item of a round takes a lighter one of the next) or "round_robin" (item ``cta +
-    #: r n``: at B=2 S=4096 the most loaded CTA has 6% more blocks than the mean). A
-    #: launch choice: the same bits.
-    persistent_order: str = "greedy"
     #: With ``persistent``: two Q buffers per compute warpgroup, and the next item's Q
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
@@ -180,14 +152,6 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
-    #: Key blocks per step of a compute warpgroup's loop (1 or 2): with 2, one TMA
-    #: brings two BLOCK_N blocks of K and of V into a ring slot, Q K^T of both is one
-    #: wgmma of N = 2 * BLOCK_N (Q is read from SMEM once for both), and the online
-    #: softmax and P V then run block by block as with 1: the same operations on the
-    #: same values (a score does not depend on the wgmma's N), so the same bits.
-    #: Half the loop's barriers and syncs per key. GPU operand path or interpret mode;
-    #: ``rowsum="reduce32"``, no ``overlap``.
-    blocks_per_step: int = 1
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -208,13 +172,6 @@ class MosaicConfig:
     #: accurate sequences. An arithmetic choice (its own bits, fixed per backend); the
     #: interpreter ignores it.
     approx_math: bool = True
-    #: Wait for the next step's K while this step's P V runs (after issuing it, before
-    #: reading its result back), as JAX's ``attention_mgpu`` does, instead of at the
-    #: start of the next step. Scheduling only: the same bits. Ignored with ``overlap``
-    #: (which has its own waits). On the H200 (run of 2026-12-01, 79e97f6): 446.5 against 435.5
-    #: TFLOP/s at B=2 S=4096, 491.8 against 481.1 at B=1 S=16384.
-    wait_next_k: bool = True
-
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
@@ -229,30 +186,16 @@ class MosaicConfig:
                              f"{self.accumulate!r}")
         if self.rowsum not in ("mma", "reduce32"):
             raise ValueError(f"rowsum must be 'mma' or 'reduce32', got {self.rowsum!r}")
-        if self.overlap not in (None, "registers", "smem"):
-            raise ValueError(f"overlap must be None, 'registers' or 'smem', got "
-                             f"{self.overlap!r}")
-        if self.key_bound not in ("always", "needed"):
-            raise ValueError(f"key_bound must be 'always' or 'needed', got "
-                             f"{self.key_bound!r}")
         if self.persistent is not None and self.persistent < 0:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
-        if self.persistent_order not in ("greedy", "snake", "round_robin"):
-            raise ValueError(f"persistent_order must be 'greedy', 'snake' or "
-                             f"'round_robin', got "
-                             f"{self.persistent_order!r}")
         if self.prefetch_q and not self.persistent:
             raise ValueError("prefetch_q needs a persistent grid (persistent > 0)")
         if self.normalize not in ("divide", "reciprocal"):
             raise ValueError(f"normalize must be 'divide' or 'reciprocal', got "
                              f"{self.normalize!r}")
-        if self.blocks_per_step not in (1, 2):
-            raise ValueError(f"blocks_per_step must be 1 or 2, got {self.blocks_per_step}")
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
-        if self.blocks_per_step == 2 and (self.rowsum != "reduce32" or self.overlap):
-            raise ValueError("blocks_per_step=2 needs rowsum='reduce32' and no overlap")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -305,7 +248,7 @@ def _smem_transforms(cols: int, itemsize: int):
 
 #: Head dims of the forward and backward kernels. At D=256 the forward holds a 64x256
 #: fp32 accumulator per compute warpgroup and 192 KiB of SMEM with the default launch
-#: (not with ``prefetch_q`` or ``blocks_per_step=2``: SMEM); the backward, see
+#: (not with ``prefetch_q``: SMEM); the backward, see
 #: ``mosaic_bwd.backward``. Lowered for CUDA and checked in interpret mode, not yet run
 #: on a GPU.
 HEAD_DIMS = (64, 128, 256)
@@ -463,658 +406,565 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            gpu_operands: bool, interpret, position: int | None = None,
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
-    keys (padded to whole blocks by the caller; keys from ``skv`` on are masked), query
-    row i seeing key j iff ``j <= i + offset`` when causal. ``position``: every row is
-    the query at that absolute position instead (stacked decode rows, see
-    :func:`forward`); its blocks and their masked/unmasked paths are then those of a
-    prefill row at that position. ``key_mask``: the kernel also takes ``keep`` (fp32
-    ``[B, skv]``, 1 = keep) and ``flags`` (int32 ``[B, blocks]``, 1 where a block drops a
-    key); a block with a dropped key takes the masked path with the keys dropped, in
-    place of the unmasked one (so a sequence padded with dropped keys gives the rows of
-    the unpadded one, whose last block is masked by its length). ``dyn_offsets``: the
-    kernel also takes ``offs`` (int32 ``[B]``), sequence b's ``offset`` (a multiple of
-    ``BLOCK_N``) or, with ``position``, its ``position``, in place of the static one.
-    ``split_out``: one CTA per (tile, head, batch, SPLIT) writes that split's partial
-    state, ``out [B, Hq, n_splits, sq, D]`` and ``lse [B, Hq, n_splits, sq]`` fp32
-    (``(0, -inf)`` where the split has nothing visible), for :func:`jaxattn.merge.fold`
-    to fold: split-parallel decode. One compute warpgroup, no persistent grid, no
-    overlap."""
-    bn = schedule.BLOCK_N
-    bm, stages, nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
-    if split_out and d > 128:
-        # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V slots
-        # exceeds the SMEM: one slot (a launch parameter: the same operations).
-        stages = 1
-    # A ring slot holds the K and V of ``bps`` blocks, ``kb`` keys (one loop step).
-    bps = cfg.blocks_per_step
-    kb = bps * bn
-    rows_cta = cfg.rows
-    n_tiles = sq // rows_cta
-    total, whole = -(-skv // bn), skv // bn
-    # Each tile's key blocks in launch order (``hi_cta``: :func:`_visited_blocks` on the
-    # host, which the kernel computes with lax ops; every tile's count where the offsets
-    # are only known at run time): the persistent grid's choice and its greedy table.
-    tiles = np.arange(n_tiles)[::-1] if cfg.q_order == "descending" else np.arange(n_tiles)
-    if causal and position is None and not dyn_offsets:
-        tile_blocks = np.minimum(np.maximum(tiles * rows_cta + (rows_cta - 1) + offset + bn,
-                                            0) // bn, total)
-    else:
-        tile_blocks = np.full(n_tiles, total)
-    key_bound = cfg.key_bound == "always" or (not causal and skv % bn != 0)
-    group = hq // hkv
-    itemsize = jnp.dtype(dtype).itemsize
-    base2 = KERNEL_LSE_BASE2  # the softmax's base is the kernel state's
-    exp = jnp.exp2 if base2 else jnp.exp
-    s_scale = scale * LOG2E if base2 else scale
-    # All-ones B operand of the row-sum wgmma. With P in registers its width only has
-    # to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in SMEM
-    # its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs swizzle").
-    ones_cols = 16 if gpu_operands else bn
-    use_mma_rowsum = cfg.rowsum == "mma"
-    k_shape = (stages, kb, d) if gpu_operands else (stages, d, kb)
+    keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
+    offset`` when causal. ``position``: every row is the query at that absolute position
+    instead (stacked decode rows, see :func:`forward`); its blocks and their
+    masked/unmasked paths are then those of a prefill row at that position.
+    ``key_mask``: the kernel also takes ``keep`` (fp32 ``[B, skv]``, 1 = keep) and
+    ``flags`` (int32 ``[B, blocks]``, 1 where a block drops a key); a block with a
+    dropped key takes the masked path with the keys dropped, in place of the unmasked
+    one (so a sequence padded with dropped keys gives the rows of the unpadded one,
+    whose last block is masked by its length). ``dyn_offsets``: the kernel also takes
+    ``offs`` (int32 ``[B]``), sequence b's ``offset`` (a multiple of ``BLOCK_N``) or,
+    with ``position``, its ``position``, in place of the static one. ``split_out``: one
+    CTA per (tile, head, batch, SPLIT) writes that split's partial state, ``out [B, Hq,
+    n_splits, sq, D]`` and ``lse [B, Hq, n_splits, sq]`` fp32 (``(0, -inf)`` where the
+    split has nothing visible), for :func:`jaxattn.merge.fold` to fold: split-parallel
+    decode. One compute warpgroup, no persistent grid.
 
-    def scratch(qbufs: tuple) -> list:
+    Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
+    return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
+                    causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                    interpret=interpret, position=position, key_mask=key_mask,
+                    dyn_offsets=dyn_offsets, split_out=split_out).call()
+
+
+@dataclasses.dataclass
+class _Item:
+    """One compute warpgroup's view of one (tile, head, batch) item: its SMEM and
+    barriers, its rows and the key blocks it visits."""
+    w: object  #: the compute warpgroup
+    q_s: object  #: its Q tile (then its O tile)
+    q_b: object  #: the Q tile's barrier
+    lse_s: object
+    p_s: object  #: P staged in SMEM (SMEM operand path), else None
+    smem: tuple
+    bars: tuple
+    q0: object  #: the first query row of the warpgroup's tile
+    h: object
+    bi: object
+    base: object  #: the ring position of the item's first step
+    flags_ref: object
+    offset: object = None
+    position: object = None
+    hi: object = None  #: key blocks [0, hi) visited
+    full: object = None  #: blocks [0, full) unmasked for every row
+    tile_indices: object = None
+
+
+class _Forward:
+    """The Mosaic GPU forward kernel, built in the stages of the canonical schedule
+    (FlashAttention-3's split, on jaxattn's fold order):
+
+    * :meth:`items_of_cta` - the **tile schedule**: which (query tile, head, batch)
+      items a CTA runs, heaviest causal tiles first, or a persistent grid's greedy table;
+    * :meth:`producer` / :meth:`drain` - the **K/V producer ring**: the producer
+      warpgroup TMA-loads key block after key block into ``stages`` SMEM slots;
+    * :meth:`softmax` / :meth:`block_step` - the **softmax consumer**: per key block,
+      S = Q K^T, the online-softmax step and P V;
+    * :meth:`split` / :meth:`splits` - the **SPLIT fold**: each SPLIT's state finalised
+      and merged into the running state (``kernel_finalize`` / ``kernel_merge``);
+    * :meth:`epilogue` - the **epilogue and lse**: O and the natural-log lse stored by
+      TMA (or, ``split_out``, the split's partial state);
+    * :meth:`kernel` / :meth:`call` - warp specialisation and the launch.
+
+    The constructor is the static plan: shapes, the resolved launch choices (persistent
+    grid, Q prefetch, accumulation) and the SMEM plan (:meth:`scratch`).
+    """
+
+    def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
+                 cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
+                 dyn_offsets, split_out):
+        bn = self.bn = schedule.BLOCK_N
+        self.b, self.hq, self.sq, self.skv, self.d, self.dtype = b, hq, sq, skv, d, dtype
+        self.causal, self.offset, self.position = causal, offset, position
+        self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
+        self.gpu_operands, self.interpret = gpu_operands, interpret
+        self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+        if split_out and d > 128:
+            # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
+            # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
+            self.stages = 1
+        self.rows_cta = cfg.rows
+        self.n_tiles = sq // self.rows_cta
+        self.total, self.whole = -(-skv // bn), skv // bn
+        # Each tile's key blocks in launch order (``hi_cta``: :func:`_visited_blocks` on
+        # the host, which the kernel computes with lax ops; every tile's count where the
+        # offsets are only known at run time): the persistent grid's choice and its
+        # greedy table.
+        tiles = (np.arange(self.n_tiles)[::-1] if cfg.q_order == "descending"
+                 else np.arange(self.n_tiles))
+        if causal and position is None and not dyn_offsets:
+            self.tile_blocks = np.minimum(np.maximum(
+                tiles * self.rows_cta + (self.rows_cta - 1) + offset + bn, 0) // bn,
+                self.total)
+        else:
+            self.tile_blocks = np.full(self.n_tiles, self.total)
+        self.group = hq // hkv
+        self.itemsize = jnp.dtype(dtype).itemsize
+        base2 = KERNEL_LSE_BASE2  # the softmax's base is the kernel state's
+        self.exp = jnp.exp2 if base2 else jnp.exp
+        self.s_scale = scale * LOG2E if base2 else scale
+        # All-ones B operand of the row-sum wgmma. With P in registers its width only
+        # has to be a valid wgmma N (16, as the Triton kernels' ROWSUM_COLS); with P in
+        # SMEM its swizzle must match P's (lowering: "WGMMA rhs swizzle must match lhs
+        # swizzle").
+        self.ones_cols = 16 if gpu_operands else bn
+        self.use_mma_rowsum = cfg.rowsum == "mma"
+        self.k_shape = ((self.stages, bn, d) if gpu_operands else (self.stages, d, bn))
+
+        persistent = cfg.persistent
+        if persistent is None:
+            persistent = sm_count() if auto_persistent(
+                int(self.tile_blocks.max(initial=0)), d, gpu=interpret is None,
+                decode=position is not None, split_out=split_out) else 0
+        self.cfg = cfg  # scratch() reads it below
+        prefetch_q = cfg.prefetch_q
+        if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
+            prefetch_q = bool(persistent) and sum(
+                math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                for x in self.scratch((2,)) if x is not None) <= SMEM_BUDGET
+        cfg = self.cfg = dataclasses.replace(cfg, persistent=persistent,
+                                             prefetch_q=prefetch_q and bool(persistent))
+        self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
+                                           else "fresh")) == "inplace"
+        self.pingpong = cfg.pingpong and self.nwg == 2
+        if self.inplace and interpret is not None:
+            raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
+                             "interpreter cannot accumulate into a live wgmma accumulator")
+        if self.inplace and not gpu_operands:
+            raise ValueError("accumulate='inplace' needs gpu_operands=True")
+        # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the
+        # hints.
+        self.layout_hints = interpret is None
+        self.per_split = schedule.BLOCKS_PER_SPLIT
+        self.n_splits_all = -(-self.total // self.per_split)
+        if split_out and (self.nwg != 1 or cfg.persistent):
+            raise ValueError("split_out needs one compute warpgroup and no persistent "
+                             "grid")
+        self.wgmma_layout = plgpu.Layout.WGMMA if self.layout_hints else None
+        self.row_layout = plgpu.Layout.WGMMA.reduce(1)
+        self.set_regs = (cfg.registers is not None and self.nwg == 2
+                         and interpret is None)
+        self.greedy = bool(cfg.persistent)
+        # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
+        # :meth:`kernel` puts the refs in ``dyn`` before the first use).
+        self.dyn = {}
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def scratch(self, qbufs: tuple) -> list:
         """The kernel's SMEM buffers (``qbufs``: ``(2,)`` with the Q prefetch)."""
+        bm, bn, d, nwg, dtype, isz = (self.bm, self.bn, self.d, self.nwg, self.dtype,
+                                      self.itemsize)
         return [
-            plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, itemsize)),
-            plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], itemsize)),
-            plgpu.SMEM((stages, kb, d), dtype, transforms=_smem_transforms(d, itemsize)),
-            None if gpu_operands and cfg.overlap != "smem" else
-            plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, itemsize)),
-            plgpu.SMEM((bn, ones_cols), dtype,
-                       transforms=_smem_transforms(ones_cols, itemsize))
-            if use_mma_rowsum else None,
+            plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, isz)),
+            plgpu.SMEM(self.k_shape, dtype,
+                       transforms=_smem_transforms(self.k_shape[-1], isz)),
+            plgpu.SMEM((self.stages, bn, d), dtype, transforms=_smem_transforms(d, isz)),
+            None if self.gpu_operands else
+            plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, isz)),
+            plgpu.SMEM((bn, self.ones_cols), dtype,
+                       transforms=_smem_transforms(self.ones_cols, isz))
+            if self.use_mma_rowsum else None,
             plgpu.SMEM((nwg, bm), jnp.float32),
-            plgpu.SMEM((stages, kb), jnp.float32) if key_mask else None,
+            plgpu.SMEM((self.stages, bn), jnp.float32) if self.key_mask else None,
             # split_out: the split's fp32 output, staged for its TMA store
             plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
-            if split_out else None,
+            if self.split_out else None,
         ]
 
-    persistent = cfg.persistent
-    if persistent is None:
-        persistent = sm_count() if auto_persistent(
-            int(tile_blocks.max(initial=0)), d, gpu=interpret is None,
-            decode=position is not None, split_out=split_out) else 0
-    prefetch_q = cfg.prefetch_q
-    if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
-        prefetch_q = bool(persistent) and sum(
-            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-            for x in scratch((2,)) if x is not None) <= SMEM_BUDGET
-    cfg = dataclasses.replace(cfg, persistent=persistent,
-                              prefetch_q=prefetch_q and bool(persistent))
-    inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
-                                  else "fresh")) == "inplace"
-    pingpong = cfg.pingpong and nwg == 2
-    if inplace and interpret is not None:
-        raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU interpreter "
-                         "cannot accumulate into a live wgmma accumulator")
-    if inplace and not gpu_operands:
-        raise ValueError("accumulate='inplace' needs gpu_operands=True")
-    if cfg.overlap and not (inplace and gpu_operands and not use_mma_rowsum
-                            and interpret is None):
-        raise ValueError("overlap needs the GPU operand path, accumulate='inplace' and "
-                         "rowsum='reduce32' (and no interpret mode)")
-    pingpong = pingpong and not cfg.overlap
-    wait_next_k = cfg.wait_next_k and not cfg.overlap  # overlap has its own waits
+    def layout(self, x, lay):
+        return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
-    # The interpreter has no CPU rule for layout_cast; the GPU lowering needs the hints.
-    layout_hints = interpret is None
-
-    def layout(x, lay):
-        return plgpu.layout_cast(x, lay) if layout_hints else x
-
-    per_split = schedule.BLOCKS_PER_SPLIT
-    n_splits_all = -(-total // per_split)
-    if split_out and (nwg != 1 or cfg.persistent or cfg.overlap):
-        raise ValueError("split_out needs one compute warpgroup, no persistent grid and "
-                         "no overlap")
-
-    def split_lo():
+    def split_lo(self):
         """The first block of the CTA's split (split_out), else 0."""
-        return lax.axis_index("s") * per_split if split_out else jnp.int32(0)
+        return (lax.axis_index("s") * self.per_split if self.split_out
+                else jnp.int32(0))
 
-    def split_lo_step():
-        """The ring step of :func:`split_lo` (a SPLIT holds whole steps)."""
-        return lax.div(split_lo(), jnp.int32(bps))
+    def offset_of(self, bi):
+        return (self.dyn["offs"][bi] if self.dyn_offsets and self.position is None
+                else self.offset)
 
-    # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
-    # the kernel puts its ref in ``dyn`` before the first use).
-    dyn = {}
-
-    def offset_of(bi):
-        return dyn["offs"][bi] if dyn_offsets and position is None else offset
-
-    def position_of(bi):
-        if position is None:
+    def position_of(self, bi):
+        if self.position is None:
             return None
-        return dyn["offs"][bi] if dyn_offsets else position
+        return self.dyn["offs"][bi] if self.dyn_offsets else self.position
 
-    def block_start(x):
+    def block_start(self, x):
         """The start of the BLOCK_N block that holds position ``x`` (floor)."""
-        return x - x % bn
+        return x - x % self.bn
 
-    def steps_of(x):
-        """The ring steps that cover key blocks [0, x)."""
-        return x if bps == 1 else lax.div(x + (bps - 1), jnp.int32(bps))
+    def slot_of(self, it: _Item, j):
+        """The ring slot of the item's step ``j``."""
+        return lax.rem(it.base + j, jnp.int32(self.stages))
 
-    wgmma_layout = plgpu.Layout.WGMMA if layout_hints else None
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    def sync(self, it: _Item):
+        """Ping-pong: one arrival and one wait on the shared scheduling barrier."""
+        sched = it.bars[6]
+        plgpu.barrier_arrive(sched.at[0])
+        plgpu.barrier_wait(sched.at[0])
 
-    def compute_wg(w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
-                   flags_ref=None, qbuf=None, after_q=None):
-        """One (tile, head, batch) item of warpgroup ``w``; ``base``: the K/V loads of
-        the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
-        the Q buffer already being loaded for this item, and ``after_q``, called once
-        this item's Q is in (it starts the next item's load)."""
-        q_s, k_s, v_s, p_s, ones_s, lse_s, keep_s, o32_s = smem
-        k_bar, v_bar, k_free, v_free, q_bar, ones_bar, sched, m_bar = bars
-        if qbuf is None:
-            q_s, q_b = q_s.at[w], q_bar.at[w]
-        else:
-            q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * nwg + w]
-        lse_s = lse_s.at[w]
-        if p_s is not None:
-            p_s = p_s.at[w]
-        q0 = tile0 + w * bm
-        offset, position = offset_of(bi), position_of(bi)
-        # The position that decides the blocks and their paths: with ``position``, the
-        # start of the prefill warpgroup tile that holds it (forward's padding aligns
-        # prefill tiles to multiples of BLOCK_N).
-        p0 = q0 if position is None else q0 * 0 + block_start(position)
-        hi = _visited_blocks(p0, block_m=bm, offset=offset, total=total, causal=causal)
-        # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
-        # block ran 27% slower on the H200, docs/mosaic.md).
-        full = _full_blocks(p0, hi, offset=offset, whole=whole, causal=causal)
-        if qbuf is None:
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(q0, bm)], q_s, q_b)
-        plgpu.barrier_wait(q_b)
-        if after_q is not None:
-            after_q()
-        def indices():
-            """(cols, cols - rows) of a (bm, bn) block in the WGMMA layout: key j * bn +
-            c is visible to row r iff c - r <= q0 + offset - j * bn."""
-            rows = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 0, layout=wgmma_layout)
-            cols = plgpu.broadcasted_iota(jnp.int32, (bm, bn), 1, layout=wgmma_layout)
-            return cols, cols - rows
+    def wait_keep(self, it: _Item, t):
+        if self.key_mask:  # every step's, to keep the barrier's phase
+            plgpu.barrier_wait(it.bars[7].at[self.slot_of(it, t)])
 
-        tile_indices = None if cfg.masks_in_loop else indices()
+    def indices(self):
+        """(cols, cols - rows) of a (bm, bn) block in the WGMMA layout: key j * bn + c
+        is visible to row r iff c - r <= q0 + offset - j * bn."""
+        shape, lay = (self.bm, self.bn), self.wgmma_layout
+        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=lay)
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay)
+        return cols, cols - rows
 
-        def sync():
-            plgpu.barrier_arrive(sched.at[0])
-            plgpu.barrier_wait(sched.at[0])
+    # -- the tile schedule -----------------------------------------------------------
 
-        if pingpong:
-            pl.when(w == 1)(sync)
+    def item(self, qi, h, bi):
+        """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
+        ``h`` of batch ``bi``: where the item's rows start, its KV head and the key
+        blocks [0, hi_cta) any of the CTA's rows visits."""
+        if self.cfg.q_order == "descending":
+            qi = (self.n_tiles - 1) - qi
+        tile0 = qi * self.rows_cta
+        pos = self.position_of(bi)
+        hi_cta = _visited_blocks(
+            tile0 if pos is None else tile0 * 0 + self.block_start(pos),
+            block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
+            causal=self.causal)
+        if self.split_out:  # the CTA's split only: blocks [lo, end)
+            hi_cta = lax.max(lax.min(self.split_lo() + self.per_split, hi_cta),
+                             self.split_lo())
+        return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta
 
-        def slot_of(j):
-            return lax.rem(base + j, jnp.int32(stages))
+    def items_of_cta(self):
+        """Tile schedule: the CTA's items as ``(count, item_at(k))``. One item per CTA
+        (a grid of (tile, head, batch), the last, heaviest causal tiles first with
+        ``q_order="descending"``), or a persistent grid's row of the greedy table
+        (:func:`persistent_schedule`, computed on the host: the items in the order of
+        the plain grid, each given to the CTA free first by a count of its key
+        blocks)."""
+        if not self.cfg.persistent:
+            qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+            return jnp.int32(1), lambda k: self.item(qi, h, bi)
+        cta = lax.axis_index("cta")
+        table = self.dyn["sched"]  # row cta: [count, item, item, ...]
+        hq, n_tiles = self.hq, self.n_tiles
 
-        def keep_of(slot, h):
-            """The keep values' ref of block ``h`` of a ring slot (with a key mask)."""
-            if not key_mask:
-                return None
-            return keep_s.at[slot] if bps == 1 else keep_s.at[slot, pl.ds(h * bn, bn)]
+        def at_table(k):
+            t = table[cta, k + 1]
+            return self.item(lax.rem(lax.div(t, jnp.int32(hq)), jnp.int32(n_tiles)),
+                             lax.rem(t, jnp.int32(hq)),
+                             lax.div(t, jnp.int32(hq * n_tiles)))
 
-        def keep_vec(ref):
-            """A block's keep values (1 or 0 per key) as a column vector."""
-            if layout_hints:
-                return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
-            return ref[...]
+        return table[cta, 0], at_table
 
-        def wait_keep(t):
-            if key_mask:  # every step's, to keep the barrier's phase
-                plgpu.barrier_wait(m_bar.at[slot_of(t)])
+    # -- the K/V producer ring -------------------------------------------------------
 
-        def kt_of(slot, n):
-            """K^T of the first ``n`` keys of a ring slot (the wgmma's B operand)."""
-            if n == kb:
-                return (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if gpu_operands
-                        else k_s.at[slot])
-            return (plgpu.transpose_ref(k_s.at[slot, pl.ds(0, n)], (1, 0)) if gpu_operands
-                    else k_s.at[slot, :, pl.ds(0, n)])
-
-        def v_of(slot, h):
-            """V of block ``h`` of a ring slot."""
-            return v_s.at[slot] if bps == 1 else v_s.at[slot, pl.ds(h * bn, bn)]
-
-        def softmax(j, s, m, l, masked, keep):
-            """One block's online-softmax step on the raw scores ``s``: ``(p, alpha,
-            m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
-            ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
-            # The row max is taken of the raw scores and scaled after (the same value:
-            # the scale is positive and rounding is monotone), so ``s * scale`` has one
-            # use, the exponent, where the compiler contracts ``s * scale - m`` into one
-            # FMA alike on masked and unmasked blocks. (With the scaled scores also
-            # feeding the max, a fully visible block gave different bits through the
-            # two paths on the H200.) The mask selects the max's input and the
-            # exponential's output, never the exponent. (A non-causal call whose keys
-            # fill whole blocks has nothing to mask under key_bound="needed".)
-            masked = masked and (key_bound or causal or key_mask)
-            if masked:
-                # Keys from Skv on (the padding of a partial last block) are masked
-                # for every row, also where the causal bound alone would hide them.
-                cols, diag = tile_indices or indices()
-                visible = cols < skv - j * bn if key_bound else None
-                if causal:
-                    c = (diag <= q0 + offset - j * bn if position is None
-                         else cols <= position - j * bn)
-                    visible = c if visible is None else visible & c
-                if key_mask:
-                    kept = lax.broadcast_in_dim(keep_vec(keep), (bm, bn), [1]) != 0.0
-                    visible = kept if visible is None else visible & kept
-                raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
-            else:
-                raw_max = s.max(axis=1)
-            m_new = jnp.maximum(m, raw_max * s_scale)
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = exp(m - m_safe)
-            p32 = exp(s * s_scale - _rows(m_safe, s.shape))
-            if masked:
-                p32 = jnp.where(visible, p32, 0.0)
-            l_new = None if use_mma_rowsum else l * alpha + p32.sum(axis=1)
-            return p32.astype(dtype), alpha, m_new, l_new
-
-        def softmax_at(j, s, m, l, masked, keep):
-            """``softmax`` on the block's path: with a key mask, a block that would take
-            the unmasked path takes the masked one where it drops a key."""
-            if masked or not key_mask:
-                return softmax(j, s, m, l, masked, keep)
-            return lax.cond(flags_ref[bi, j] != 0,
-                            lambda: softmax(j, s, m, l, True, keep),
-                            lambda: softmax(j, s, m, l, False, keep))
-
-        # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
-        first_step = split_lo_step()
-        n_steps = steps_of(lax.min(hi, split_lo() + per_split) if split_out else hi)
-
-        def next_k(t):
-            """With ``wait_next_k``: wait for step t + 1's K (if the warpgroup has that
-            step) while step t's P V is in flight."""
-            if wait_next_k:
-                @pl.when(t + 1 < n_steps)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[slot_of(t + 1)])
-
-        def stage(p):
-            """P as the P V wgmma's A operand: registers, or SMEM (``p_s``)."""
-            if gpu_operands:
-                return p
-            p_s[...] = p
-            plgpu.commit_smem()
-            return p_s
-
-        def step(t, carry, halves):
-            """Ring step ``t``: key block ``bps * t + h`` for each ``h`` of ``halves``
-            (``halves[h]``: whether that block takes the masked path). One Q K^T wgmma
-            covers them all; the online softmax and P V then run block by block in
-            key order, each block's as in a step of one block."""
-            acc, m, l = carry
-            slot = slot_of(t)
-            if not wait_next_k:  # else awaited in the step before (or before the loop)
-                plgpu.barrier_wait(k_bar.at[slot])
-            wait_keep(t)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_s, kt_of(slot, len(halves) * bn))
-                if pingpong:
-                    sync()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bm, len(halves) * bn), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            products = []  # (P operand or P, alpha still to apply) per block
-            for h, masked in enumerate(halves):
-                s_h = s if len(halves) == 1 else s[:, h * bn:(h + 1) * bn]
-                p, alpha, m, l_new = softmax_at(bps * t + h, s_h, m, l, masked,
-                                                keep_of(slot, h))
-                if h:  # rescaled once the block before's P V is in
-                    products.append((p, alpha))
-                    l = l_new
-                    continue
-                p_op = stage(p)
-                if use_mma_rowsum:
-                    def psum(acc_ref, p_op=p_op):
-                        plgpu.wgmma(acc_ref, p_op, ones_s)
-                        return acc_ref[...]
-
-                    rs = pl.run_scoped(psum, plgpu.ACC((bm, ones_cols), jnp.float32))
-                    l_new = l * alpha + rs.max(axis=1)
-                l = l_new
-                acc = acc * _rows(alpha, acc.shape)
-                products.append((p_op, None))
-            if cfg.fence and gpu_operands:  # (P in SMEM is a ref: nothing to fence)
-                acc, m, l, products = lax.optimization_barrier((acc, m, l, products))
-            if pingpong:
-                plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
-            plgpu.barrier_wait(v_bar.at[slot])
-            if pingpong:
-                plgpu.barrier_wait(sched.at[0])  # the other's products are issued
-            for h, (p_op, alpha) in enumerate(products):
-                if alpha is not None:
-                    acc = acc * _rows(alpha, acc.shape)
-                    p_op = stage(p_op)
-                v_h = v_of(slot, h)
-                last = h == len(products) - 1
-
-                def pv(acc_ref, v_h=v_h, p_op=p_op, last=last):
-                    plgpu.wgmma(acc_ref, p_op, v_h)
-                    if last:
-                        next_k(t)
-                    return acc_ref[...]
-
-                if inplace:
-                    def pv_into(acc_ref, v_h=v_h, p_op=p_op, last=last):
-                        plgpu.wgmma(acc_ref, p_op, v_h)
-                        if last:
-                            next_k(t)
-
-                    acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
-                else:
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m, l
-
-        def steps(lo, mid, end, carry):
-            """The blocks [lo, end) of one split (lo a multiple of ``bps``), those from
-            ``mid`` on masked, in ring steps."""
-            if bps == 1:
-                carry = lax.fori_loop(lo, mid, functools.partial(step, halves=(False,)),
-                                      carry)
-                return lax.fori_loop(mid, end, functools.partial(step, halves=(True,)),
-                                     carry)
-            two = jnp.int32(2)
-            mid_odd, end_odd = lax.rem(mid, two) == 1, lax.rem(end, two) == 1
-            half_mid, half_end = lax.div(mid, two), lax.div(end, two)
-
-            def loop(a, n, halves, carry):
-                return lax.fori_loop(a, a + n, functools.partial(step, halves=halves),
-                                     carry)
-
-            carry = loop(lax.div(lo, two), half_mid - lax.div(lo, two), (False, False),
-                         carry)
-            # The step across mid: unmasked then masked, or an unmasked last block.
-            carry = loop(half_mid, (mid_odd & (mid < end)).astype(jnp.int32),
-                         (False, True), carry)
-            carry = loop(half_mid, (mid_odd & (mid == end)).astype(jnp.int32),
-                         (False,), carry)
-            first = lax.div(mid + 1, two)
-            carry = loop(first, lax.max(half_end - first, 0), (True, True), carry)
-            # A masked last block alone.
-            return loop(half_end, (end_odd & (end > mid)).astype(jnp.int32), (True,),
-                        carry)
-
-        def split_overlapped(lo, mid, end, s_acc, o_acc):
-            """The blocks [lo, end) of one split, FlashAttention-3's intra-warpgroup
-            pipeline: block j+1's Q K^T and block j's P V are in flight while block
-            j+1's softmax runs. The same operations as ``block_step`` with
-            ``accumulate="inplace"``: ``o = wgmma(P_j, V_j, init=o * alpha_j)``."""
-            o_acc[...] = layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA)
-
-            def issue_qk(j):
-                # wgmma accumulates: the score accumulator is zeroed before each block
-                # (it lives across blocks; a scoped one starts at zero by itself).
-                slot = slot_of(j)
-                s_acc[...] = layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.wgmma(s_acc, q_s, kt_of(slot, kb))
-
-            pl.when(lo < end)(lambda: issue_qk(lo))
-
-            def step(j, carry, masked):
-                m, l = carry
-                slot = slot_of(j)
-                # In flight: Q K^T of block j, then (after the first block) P V of j-1.
-                @pl.when(j == lo)
-                def _():
-                    plgpu.wgmma_wait(0)
-
-                @pl.when(j > lo)
-                def _():
-                    plgpu.wgmma_wait(1)
-
-                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=None)
-                plgpu.barrier_arrive(k_free.at[slot])
-                wait_keep(j)
-                p, alpha, m_new, l_new = softmax_at(j, s, m, l, masked, keep_of(slot, 0))
-                plgpu.wgmma_wait(0)  # P V of block j-1
-
-                @pl.when(j > lo)
-                def _():
-                    plgpu.barrier_arrive(v_free.at[slot_of(j - 1)])
-
-                o_acc[...] = (plgpu.wgmma_accumulator_load(o_acc, wait_n=None)
-                              * _rows(alpha, (bm, d)))
-
-                pl.when(j + 1 < end)(lambda: issue_qk(j + 1))
-
-                if cfg.overlap == "smem":  # the previous P V has completed: reuse
-                    p_s[...] = p
-                    plgpu.commit_smem()
-                    p_op = p_s
-                else:
-                    p_op = p
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.wgmma(o_acc, p_op, v_s.at[slot])
-                return m_new, l_new
-
-            init = (layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
-                    layout(jnp.zeros((bm,), jnp.float32), row_layout))
-            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
-            m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
-            plgpu.wgmma_wait(0)
-
-            @pl.when(end > lo)
-            def _():
-                plgpu.barrier_arrive(v_free.at[slot_of(end - 1)])
-
-            return plgpu.wgmma_accumulator_load(o_acc, wait_n=None), m, l
-
-        n_splits = lax.div(hi + (per_split - 1), jnp.int32(per_split))
-        if wait_next_k:  # the first step's K (each later one: during the step before)
-            @pl.when(first_step < n_steps)
-            def _():
-                plgpu.barrier_wait(k_bar.at[slot_of(first_step)])
-
-        def split_step(si, state, accs=None):
-            lo = si * per_split
-            end = lax.min(lo + per_split, hi)
-            mid = lax.max(lax.min(full, end), lo)
-            if accs is not None:
-                acc, m, l = split_overlapped(lo, mid, end, *accs)
-            else:
-                init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
-                        layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout),
-                        layout(jnp.zeros((bm,), jnp.float32), row_layout))
-                acc, m, l = steps(lo, mid, end, init)
-            # m is in the softmax's base (log2 units when base2): the kernel's state
-            # stays in that base until the output (KERNEL_LSE_BASE2).
-            part = kernel_finalize(acc, m, l, cfg.normalize)
-            return part if state is None else kernel_merge(*state, *part)
-
-        init = (layout(jnp.zeros((bm, d), jnp.float32), plgpu.Layout.WGMMA),
-                layout(jnp.full((bm,), NEG_INF, jnp.float32), row_layout))
-        if split_out:
-            # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
-            # >= hi: then finalize gives (0, -inf)); the fold happens outside.
-            out, lse = split_step(lax.axis_index("s"), None)
-            o32_s[...] = out
-            lse_s[...] = lse
-            plgpu.commit_smem()
-            si = lax.axis_index("s")
-            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[bi, h, si, pl.ds(q0, bm)])
-            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, si, pl.ds(q0, bm)])
-            plgpu.wait_smem_to_gmem(0)
-            return
-        if cfg.overlap:
-            # The score and output accumulators live across blocks (wgmma registers).
-            out, lse = pl.run_scoped(
-                lambda s_acc, o_acc: lax.fori_loop(
-                    0, n_splits, functools.partial(split_step, accs=(s_acc, o_acc)), init),
-                plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, d), jnp.float32))
-        else:
-            out, lse = lax.fori_loop(0, n_splits, split_step, init)
-
-        # Blocks the CTA's other warpgroup needs and this one does not: wait for each
-        # load (so this warpgroup's release belongs to that block's phase) and release.
-        def skip(t, _):
-            slot = slot_of(t)
-            plgpu.barrier_wait(k_bar.at[slot])
-            wait_keep(t)
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            if pingpong:
-                sync()
-                sync()
-            return None
-
-        if nwg > 1:
-            lax.fori_loop(steps_of(hi), steps_of(hi_cta), skip, None)
-        if pingpong:
-            pl.when(w == 0)(sync)
-        q_s[...] = out.astype(dtype)  # Q is no longer needed: its SMEM holds O.
-        lse_s[...] = natural_lse(lse)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, o_ref.at[bi, h, pl.ds(q0, bm)])
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[bi, h, pl.ds(q0, bm)])
-        plgpu.wait_smem_to_gmem(0)
-
-    def producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
-        """The K/V loads of one item: blocks [split_lo(), hi) into the ring in steps of
-        ``bps`` blocks, step t at position ``base + t`` (each slot once the compute
-        warpgroups have released it); with a key mask, each step's keep values with its
-        V (they are read up to the softmax, V's slot is released after P V). A step
-        loads all its blocks that exist (past ``hi`` too: they are not used)."""
+    def producer(self, k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
+        """K/V producer ring, one item: key blocks [split_lo(), hi) into the ring, block
+        t at ring position ``base + t``, each slot once the compute warpgroups have
+        released it (the "consumed" barriers); with a key mask, each block's keep
+        values with its V (they are read up to the softmax, V's slot is released after
+        P V)."""
         _, k_s, v_s, _, _, _, keep_s, _ = smem
         k_bar, v_bar, k_free, v_free, _, _, _, m_bar = bars
-
-        # Every step holds kb keys but a last one whose blocks do not fill it.
-        last_rows = (total % bps) * bn  # 0: every step is whole
-
-        def first(ref, rows, axis=0):
-            """The first ``rows`` keys of a slot (along ``axis``)."""
-            if rows == kb:
-                return ref
-            return ref.at[:, pl.ds(0, rows)] if axis else ref.at[pl.ds(0, rows)]
+        bn, stages = self.bn, self.stages
 
         def load(t, _):
             n = base + t
             slot = lax.rem(n, jnp.int32(stages))
-            k0 = t * kb
-
-            def sized(copy):
-                if last_rows:
-                    pl.when(t < total // bps)(lambda: copy(kb))
-                    pl.when(t == total // bps)(lambda: copy(last_rows))
-                else:
-                    copy(kb)
-
-            def copy_k(rows):
-                src = (k_ref.at[bi, kvh, pl.ds(k0, rows)] if gpu_operands
-                       else k_ref.at[bi, kvh, :, pl.ds(k0, rows)])
-                plgpu.copy_gmem_to_smem(src, first(k_s.at[slot], rows, 0 if gpu_operands
-                                                   else 1), k_bar.at[slot])
-
-            def copy_v(rows):
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(k0, rows)],
-                                        first(v_s.at[slot], rows), v_bar.at[slot])
-
-            def copy_keep(rows):
-                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(k0, rows)],
-                                        first(keep_s.at[slot], rows), m_bar.at[slot])
+            k0 = t * bn
+            src = (k_ref.at[bi, kvh, pl.ds(k0, bn)] if self.gpu_operands
+                   else k_ref.at[bi, kvh, :, pl.ds(k0, bn)])
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            sized(copy_k)
+            plgpu.copy_gmem_to_smem(src, k_s.at[slot], k_bar.at[slot])
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            sized(copy_v)
-            if key_mask:
-                sized(copy_keep)
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(k0, bn)], v_s.at[slot],
+                                    v_bar.at[slot])
+            if self.key_mask:
+                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(k0, bn)], keep_s.at[slot],
+                                        m_bar.at[slot])
             return None
 
-        lax.fori_loop(split_lo_step(), steps_of(hi), load, None)
+        lax.fori_loop(self.split_lo(), hi, load, None)
 
-    def drain(bars, loads):
+    def drain(self, bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
         slot still in flight (of ``loads`` in all), so every barrier arrival is observed
         before the barriers are freed."""
         _, _, k_free, v_free, _, _, _, _ = bars
 
         def wait(n, _):
-            slot = lax.rem(n, jnp.int32(stages))
+            slot = lax.rem(n, jnp.int32(self.stages))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return None
 
-        lax.fori_loop(lax.max(loads - stages, 0), loads, wait, None)
+        lax.fori_loop(lax.max(loads - self.stages, 0), loads, wait, None)
 
-    set_regs = cfg.registers is not None and nwg == 2 and interpret is None
-    heads = hq * b
-    greedy = bool(cfg.persistent) and cfg.persistent_order == "greedy"
+    # -- the softmax consumer --------------------------------------------------------
 
-    def item(qi, h, bi):
-        """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
-        ``h`` of batch ``bi``."""
-        if cfg.q_order == "descending":
-            qi = (n_tiles - 1) - qi
-        tile0 = qi * rows_cta
-        pos = position_of(bi)
-        hi_cta = _visited_blocks(
-            tile0 if pos is None else tile0 * 0 + block_start(pos),
-            block_m=rows_cta, offset=offset_of(bi), total=total, causal=causal)
-        if split_out:  # the CTA's split only: blocks [lo, end)
-            hi_cta = lax.max(lax.min(split_lo() + per_split, hi_cta), split_lo())
-        return tile0, h, bi, lax.div(h, jnp.int32(group)), hi_cta
-
-    def items_of_cta():
-        """The CTA's items as ``(count, item_at(k))``."""
-        if not cfg.persistent:
-            qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-            return jnp.int32(1), lambda k: item(qi, h, bi)
-        cta, n = lax.axis_index("cta"), jnp.int32(cfg.persistent)
-        if greedy:  # row cta of the host's table: [count, item, item, ...]
-            table = dyn["sched"]
-
-            def at_table(k):
-                t = table[cta, k + 1]
-                return item(lax.rem(lax.div(t, jnp.int32(hq)), jnp.int32(n_tiles)),
-                            lax.rem(t, jnp.int32(hq)), lax.div(t, jnp.int32(hq * n_tiles)))
-
-            return table[cta, 0], at_table
-        rounds, rem = divmod(n_tiles * heads, cfg.persistent)
-        snake = cfg.persistent_order == "snake"
-        if snake:  # the last, partial round runs forwards or backwards as the others
-            extra = cta < rem if rounds % 2 == 0 else cta >= cfg.persistent - rem
-            count = jnp.int32(rounds) + extra.astype(jnp.int32)
+    def softmax(self, it: _Item, j, s, m, l, masked, keep):
+        """Online-softmax step of key block ``j`` on the raw scores ``s``: ``(p, alpha,
+        m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
+        ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
+        # The row max is taken of the raw scores and scaled after (the same value: the
+        # scale is positive and rounding is monotone), so ``s * scale`` has one use,
+        # the exponent, where the compiler contracts ``s * scale - m`` into one FMA
+        # alike on masked and unmasked blocks. (With the scaled scores also feeding
+        # the max, a fully visible block gave different bits through the two paths on
+        # the H200.) The mask selects the max's input and the exponential's output,
+        # never the exponent. (A non-causal call has nothing to mask but dropped keys:
+        # a partial last block's padding keys are dropped by a key mask.)
+        bm, bn = self.bm, self.bn
+        masked = masked and (self.causal or self.key_mask)
+        if masked:
+            cols, diag = it.tile_indices or self.indices()
+            visible = None
+            if self.causal:
+                visible = (diag <= it.q0 + it.offset - j * bn if it.position is None
+                           else cols <= it.position - j * bn)
+            if self.key_mask:
+                if self.layout_hints:
+                    kv = plgpu.load(keep, (), layout=plgpu.Layout.WGMMA.reduce(0))
+                else:
+                    kv = keep[...]
+                kept = lax.broadcast_in_dim(kv, (bm, bn), [1]) != 0.0
+                visible = kept if visible is None else visible & kept
+            raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
         else:
-            count = lax.div(jnp.int32(n_tiles * heads) - cta + (n - 1), n)
+            raw_max = s.max(axis=1)
+        m_new = jnp.maximum(m, raw_max * self.s_scale)
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = self.exp(m - m_safe)
+        p32 = self.exp(s * self.s_scale - _rows(m_safe, s.shape))
+        if masked:
+            p32 = jnp.where(visible, p32, 0.0)
+        l_new = None if self.use_mma_rowsum else l * alpha + p32.sum(axis=1)
+        return p32.astype(self.dtype), alpha, m_new, l_new
 
-        def at(k):
-            pos = cta
-            if snake:
-                pos = jnp.where(lax.rem(k, jnp.int32(2)) == 0, cta, n - 1 - cta)
-            t = pos + k * n  # tiles of one launch rank across all heads first
-            qi, hb = lax.div(t, jnp.int32(heads)), lax.rem(t, jnp.int32(heads))
-            return item(qi, lax.div(hb, jnp.int32(b)), lax.rem(hb, jnp.int32(b)))
+    def softmax_at(self, it: _Item, j, s, m, l, masked, keep):
+        """:meth:`softmax` on the block's path: with a key mask, a block that would take
+        the unmasked path takes the masked one where it drops a key."""
+        if masked or not self.key_mask:
+            return self.softmax(it, j, s, m, l, masked, keep)
+        return lax.cond(it.flags_ref[it.bi, j] != 0,
+                        lambda: self.softmax(it, j, s, m, l, True, keep),
+                        lambda: self.softmax(it, j, s, m, l, False, keep))
 
-        return count, at
+    def block_step(self, it: _Item, n_steps, t, carry, *, masked):
+        """Softmax consumer, key block ``t`` (taking the masked path if ``masked``): S =
+        Q K^T on wgmma (K's slot released), the online-softmax step, then P V into the
+        accumulator, in place (``acc * alpha`` as the wgmma's initial accumulator) or
+        into a fresh one added after; the next block's K is awaited while P V runs."""
+        acc, m, l = carry
+        _, k_s, v_s, _, ones_s, _, keep_s, _ = it.smem
+        k_bar, v_bar, k_free, v_free, _, _, sched, _ = it.bars
+        bm, bn, d = self.bm, self.bn, self.d
+        slot = self.slot_of(it, t)
+        self.wait_keep(it, t)
 
-    def kernel(q_ref, k_ref, v_ref, ones_ref, *rest):
+        def qk(acc_ref):
+            kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if self.gpu_operands
+                  else k_s.at[slot])
+            plgpu.wgmma(acc_ref, it.q_s, kt)
+            if self.pingpong:
+                self.sync(it)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        keep = keep_s.at[slot] if self.key_mask else None
+        p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
+        if self.gpu_operands:  # P as the P V wgmma's A operand: registers, or SMEM
+            p_op = p
+        else:
+            it.p_s[...] = p
+            plgpu.commit_smem()
+            p_op = it.p_s
+        if self.use_mma_rowsum:
+            def psum(acc_ref):
+                plgpu.wgmma(acc_ref, p_op, ones_s)
+                return acc_ref[...]
+
+            rs = pl.run_scoped(psum, plgpu.ACC((bm, self.ones_cols), jnp.float32))
+            l_new = l * alpha + rs.max(axis=1)
+        l = l_new
+        acc = acc * _rows(alpha, acc.shape)
+        if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
+            acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
+        if self.pingpong:
+            plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
+        plgpu.barrier_wait(v_bar.at[slot])
+        if self.pingpong:
+            plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+
+        def next_k():
+            """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
+            @pl.when(t + 1 < n_steps)
+            def _():
+                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
+
+        if self.inplace:
+            def pv_into(acc_ref):
+                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                next_k()
+
+            acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
+        else:
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                next_k()
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l
+
+    # -- the SPLIT fold --------------------------------------------------------------
+
+    def split(self, it: _Item, n_steps, si, state):
+        """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (those from
+        ``mid`` on take the masked path), finalised (:func:`kernel_finalize`) and merged
+        into the running ``state`` (:func:`kernel_merge`; None: the first split)."""
+        lo = si * self.per_split
+        end = lax.min(lo + self.per_split, it.hi)
+        mid = lax.max(lax.min(it.full, end), lo)
+        init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
+                self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
+                self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
+        step = functools.partial(self.block_step, it, n_steps)
+        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+        acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
+        # m is in the softmax's base (log2 units when base2): the kernel's state stays
+        # in that base until the output (KERNEL_LSE_BASE2).
+        part = kernel_finalize(acc, m, l, self.cfg.normalize)
+        return part if state is None else kernel_merge(*state, *part)
+
+    def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
+                 flags_ref=None, qbuf=None, after_q=None):
+        """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
+        splits folded in order (:meth:`split`), the blocks only the CTA's other
+        warpgroup needs released, and the :meth:`epilogue`. ``base``: the K/V loads of
+        the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
+        the Q buffer already being loaded for this item, and ``after_q``, called once
+        this item's Q is in (it starts the next item's load)."""
+        q_s, _, _, p_s, _, lse_s, _, _ = smem
+        q_bar = bars[4]
+        if qbuf is None:
+            q_s, q_b = q_s.at[w], q_bar.at[w]
+        else:
+            q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * self.nwg + w]
+        it = _Item(w=w, q_s=q_s, q_b=q_b, lse_s=lse_s.at[w],
+                   p_s=None if p_s is None else p_s.at[w], smem=smem, bars=bars,
+                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref)
+        it.offset, it.position = self.offset_of(bi), self.position_of(bi)
+        # The position that decides the blocks and their paths: with ``position``, the
+        # start of the prefill warpgroup tile that holds it (forward's padding aligns
+        # prefill tiles to multiples of BLOCK_N).
+        p0 = it.q0 if it.position is None else it.q0 * 0 + self.block_start(it.position)
+        it.hi = _visited_blocks(p0, block_m=self.bm, offset=it.offset, total=self.total,
+                                causal=self.causal)
+        # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
+        # block ran 27% slower on the H200, docs/mosaic.md).
+        it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
+                               causal=self.causal)
+        if qbuf is None:
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(it.q0, self.bm)], q_s, q_b)
+        plgpu.barrier_wait(q_b)
+        if after_q is not None:
+            after_q()
+        it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
+        if self.pingpong:
+            pl.when(w == 1)(lambda: self.sync(it))
+
+        # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
+        first_step = self.split_lo()
+        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
+                   else it.hi)
+        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+
+        @pl.when(first_step < n_steps)  # the first K (each later one: during P V)
+        def _():
+            plgpu.barrier_wait(bars[0].at[self.slot_of(it, first_step)])
+
+        init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
+                self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout))
+        if self.split_out:
+            # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
+            # >= hi: then finalize gives (0, -inf)); the fold happens outside.
+            out, lse = self.split(it, n_steps, lax.axis_index("s"), None)
+            self.epilogue(it, o_ref, lse_ref, out, lse)
+            return
+        out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
+                                 init)
+
+        # Blocks the CTA's other warpgroup needs and this one does not: wait for each
+        # load (so this warpgroup's release belongs to that block's phase) and release.
+        def skip(t, _):
+            k_bar, v_bar, k_free, v_free = bars[:4]
+            slot = self.slot_of(it, t)
+            plgpu.barrier_wait(k_bar.at[slot])
+            self.wait_keep(it, t)
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            if self.pingpong:
+                self.sync(it)
+                self.sync(it)
+            return None
+
+        if self.nwg > 1:
+            lax.fori_loop(it.hi, hi_cta, skip, None)
+        if self.pingpong:
+            pl.when(w == 0)(lambda: self.sync(it))
+        self.epilogue(it, o_ref, lse_ref, out, lse)
+
+    # -- the epilogue ----------------------------------------------------------------
+
+    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse):
+        """Epilogue and lse: the output in the input dtype through the Q tile's SMEM (Q
+        is no longer needed) and the lse in natural-log units, each stored by TMA; with
+        ``split_out``, the split's fp32 partial state and its base-2 lse."""
+        rows = pl.ds(it.q0, self.bm)
+        if self.split_out:
+            o32_s = it.smem[7]
+            o32_s[...] = out
+            it.lse_s[...] = lse
+            plgpu.commit_smem()
+            si = lax.axis_index("s")
+            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, rows])
+            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, si, rows])
+        else:
+            it.q_s[...] = out.astype(self.dtype)
+            it.lse_s[...] = natural_lse(lse)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(it.q_s, o_ref.at[it.bi, it.h, rows])
+            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    # -- warp specialisation and the launch ------------------------------------------
+
+    def kernel(self, q_ref, k_ref, v_ref, ones_ref, *rest):
+        """The CTA: ``compute_wgs`` consumer warpgroups and one producer warpgroup over
+        the CTA's items (:meth:`items_of_cta`), sharing the ring's SMEM and barriers."""
+        cfg, nwg, stages, bm = self.cfg, self.nwg, self.stages, self.bm
         *rest, o_ref, lse_ref = rest
-        if greedy:
-            *rest, dyn["sched"] = rest
-        if dyn_offsets:
-            *rest, dyn["offs"] = rest
-        keep_ref, flags_ref = rest if key_mask else (None, None)
-        count, item_at = items_of_cta()
-        scratch_refs = scratch((2,) if cfg.prefetch_q else ())
+        if self.greedy:
+            *rest, self.dyn["sched"] = rest
+        if self.dyn_offsets:
+            *rest, self.dyn["offs"] = rest
+        keep_ref, flags_ref = rest if self.key_mask else (None, None)
+        count, item_at = self.items_of_cta()
+        scratch_refs = self.scratch((2,) if cfg.prefetch_q else ())
         barriers = (
             plgpu.Barrier(num_barriers=stages),  # K slot loaded
             plgpu.Barrier(num_barriers=stages),  # V slot loaded
@@ -1123,8 +973,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
             # Q tile loaded, per compute warpgroup (and Q buffer)
             plgpu.Barrier(num_barriers=nwg * (2 if cfg.prefetch_q else 1)),
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
-            plgpu.Barrier(num_arrivals=2, num_barriers=1) if pingpong else None,
-            plgpu.Barrier(num_barriers=stages) if key_mask else None,  # keep loaded
+            plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None,
+            plgpu.Barrier(num_barriers=stages) if self.key_mask else None,  # keep loaded
         )
 
         def body(smem, bars):
@@ -1132,9 +982,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
             @pl.when(wg < nwg)
             def _():
-                if set_regs:
+                if self.set_regs:
                     plgpu.set_max_registers(cfg.registers[0], action="increase")
-                if use_mma_rowsum:
+                if self.use_mma_rowsum:
                     plgpu.barrier_wait(bars[5].at[0])
 
                 def issue_q(tile0, h, bi, buf):
@@ -1160,55 +1010,64 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                                 t1, h1, b1, _, _ = item_at(k + 1)
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
-                    compute_wg(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta,
-                               base, flags_ref, qbuf, after_q)
-                    return base + steps_of(hi_cta)
+                    self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
+                                  hi_cta, base, flags_ref, qbuf, after_q)
+                    return base + hi_cta
 
-                lax.fori_loop(0, count, one, -split_lo_step())
+                lax.fori_loop(0, count, one, -self.split_lo())
 
             @pl.when(wg == nwg)
             def _():
-                if set_regs:
+                if self.set_regs:
                     plgpu.set_max_registers(cfg.registers[1], action="decrease")
-                if use_mma_rowsum:
+                if self.use_mma_rowsum:
                     plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
 
                 def one(k, base):
                     _, _, bi, kvh, hi_cta = item_at(k)
-                    producer_wg(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base, keep_ref)
-                    return base + steps_of(hi_cta)
+                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base,
+                                  keep_ref)
+                    return base + hi_cta
 
-                drain(bars, lax.fori_loop(0, count, one, -split_lo_step()))
+                self.drain(bars, lax.fori_loop(0, count, one, -self.split_lo()))
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
-    grid = ((cfg.persistent,) if cfg.persistent else
-            (n_tiles, hq, b) if cfg.q_order == "ascending" else (hq, n_tiles, b))
-    grid_names = (("cta",) if cfg.persistent else
-                  ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"))
-    if split_out:
-        out_type = (jax.ShapeDtypeStruct((b, hq, n_splits_all, sq, d), jnp.float32),
-                    jax.ShapeDtypeStruct((b, hq, n_splits_all, sq), jnp.float32))
-        grid, grid_names = (n_splits_all, *grid), ("s", *grid_names)
-    else:
-        out_type = (jax.ShapeDtypeStruct((b, hq, sq, d), dtype),
-                    jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-    call = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=nwg + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=cfg.approx_math,
-            lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics.capitalize())),
-        interpret=interpret,
-    )
-    if not greedy:
-        return call, ones_cols
-    table = jnp.asarray(persistent_schedule(np.repeat(tile_blocks, hq), b, cfg.persistent))
-    return (lambda *args: call(*args, table)), ones_cols
+    def call(self):
+        """``(call, ones_cols)``: the ``plgpu.kernel`` over the grid (a persistent grid
+        takes the greedy table as a last input, bound here)."""
+        cfg, b, hq, d, sq = self.cfg, self.b, self.hq, self.d, self.sq
+        grid = ((cfg.persistent,) if cfg.persistent else
+                (self.n_tiles, hq, b) if cfg.q_order == "ascending"
+                else (hq, self.n_tiles, b))
+        grid_names = (("cta",) if cfg.persistent else
+                      ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"))
+        if self.split_out:
+            n = self.n_splits_all
+            out_type = (jax.ShapeDtypeStruct((b, hq, n, sq, d), jnp.float32),
+                        jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
+            grid, grid_names = (n, *grid), ("s", *grid_names)
+        else:
+            out_type = (jax.ShapeDtypeStruct((b, hq, sq, d), self.dtype),
+                        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        call = plgpu.kernel(
+            self.kernel,
+            out_type=out_type,
+            grid=grid,
+            grid_names=grid_names,
+            num_threads=self.nwg + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                approx_math=cfg.approx_math,
+                lowering_semantics=getattr(plgpu.LoweringSemantics,
+                                           cfg.semantics.capitalize())),
+            interpret=self.interpret,
+        )
+        if not self.greedy:
+            return call, self.ones_cols
+        table = jnp.asarray(persistent_schedule(np.repeat(self.tile_blocks, hq), b,
+                                                cfg.persistent))
+        return (lambda *args: call(*args, table)), self.ones_cols
 
 
 #: ``MosaicConfig(persistent=None)`` runs a persistent grid when no tile has more key
@@ -1250,7 +1109,7 @@ ITEM_OVERHEAD_BLOCKS = 2
 
 
 def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
-    """The ``persistent_order="greedy"`` table, int32 ``[n_cta, 1 + most]``: row c is
+    """The persistent grid's table, int32 ``[n_cta, 1 + most]``: row c is
     ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
     runs them. Items ``t`` are numbered as a plain grid launches them (here: the
     ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
@@ -1297,7 +1156,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     cfg = config or MosaicConfig()
     if partials:
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=schedule.BLOCK_N,
-                                  persistent=0, prefetch_q=False, overlap=None)
+                                  persistent=0, prefetch_q=False)
     check_inputs(q, k, v)
     dyn = causal and causal_offsets is not None
     if dyn:
@@ -1313,12 +1172,12 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              f"{(k.shape[0], k.shape[2])}, got {key_padding_mask.shape}")
         if key_padding_mask.dtype != jnp.bool_:
             raise TypeError(f"key_padding_mask must be bool, got {key_padding_mask.dtype}")
-    # A non-causal call with a partial last block (key_bound="needed"): its padding keys
-    # are dropped by a key mask, not by the key bound, so the kernel is the one a
-    # caller's padding with dropped keys gets (the same code on every block; on the
-    # H200 the key-bound kernel's rows differed from it in the last bits).
-    synth = ((not causal or dyn) and k.shape[2] % schedule.BLOCK_N != 0
-             and cfg.key_bound == "needed")
+    # A non-causal call with a partial last block: its padding keys are dropped by a
+    # key mask (the kernel has no bound at Skv), so the kernel is the one a caller's
+    # padding with dropped keys gets (the same code on every block; on the H200 a
+    # kernel bounding the keys at Skv gave rows that differed from it in the last
+    # bits, and ran 3 to 9% slower: docs/mosaic.md, retired options).
+    synth = (not causal or dyn) and k.shape[2] % schedule.BLOCK_N != 0
     if synth and key_padding_mask is None:
         key_padding_mask = jnp.ones((k.shape[0], k.shape[2]), jnp.bool_)
     key_mask = key_padding_mask is not None
