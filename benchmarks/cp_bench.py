@@ -8,9 +8,13 @@ each collective moves against the measured all-gather bandwidth.
 For each degree n of ``--degrees`` (the first n devices) and each S of ``--seq_lens``:
 
 - bits: ``jaxattn.cp.sharded_attention`` forward (out, lse) and backward (dQ, dK, dV)
-  against ``jaxattn.attention`` on one device, on raw bits (``--check_bits_max_s``
+  against ``jaxattn.attention`` on one device (both with the default backend:
+  ``mosaic`` on sm90), on raw bits (``--check_bits_max_s``
   bounds the lengths checked, since one device must hold the whole problem);
-- speed: forward and forward+backward tokens/s (B * S / time), median of ``--iters``;
+- speed: forward and forward+backward tokens/s (B * S / time), median of ``--iters``,
+  beside the single ``jaxattn.attention`` call and ``jaxattn.cp.forward_with_lse`` on one
+  device (CP simulated at degree ``--sim_degree``) timed in the same run (``--degrees=1``:
+  a one-device mesh);
 - bytes: what the forward and backward all-gathers receive per device (docs/cp.md's
   table), and the all-gather bandwidth measured on the same devices with a buffer of the
   forward's size, so the time the collectives need is known beside the total.
@@ -55,6 +59,10 @@ flags.DEFINE_integer("check_bits_max_s", 131072, "Longest S whose bits are check
 flags.DEFINE_integer("iters", 5, "Timed samples (median).")
 flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes (8 virtual CPU devices).")
+flags.DEFINE_string("backend", None, "Backend of both sides (default: the platform's, as "
+                    "jaxattn.attention picks; --smoke: pallas, whose CPU bits are promised).")
+flags.DEFINE_integer("sim_degree", 8, "cp_world_size of the one-device cp.forward timed "
+                     "beside (0: not timed).")
 
 
 def gather_bytes(b, hq, hkv, s, d, itemsize, n) -> dict:
@@ -94,7 +102,8 @@ def run_point(devices, n, s, p) -> dict:
 
     def sharded(q, k, v):
         return cp.sharded_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True,
-                                    load_balance=p["load_balance"], return_lse=True)
+                                    load_balance=p["load_balance"], return_lse=True,
+                                    backend=p["backend"])
 
     fwd = jax.jit(sharded)
     fwdbwd = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: sharded(q, k, v)[0],
@@ -106,13 +115,28 @@ def run_point(devices, n, s, p) -> dict:
     row.update({"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
                 "fwd_tokens_per_s": b * s / t_f, "fwdbwd_tokens_per_s": b * s / t_fb})
     row.update(gather_bytes(b, hq, hkv, s, d, jnp.dtype(p["dtype"]).itemsize, n))
+    one = devices[0]
+    q1, k1, v1, do1 = (jax.device_put(x, one) for x in (q, k, v, do))
+    op = jaxattn.get_op("attention", backend=p["backend"])  # as sharded_attention's
+    row["backend"] = op.backend
+    single_f = jax.jit(op.forward_with_lse)
+    single_fb = jax.jit(lambda q, k, v, do: jax.vjp(op.forward, q, k, v)[1](do))
+    t1_f = report.median_seconds(single_f, (q1, k1, v1), p["iters"])
+    t1_fb = report.median_seconds(single_fb, (q1, k1, v1, do1), p["iters"])
+    row.update({"single_fwd_ms": t1_f * 1e3, "single_fwdbwd_ms": t1_fb * 1e3,
+                "fwd_vs_single": t1_f / t_f * n, "fwdbwd_vs_single": t1_fb / t_fb * n})
+    if p.get("sim_degree"):
+        sim = lambda q, k, v: cp.forward_with_lse(q, k, v, cp_world_size=p["sim_degree"],
+                                                  backend=p["backend"])
+        sim_f = jax.jit(sim)
+        sim_fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: sim(q, k, v)[0],
+                                                     q, k, v)[1](do))
+        row["sim_fwd_ms"] = report.median_seconds(sim_f, (q1, k1, v1), p["iters"]) * 1e3
+        row["sim_fwdbwd_ms"] = report.median_seconds(sim_fb, (q1, k1, v1, do1),
+                                                     p["iters"]) * 1e3
     if s <= p["check_bits_max_s"]:
-        one = devices[0]
-        q1, k1, v1, do1 = (jax.device_put(x, one) for x in (q, k, v, do))
-        op = jaxattn.get_op("attention", backend="pallas")
-        ref_out, ref_lse = jax.jit(op.forward_with_lse)(q1, k1, v1)
-        ref_g = jax.jit(lambda q, k, v, do: jax.vjp(op.forward, q, k, v)[1](do))(q1, k1, v1,
-                                                                               do1)
+        ref_out, ref_lse = single_f(q1, k1, v1)
+        ref_g = single_fb(q1, k1, v1, do1)
         out, lse = fwd(qs, kss, vs)
         g = fwdbwd(qs, kss, vs, dos)
         row["fwd_bits_equal"] = _bits_equal(out, ref_out) and _bits_equal(lse, ref_lse)
@@ -125,16 +149,24 @@ def to_markdown(rows, meta) -> str:
              f"{meta['jax']}); command: `{meta['command']}`; all-gather bandwidth per "
              f"device: " + ", ".join(f"n={k}: {v:.1f} GB/s" for k, v in
                                      meta["allgather_GBps"].items()), "",
-             "| n | S | fwd ms | fwd tok/s | fwd+bwd ms | fwd+bwd tok/s | fwd gather MB | "
-             "bwd gather MB | fwd bits | bwd bits |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "Per-device efficiency against the single call: single time / (CP time * n).",
+             "",
+             "| n | S | backend | fwd ms | single fwd ms | fwd eff. | fwd+bwd ms | "
+             "single fwd+bwd ms | fwd+bwd eff. | cp.forward (1 device) fwd / fwd+bwd ms | "
+             "fwd gather MB | bwd gather MB | fwd bits | bwd bits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['n']} | {r['S']} | error: {r['error'][:80]} |||||||")
             continue
         bits = lambda key, r=r: {True: "equal", False: "**differ**"}.get(r.get(key),
                                                                        "not checked")
-        lines.append(f"| {r['n']} | {r['S']} | {r['fwd_ms']:.2f} | {r['fwd_tokens_per_s']:.0f}"
-                     f" | {r['fwdbwd_ms']:.2f} | {r['fwdbwd_tokens_per_s']:.0f} | "
+        sim = (f"{r['sim_fwd_ms']:.2f} / {r['sim_fwdbwd_ms']:.2f}" if "sim_fwd_ms" in r
+               else "-")
+        lines.append(f"| {r['n']} | {r['S']} | {r['backend']} | {r['fwd_ms']:.2f} | "
+                     f"{r['single_fwd_ms']:.2f} | {r['fwd_vs_single']:.3f} | "
+                     f"{r['fwdbwd_ms']:.2f} | {r['single_fwdbwd_ms']:.2f} | "
+                     f"{r['fwdbwd_vs_single']:.3f} | {sim} | "
                      f"{r['fwd_gather_MB']:.1f} | {r['bwd_gather_MB']:.1f} | "
                      f"{bits('fwd_bits_equal')} | {bits('bwd_bits_equal')} |")
     return "\n".join(lines) + "\n"
@@ -145,13 +177,15 @@ def main(argv):
     devices = jax.devices()
     if FLAGS.smoke:
         p = dict(b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, load_balance=True,
-                 iters=1, check_bits_max_s=1 << 30)
+                 iters=1, check_bits_max_s=1 << 30, sim_degree=0,
+                 backend=FLAGS.backend or "pallas")
         seq_lens = [512]
         gather_size = 1 << 20
     else:
         p = dict(b=FLAGS.batch, hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads,
                  d=FLAGS.head_dim, dtype=jnp.bfloat16, load_balance=FLAGS.load_balance,
-                 iters=FLAGS.iters, check_bits_max_s=FLAGS.check_bits_max_s)
+                 iters=FLAGS.iters, check_bits_max_s=FLAGS.check_bits_max_s,
+                 sim_degree=FLAGS.sim_degree, backend=FLAGS.backend)
         seq_lens = [int(s) for s in FLAGS.seq_lens]
         gather_size = 1 << 30
     degrees = [int(x) for x in FLAGS.degrees] or [x for x in (2, 4, 8) if x <= len(devices)]

@@ -13,10 +13,11 @@ DESIGN.md section 5. Two ways to run attention over a sequence cut into shards:
   equal the single call's.
 * :func:`sharded_attention` (a mesh, ``jax.shard_map``): q, k and v sharded along the
   sequence over a mesh axis. K and V are all-gathered, so every device computes its own
-  query rows over all keys with the same kernels (a backend with the "cp_mesh" path):
-  equal in bits to one device whatever
-  the shard boundaries (query shards must start on multiples of the backward's 64-row
-  block for the backward bits). See docs/cp.md for the collectives and bytes.
+  query rows over all keys with the kernels of the backend :func:`jaxattn.attention`
+  picks (a backend with the "cp_mesh" path; ``mosaic`` on sm90): equal in bits to
+  ``jaxattn.attention`` with that backend on one device whatever the shard boundaries
+  (shards must start on multiples of the backward's 64-row block for the backward
+  bits). See docs/cp.md for the collectives and bytes.
 
 Positions are global: query i of a sequence sits at ``query_position_offsets[b] + i``
 (default ``Skv - Sq``), key j at ``key_position_offsets[b] + j`` (default 0), and the
@@ -293,15 +294,10 @@ def _layout(n: int, s: int, load_balance: bool):
     return perm, c, chunks
 
 
-#: The mesh path's backend until the ``mosaic`` backend has per-device gradient kernels
-#: (its fp32 calls are the Pallas kernels' anyway).
-MESH_BACKEND = "pallas"
-
-
 def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
                       scale: float | None = None, key_padding_mask=None,
                       load_balance: bool = False, return_lse: bool = False,
-                      backend: str | Backend | None = MESH_BACKEND):
+                      backend: str | Backend | None = None):
     """Attention over q, k, v sharded along the sequence on ``mesh[axis_name]``.
 
     Args:
@@ -311,15 +307,19 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
       load_balance: for causal attention, device i holds chunks i and 2n-1-i of the
         sequence instead of chunk i (the caller passes natural order; the permutation is
         applied here). It balances the causal work and never changes the bits.
-      backend: a backend with the "cp_mesh" path (default :data:`MESH_BACKEND`; None:
-        the platform's choice, which must have that path).
+      backend: None (the backend :func:`jaxattn.attention` picks on the inputs'
+        platform: ``mosaic`` on sm90, the reference on a CPU) or a backend name or
+        object; it must have the "cp_mesh" path (the reference, ``pallas`` and
+        ``mosaic`` have it).
 
     Forward: each device all-gathers K and V and computes its own query rows over all
     keys with the backend's forward. Backward: each device all-gathers q, dO, lse and delta
     (and K, V), computes dK and dV of its own keys over every query and dQ of its own
-    queries over every key. No reduction crosses devices, so forward and backward give
-    the bits of one device when chunk boundaries fall on multiples of 64 (the backward's
-    block) -- and, for the forward, always.
+    queries over every key. No reduction crosses devices, so with a kernel backend
+    forward and backward give the bits of ``jaxattn.attention`` with that backend on one
+    device when chunk boundaries fall on multiples of 64 (the backward's block) -- and,
+    for the forward, always. The reference's mesh gradients agree with its one-device
+    gradients within rounding.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -328,7 +328,7 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
     if dims.q_len != dims.kv_len:
         raise ValueError(f"sharded_attention is self-attention: Sq ({dims.q_len}) must "
                          f"equal Skv ({dims.kv_len})")
-    be = registry.resolve("cp_attention", backend)
+    be = registry.resolve("attention", backend)
     reason = be.unsupported(dims, "cp_mesh")
     if reason is not None:
         raise ValueError(f"backend {be.name!r} cannot serve this call: {reason}")

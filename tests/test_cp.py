@@ -208,18 +208,77 @@ def test_sharded_attention_on_8_cpu_devices_equals_one_device():
             mesh = Mesh(np.array(jax.devices()[:n]), ("sp",))
             f = lambda q, k, v: cp.sharded_attention(
                 q, k, v, mesh=mesh, axis_name="sp", key_padding_mask=mask,
-                load_balance=lb, return_lse=True)
+                load_balance=lb, return_lse=True, backend="pallas")
             got, gvjp = jax.vjp(jax.jit(f), q, k, v)
             assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1]), (n, lb)
             for a, b in zip(gvjp((do, dl)), gref):
                 assert bits_equal(a, b), (n, lb)
             assert not np.isnan(np.asarray(got[0], np.float32)).any()
+        # backend=None: the backend jaxattn.attention picks (the reference on a CPU),
+        # whose mesh gradients agree with its one-device gradients within rounding.
+        att0 = lambda q, k, v: jaxattn.attention(q, k, v, key_padding_mask=mask,
+                                                 return_lse=True)
+        ref0, vjp0 = jax.vjp(att0, q, k, v)
+        mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
+        f = lambda q, k, v: cp.sharded_attention(q, k, v, mesh=mesh, axis_name="sp",
+                                                 key_padding_mask=mask, load_balance=True,
+                                                 return_lse=True)
+        got, gvjp = jax.vjp(jax.jit(f), q, k, v)
+        err = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64)
+                                               - np.asarray(b, np.float64)))
+                                 / np.max(np.abs(np.asarray(b, np.float64))))
+        assert err(got[0], ref0[0]) < 1e-2 and err(got[1], ref0[1]) < 1e-5
+        for a, b in zip(gvjp((do, dl)), vjp0((do, dl))):
+            assert err(a, b) < 2e-2, err(a, b)
         print("SHARDED OK")
     """)
     # Eight virtual CPU devices also on a GPU host (the multi-GPU run is benchmarks/cp_bench).
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=900, env=cpu_env())
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_sharded_attention_on_the_mosaic_kernels_equals_one_device():
+    """The mesh path through the Mosaic kernels (interpret mode, one warpgroup): forward
+    and gradients on 2 devices, and on 2 load-balanced devices (chunks of 64 keys), equal
+    the Mosaic backend's one-device call in bits; with a key padding mask."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh
+        from jaxattn import cp
+        from jaxattn.backends.mosaic import backend as mb, backward as mbw, forward as mf
+        from jaxattn.invariance import bits_equal
+        kw = dict(interpret=True, fwd_config=mf.MosaicConfig(compute_wgs=1, block_m=64),
+                  bwd_config=mbw.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+        be = mb.MosaicBackend(**kw)
+        seed = int(np.random.default_rng().integers(2**16))
+        ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+        q = jax.random.normal(ks[0], (1, 2, 256, 64)).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, 1, 256, 64)).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, 1, 256, 64)).astype(jnp.bfloat16)
+        do = jax.random.normal(ks[3], q.shape).astype(jnp.bfloat16)
+        mask = jnp.asarray(np.arange(256) % 5 != 3)[None]
+        one = lambda q, k, v: mb.attention(q, k, v, mask, causal=True, scale=0.125, **kw)
+        ref, vjp = jax.vjp(one, q, k, v)
+        dl = jax.random.normal(ks[4], ref[1].shape)
+        gref = vjp((do, dl))
+        mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+        for lb in (False, True):
+            f = lambda q, k, v: cp.sharded_attention(
+                q, k, v, mesh=mesh, axis_name="sp", scale=0.125, key_padding_mask=mask,
+                load_balance=lb, return_lse=True, backend=be)
+            got, gvjp = jax.vjp(jax.jit(f), q, k, v)
+            assert not np.isnan(np.asarray(got[0], np.float32)).any()
+            assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1]), (lb, seed)
+            for name, a, b in zip("qkv", gvjp((do, dl)), gref):
+                assert bits_equal(a, b), (name, lb, seed)
+        print("MOSAIC SHARDED OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900, env=cpu_env())
+    assert proc.returncode == 0 and "MOSAIC SHARDED OK" in proc.stdout, proc.stderr[-4000:]
 
 
 def test_sharded_attention_rejects_bad_layouts():

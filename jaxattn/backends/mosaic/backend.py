@@ -176,6 +176,7 @@ class MosaicBackend(Backend):
     description = ("Pallas Mosaic GPU kernels (Hopper: wgmma, TMA) on the canonical "
                    "schedule; bf16/fp16 (fp32 on the Pallas kernels)")
     platforms = ("gpu",)
+    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged"))
     priority = {"gpu": 5}  # before pallas wherever available (sm90)
 
     def __init__(self, *, interpret=False, fwd_config=None, bwd_config=None):
@@ -273,6 +274,70 @@ class MosaicBackend(Backend):
             causal=causal, scale=scale, interpret=self.interpret, config=self.bwd_config,
             key_padding_mask=key_padding_mask)
         return tuple(g[..., :d] for g in grads)
+
+    # The mesh path (jaxattn.cp.sharded_attention): each device's rows and keys.
+    def delta(self, out, d_out, d_lse):
+        """``rowsum(dO * O) - dlse`` by the Mosaic delta kernel (rows padded to its
+        64-row tiles and the head dim as the forward pads it: zeros add nothing)."""
+        if on_pallas(out.dtype):
+            return PALLAS.delta(out, d_out, d_lse)
+        _refuse_unsupported(out)
+        from jaxattn.backends.mosaic import backward as mosaic_bwd
+        b, hq, sq, d = out.shape
+        if sq == 0:
+            return jnp.zeros((b, hq, 0), jnp.float32)
+        dp = _padded_head_dim(d)
+        rows = -(-sq // mosaic_bwd.BLOCK_Q) * mosaic_bwd.BLOCK_Q
+        pad = ((0, 0), (0, 0), (0, rows - sq))
+        out_, d_out_ = (jnp.pad(pad_head_dim(x, dp), (*pad, (0, 0)))
+                        for x in (out, d_out.astype(out.dtype)))
+        d_lse_ = None if d_lse is None else jnp.pad(d_lse.astype(jnp.float32), pad)
+        return mosaic_bwd.delta(out_, d_out_, d_lse_, interpret=self.interpret,
+                                config=self.bwd_config)[:, :, :sq]
+
+    def key_gradients(self, q, k, v, key_padding_mask, d_out, lse, delta, *, causal, scale,
+                      causal_offsets):
+        """dK, dV of these keys over every query row (the dK/dV kernel of
+        :func:`backward.backward_over_ranges` over one range)."""
+        if on_pallas(q.dtype):
+            return PALLAS.key_gradients(q, k, v, key_padding_mask, d_out, lse, delta,
+                                        causal=causal, scale=scale,
+                                        causal_offsets=causal_offsets)
+        return self._gradients("key_gradients", q, k, v, key_padding_mask, d_out, lse,
+                               delta, causal=causal, scale=scale,
+                               causal_offsets=causal_offsets)
+
+    def query_gradients(self, q, k, v, key_padding_mask, d_out, lse, delta, *, causal,
+                        scale, causal_offsets):
+        """dQ of these query rows over every key (the dQ kernel of
+        :func:`backward.backward_over_ranges` over one range, scaled and cast)."""
+        if on_pallas(q.dtype):
+            return PALLAS.query_gradients(q, k, v, key_padding_mask, d_out, lse, delta,
+                                          causal=causal, scale=scale,
+                                          causal_offsets=causal_offsets)
+        return self._gradients("query_gradients", q, k, v, key_padding_mask, d_out, lse,
+                               delta, causal=causal, scale=scale,
+                               causal_offsets=causal_offsets)
+
+    def _gradients(self, which, q, k, v, key_padding_mask, d_out, lse, delta, *, causal,
+                   scale, causal_offsets):
+        _refuse_unsupported(q)
+        from jaxattn.backends.mosaic import backward as mosaic_bwd
+        if _is_empty(q, k):
+            return ((jnp.zeros_like(k), jnp.zeros_like(v)) if which == "key_gradients"
+                    else jnp.zeros_like(q))
+        d = q.shape[-1]
+        dp = _padded_head_dim(d)
+        q_, k_, v_, d_out_ = _pad_all(dp, q, k, v, d_out.astype(q.dtype))
+        offsets = (jnp.asarray(causal_offsets, jnp.int32) if causal
+                   else jnp.zeros((q.shape[0],), jnp.int32))
+        grads = getattr(mosaic_bwd, which)(
+            q_, k_, v_, lse, d_out_, delta, offsets=offsets, causal=bool(causal),
+            scale=float(scale), interpret=self.interpret, config=self.bwd_config,
+            key_padding_mask=key_padding_mask)
+        if which == "key_gradients":
+            return tuple(g[..., :d] for g in grads)
+        return grads[..., :d]
 
     def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale):
         """fp32: the Pallas kernels (pages read in place). bf16/fp16: the pages gathered

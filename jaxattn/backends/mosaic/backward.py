@@ -1172,7 +1172,29 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
         raise ValueError(f"ranges must be ascending, non-empty, contiguous, cover "
                          f"[0, {skv}) and start at multiples of {2 * BLOCK_KV}; got "
                          f"{ranges}")
-    rows_cta = BLOCK_Q * cfg.dq_wgs
+    place, unplace, offs = _placement(q.shape, offsets, causal, BLOCK_Q * cfg.dq_wgs)
+    qp, outp, dop = place(q), place(out), place(d_out.astype(q.dtype))
+    lsep = place(lse, NEG_INF)  # padding rows add nothing
+    dlsep = None if d_lse is None else place(d_lse.astype(jnp.float32))
+    kw = dict(offset=0, causal=causal, scale=scale, interpret=interpret, config=cfg)
+    dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg)
+    dks, dvs, acc = [], [], None
+    for a, e in ranges:
+        kr, vr, keep = _key_range(k, v, key_padding_mask, a, e)
+        off_r = offs - a if causal else None
+        dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
+        acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
+        dks.append(dk[:, :, :e - a])
+        dvs.append(dv[:, :, :e - a])
+    dq = unplace((acc * scale).astype(q.dtype))
+    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+
+
+def _placement(q_shape, offsets, causal: bool, rows_cta: int):
+    """``(place, unplace, offs)``: the rows of each sequence placed at their own lead
+    (``offsets[b] mod 64`` when causal, as the forward places them) in whole CTA tiles,
+    and the offsets in the placed rows' coordinates (multiples of ``BLOCK_KV``)."""
+    b, hq, sq, d = q_shape
     if causal:
         lead = offsets % BLOCK_KV  # [B]: each sequence's tiles at 64 absolute positions
         sq_pad = -(-(BLOCK_KV - 1 + sq) // rows_cta) * rows_cta
@@ -1195,30 +1217,78 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
 
         def unplace(x):
             return x[:, :, :sq]
-    qp, outp, dop = place(q), place(out), place(d_out.astype(q.dtype))
-    lsep = place(lse, NEG_INF)  # padding rows add nothing
-    dlsep = None if d_lse is None else place(d_lse.astype(jnp.float32))
-    offs = offsets - lead  # multiples of BLOCK_KV, in padded-row coordinates
-    kw = dict(offset=0, causal=causal, scale=scale, interpret=interpret, config=cfg)
-    dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg)
-    dks, dvs, acc = [], [], None
-    for a, e in ranges:
-        n = e - a
-        n_pad = -(-n // BLOCK_KV) * BLOCK_KV
-        kr, vr = k[:, :, a:e], v[:, :, a:e]
-        keep = None if key_padding_mask is None else key_padding_mask[:, a:e]
-        if n_pad != n:
-            kr, vr = (jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0))) for x in (kr, vr))
-            keep = jnp.ones((b, n), jnp.bool_) if keep is None else keep
-            keep = jnp.pad(keep, ((0, 0), (0, n_pad - n)))
-        keep = None if keep is None else keep.astype(jnp.float32)
-        off_r = offs - a if causal else None
-        dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
-        acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
-        dks.append(dk[:, :, :n])
-        dvs.append(dv[:, :, :n])
-    dq = unplace((acc * scale).astype(q.dtype))
-    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+    return place, unplace, offsets - lead
+
+
+def _key_range(k, v, key_padding_mask, a: int, e: int):
+    """Keys ``[a, e)`` padded to whole ``BLOCK_KV`` blocks, the padding dropped by the
+    keep values (fp32, or None without a mask or padding)."""
+    b = k.shape[0]
+    n = e - a
+    n_pad = -(-n // BLOCK_KV) * BLOCK_KV
+    kr, vr = k[:, :, a:e], v[:, :, a:e]
+    keep = None if key_padding_mask is None else key_padding_mask[:, a:e]
+    if n_pad != n:
+        kr, vr = (jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0))) for x in (kr, vr))
+        keep = jnp.ones((b, n), jnp.bool_) if keep is None else keep
+        keep = jnp.pad(keep, ((0, 0), (0, n_pad - n)))
+    return kr, vr, None if keep is None else keep.astype(jnp.float32)
+
+
+def _mesh_inputs(q, k, lse, d_out, delta_, offsets, *, causal, scale, config):
+    """The checks and placed rows of :func:`key_gradients` / :func:`query_gradients`."""
+    cfg = config or BwdConfig()
+    check_inputs(q, k, k)
+    b, hq, sq, d = q.shape
+    _check_rows("d_out", d_out, q.shape)
+    _check_rows("lse", lse, (b, hq, sq), jnp.float32)
+    _check_rows("delta", delta_, (b, hq, sq), jnp.float32)
+    offsets = jnp.asarray(offsets)
+    if offsets.shape != (b,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise ValueError(f"offsets must be int [B] = [{b}], got {offsets.dtype} "
+                         f"{offsets.shape}")
+    place, unplace, offs = _placement(q.shape, offsets.astype(jnp.int32), causal,
+                                      BLOCK_Q * cfg.dq_wgs)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return (cfg, scale, place(q), place(d_out.astype(q.dtype)), place(lse, NEG_INF),
+            place(delta_), unplace, offs if causal else None)
+
+
+def key_gradients(q, k, v, lse, d_out, delta_, *, offsets, causal: bool,
+                  scale: float | None = None, interpret=False,
+                  config: BwdConfig | None = None, key_padding_mask=None):
+    """dK, dV of the keys in ``k``/``v`` over every query row of ``q``, given those
+    rows' final ``lse`` and ``delta_`` (context parallelism's mesh path: a device's
+    keys against the all-gathered rows). Row i of sequence b sees key j iff ``j <= i +
+    offsets[b]`` (causal). :func:`backward_over_ranges`'s dK/dV kernel for one range,
+    so a key range starting on a multiple of 64 gets the bits of one call over all
+    keys."""
+    if key_padding_mask is not None:
+        k, v = zero_dropped_keys(k, v, key_padding_mask)
+    cfg, scale, qp, dop, lsep, dl, _, offs = _mesh_inputs(
+        q, k, lse, d_out, delta_, offsets, causal=causal, scale=scale, config=config)
+    skv = k.shape[2]
+    kr, vr, keep = _key_range(k, v, key_padding_mask, 0, skv)
+    dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, offs, offset=0, causal=causal,
+                         scale=scale, interpret=interpret, config=cfg)
+    return dk[:, :, :skv], dv[:, :, :skv]
+
+
+def query_gradients(q, k, v, lse, d_out, delta_, *, offsets, causal: bool,
+                    scale: float | None = None, interpret=False,
+                    config: BwdConfig | None = None, key_padding_mask=None):
+    """dQ (in q's dtype) of the rows of ``q`` over every key of ``k``/``v``, given the
+    rows' final ``lse`` and ``delta_`` (context parallelism's mesh path: a device's rows
+    against the all-gathered keys); :func:`backward_over_ranges`'s dQ kernel over one
+    range, scaled and cast."""
+    if key_padding_mask is not None:
+        k, v = zero_dropped_keys(k, v, key_padding_mask)
+    cfg, scale, qp, dop, lsep, dl, unplace, offs = _mesh_inputs(
+        q, k, lse, d_out, delta_, offsets, causal=causal, scale=scale, config=config)
+    kr, vr, keep = _key_range(k, v, key_padding_mask, 0, k.shape[2])
+    acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, offs, None, offset=0, causal=causal,
+                     scale=scale, interpret=interpret, config=cfg)
+    return unplace((acc * scale).astype(q.dtype))
 
 
 def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, scale,
