@@ -294,6 +294,50 @@ def _layout(n: int, s: int, load_balance: bool):
     return perm, c, chunks
 
 
+def device_chunks(chunks: list[list[int]], c: int, i) -> list[tuple[slice, jax.Array]]:
+    """Device ``i``'s chunks of the sharded sequence: (slice of its local rows, global
+    position of the chunk's first row), for :func:`mesh_forward` and :func:`mesh_backward`.
+    ``i`` is the device's index on the mesh axis (traced inside ``shard_map``)."""
+    starts = jnp.asarray([[j * c for j in dev] for dev in chunks], jnp.int32)[i]
+    return [(slice(t * c, (t + 1) * c), starts[t]) for t in range(len(chunks[0]))]
+
+
+def mesh_forward(be: Backend, q_l, k_all, v_all, m_all, own, *, causal: bool, scale: float):
+    """One device's forward on the mesh: its own query rows ``q_l`` (the chunks ``own``
+    of :func:`device_chunks`) over all the keys, gathered in natural order. Returns
+    ``(out, lse)`` of its rows; the rows of a chunk are placed by their global position,
+    so no reduction depends on the device count."""
+    b = q_l.shape[0]
+    outs = [be.forward_with_lse(q_l[:, :, sl], k_all, v_all, key_padding_mask=m_all,
+                                causal_offsets=jnp.full((b,), st), causal=causal,
+                                scale=scale)
+            for sl, st in own]
+    return (jnp.concatenate([o for o, _ in outs], 2),
+            jnp.concatenate([l_ for _, l_ in outs], 2))
+
+
+def mesh_backward(be: Backend, q_l, k_l, v_l, m_l, do_l, lse_l, dl_l, own, *, q_all,
+                  do_all, lse_all, delta_all, k_all, v_all, m_all, causal: bool,
+                  scale: float):
+    """One device's backward on the mesh: dK and dV of its own keys over every query
+    (``*_all``: gathered in natural order, with their final lse and delta), dQ of its own
+    queries over every key. Returns ``(dq, dk, dv)`` of its chunks ``own``."""
+    b = q_l.shape[0]
+    kw = dict(causal=causal, scale=scale)
+    dks, dvs, dqs = [], [], []
+    for sl, st in own:
+        ms = None if m_l is None else m_l[:, sl]
+        dk, dv = be.key_gradients(q_all, k_l[:, :, sl], v_l[:, :, sl], ms, do_all, lse_all,
+                                  delta_all, causal_offsets=jnp.full((b,), -st), **kw)
+        dq = be.query_gradients(q_l[:, :, sl], k_all, v_all, m_all, do_l[:, :, sl],
+                                lse_l[:, :, sl], dl_l[:, :, sl],
+                                causal_offsets=jnp.full((b,), st), **kw)
+        dks.append(dk)
+        dvs.append(dv)
+        dqs.append(dq)
+    return tuple(jnp.concatenate(x, 2) for x in (dqs, dks, dvs))
+
+
 def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
                       scale: float | None = None, key_padding_mask=None,
                       load_balance: bool = False, return_lse: bool = False,
@@ -353,39 +397,20 @@ def sharded_attention(q, k, v, *, mesh, axis_name: str, causal: bool = True,
         full = lax.all_gather(x, axis_name, axis=axis, tiled=True)
         return jnp.take(full, inv, axis=axis) if load_balance else full
 
-    def my_chunks():
-        i = lax.axis_index(axis_name)
-        starts = jnp.asarray([[j * c for j in dev] for dev in chunks], jnp.int32)[i]
-        return [(slice(t * c, (t + 1) * c), starts[t]) for t in range(len(chunks[0]))]
-
     def fwd_local(q_l, k_l, v_l, m_l):
-        k_all, v_all = gather(k_l, 2), gather(v_l, 2)
-        m_all = gather(m_l, 1) if has_mask else None
-        outs = [be.forward_with_lse(q_l[:, :, sl], k_all, v_all, key_padding_mask=m_all,
-                                    causal_offsets=jnp.full((b,), st), **kw)
-                for sl, st in my_chunks()]
-        return (jnp.concatenate([o for o, _ in outs], 2),
-                jnp.concatenate([l_ for _, l_ in outs], 2))
+        own = device_chunks(chunks, c, lax.axis_index(axis_name))
+        return mesh_forward(be, q_l, gather(k_l, 2), gather(v_l, 2),
+                            gather(m_l, 1) if has_mask else None, own, **kw)
 
     def bwd_local(q_l, k_l, v_l, m_l, out_l, lse_l, do_l, dlse_l):
+        own = device_chunks(chunks, c, lax.axis_index(axis_name))
         dl_l = be.delta(out_l, do_l, dlse_l)
-        q_all, do_all = gather(q_l, 2), gather(do_l.astype(q_l.dtype), 2)
-        lse_all, dl_all = gather(lse_l, 2), gather(dl_l, 2)
-        k_all, v_all = gather(k_l, 2), gather(v_l, 2)
-        m_all = gather(m_l, 1) if has_mask else None
-        dks, dvs, dqs = [], [], []
-        for sl, st in my_chunks():
-            ms = m_l[:, sl] if has_mask else None
-            dk, dv = be.key_gradients(q_all, k_l[:, :, sl], v_l[:, :, sl], ms, do_all,
-                                      lse_all, dl_all, causal_offsets=jnp.full((b,), -st),
-                                      **kw)
-            dq = be.query_gradients(q_l[:, :, sl], k_all, v_all, m_all, do_l[:, :, sl],
-                                    lse_l[:, :, sl], dl_l[:, :, sl],
-                                    causal_offsets=jnp.full((b,), st), **kw)
-            dks.append(dk)
-            dvs.append(dv)
-            dqs.append(dq)
-        return tuple(jnp.concatenate(x, 2) for x in (dqs, dks, dvs))
+        gathered = dict(q_all=gather(q_l, 2), do_all=gather(do_l.astype(q_l.dtype), 2),
+                        lse_all=gather(lse_l, 2), delta_all=gather(dl_l, 2),
+                        k_all=gather(k_l, 2), v_all=gather(v_l, 2),
+                        m_all=gather(m_l, 1) if has_mask else None)
+        return mesh_backward(be, q_l, k_l, v_l, m_l if has_mask else None, do_l, lse_l,
+                             dl_l, own, **gathered, **kw)
 
     mask_in = key_padding_mask if has_mask else jnp.zeros((b, s), bool)
     fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(seq, seq, seq, mspec),
