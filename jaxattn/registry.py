@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from jaxattn import layout
 from jaxattn import platform as _platform
 from jaxattn.backends import builtin
 from jaxattn.backends.base import Backend, FunctionBackend
@@ -84,14 +86,30 @@ class AttentionOp:
         if reason is not None:
             raise ValueError(f"backend {self.backend!r} cannot serve this call: {reason}")
 
-    def forward_with_lse(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                         key_padding_mask=None) -> tuple[jax.Array, jax.Array]:
-        """``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``."""
+    def _forward(self, q, k, v, *, causal, scale, key_padding_mask, fp32: bool):
         kw = dict(causal=causal, scale=scale, key_padding_mask=key_padding_mask)
         self._check(q, k, v, kw)
-        return self._backend.forward_with_lse(
-            q, k, v, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
-            key_padding_mask=key_padding_mask)
+        be = self._backend
+        kw = dict(causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
+                  key_padding_mask=key_padding_mask)
+        if key_padding_mask is not None and be.follows_schedule:
+            # Left padding: blocks aligned to each sequence's first valid key (bits of
+            # the sequence alone; jaxattn.layout).
+            if fp32:
+                q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+            return layout.aligned_forward(be, q, k, v, **kw)
+        if fp32:
+            return be.forward_fp32_with_lse(q, k, v, **kw)
+        return be.forward_with_lse(q, k, v, **kw)
+
+    def forward_with_lse(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                         key_padding_mask=None) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Hq, Sq, D] in q.dtype, lse [B, Hq, Sq] fp32)``. With a
+        ``key_padding_mask`` on a backend that follows the schedule, each sequence's key
+        blocks start at its first kept key (:func:`jaxattn.layout.aligned_forward`), so a
+        left-padded sequence gets the bits it has alone."""
+        return self._forward(q, k, v, causal=causal, scale=scale,
+                             key_padding_mask=key_padding_mask, fp32=False)
 
     def forward(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                 key_padding_mask=None) -> jax.Array:
@@ -105,11 +123,8 @@ class AttentionOp:
                               scale: float | None = None,
                               key_padding_mask=None) -> tuple[jax.Array, jax.Array]:
         """fp32 inputs, fp32 ``(out, lse)``."""
-        kw = dict(causal=causal, scale=scale, key_padding_mask=key_padding_mask)
-        self._check(q, k, v, kw)
-        return self._backend.forward_fp32_with_lse(
-            q, k, v, causal=bool(causal), scale=resolve_scale(scale, q.shape[-1]),
-            key_padding_mask=key_padding_mask)
+        return self._forward(q, k, v, causal=causal, scale=scale,
+                             key_padding_mask=key_padding_mask, fp32=True)
 
     def forward_fp32(self, q, k, v, *, causal: bool = True, scale: float | None = None,
                      key_padding_mask=None) -> jax.Array:
