@@ -13,7 +13,9 @@ it serves, the same methods:
 * ``delta`` / ``key_gradients`` / ``query_gradients``: the backward's pieces that a
   device of a mesh computes for its own keys and its own queries (the "cp_mesh" path);
 * ``paged_forward``: attention against a paged KV cache;
-* ``varlen_forward``: packed sequences (room for it: no backend serves it yet).
+* ``varlen_forward`` / ``varlen_backward``: packed sequences (FlashAttention's
+  ``cu_seqlens`` layout); the default places each sequence in a row of its own and runs
+  ``forward_with_lse`` / ``backward`` (:mod:`jaxattn.layout`).
 
 ``available()`` says whether the backend runs in this process and ``unsupported(dims,
 path)`` whether it serves a call's shapes on a path; ``paths`` declares which paths it has
@@ -34,7 +36,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxattn import merge
+from jaxattn import layout, merge
 from jaxattn.validation import Dims
 
 #: Every path an op may ask a backend for.
@@ -65,7 +67,7 @@ class Backend:
     platforms: tuple[str, ...] = ()
     priority: Mapping[str, int] = {}
     follows_schedule: bool = True
-    paths: frozenset[str] = frozenset(("attention", "backward", "cp", "paged"))
+    paths: frozenset[str] = frozenset(("attention", "backward", "cp", "paged", "varlen"))
 
     def __repr__(self) -> str:
         return f"<jaxattn backend {self.name!r}: {self.description}>"
@@ -183,10 +185,58 @@ class Backend:
     # --------------------------------------------------------------------- varlen
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool,
-                       scale: float) -> OutLse:
-        """Packed sequences (FlashAttention's ``cu_seqlens`` layout): no backend has this
-        path yet (``paths`` lacks "varlen")."""
-        raise NotImplementedError(f"backend {self.name!r} has no varlen path")
+                       scale: float, max_seqlen_q: int, max_seqlen_k: int) -> OutLse:
+        """Packed sequences (FlashAttention's layout): ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv,
+        D]``, sequence n's queries ``cu_seqlens_q[n] .. cu_seqlens_q[n+1] - 1`` and keys
+        likewise, each with the bottom-right causal rule. ``max_seqlen_*``: static
+        capacities (rows of the padded layout). Returns ``(out [Tq, Hq, D], lse [Tq, Hq])``
+        of the packed tokens (zeros and -inf past ``cu_seqlens_q[-1]``), differentiable.
+
+        The default places each sequence in a row of its own (:func:`jaxattn.layout.
+        varlen_plan`: keys from key 0, the queries' first real row on a multiple of 64)
+        and runs :meth:`forward_with_lse` with per-sequence causal offsets, so every token
+        gets the bits of its sequence alone on a backend that follows the schedule. It
+        copies the sequences into that layout and back (gathers)."""
+        plan = layout.varlen_plan(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  causal=causal)
+        zeros = jnp.zeros_like(plan.q_start)
+        qp = jnp.swapaxes(layout.pad_packed(q, cu_seqlens_q, plan.q_start, max_seqlen_q), 1, 2)
+        kp, vp = (jnp.swapaxes(layout.pad_packed(x, cu_seqlens_k, zeros, max_seqlen_k), 1, 2)
+                  for x in (k, v))
+        out, lse = self.forward_with_lse(qp, kp, vp, causal=True, scale=scale,
+                                         key_padding_mask=plan.key_padding_mask,
+                                         causal_offsets=plan.causal_offsets)
+        tq = q.shape[0]
+        lse = layout.pack_padded(jnp.swapaxes(lse, 1, 2), cu_seqlens_q, plan.q_start, tq)
+        inside = (jnp.arange(tq) < cu_seqlens_q[-1])[:, None]
+        return (layout.pack_padded(jnp.swapaxes(out, 1, 2), cu_seqlens_q, plan.q_start, tq),
+                jnp.where(inside, lse, -jnp.inf))
+
+    def varlen_backward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, d_out, d_lse,
+                        *, causal: bool, scale: float, max_seqlen_q: int,
+                        max_seqlen_k: int):
+        """``(dq, dk, dv)`` of :meth:`varlen_forward` from its residuals (``out [Tq, Hq,
+        D]``, ``lse [Tq, Hq]``) and cotangents, without recomputing the forward: the same
+        layout, the padding rows with a zero cotangent and lse = +inf (exact zeros), and
+        :meth:`backward` (what the torch bridge's autograd runs)."""
+        plan = layout.varlen_plan(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  causal=causal)
+        zeros = jnp.zeros_like(plan.q_start)
+
+        def rows(x, fill=0.0):  # packed query-side [Tq, Hq, ...] -> [N, Hq, Lq, ...]
+            return jnp.swapaxes(layout.pad_packed_values(x, cu_seqlens_q, plan.q_start,
+                                                         max_seqlen_q, fill), 1, 2)
+
+        kp, vp = (jnp.swapaxes(layout.pad_packed_values(x, cu_seqlens_k, zeros, max_seqlen_k,
+                                                        0.0), 1, 2) for x in (k, v))
+        dq, dk, dv = self.backward(
+            rows(q), kp, vp, plan.key_padding_mask, rows(out), rows(lse, jnp.inf),
+            rows(d_out.astype(out.dtype)), None if d_lse is None else rows(d_lse),
+            causal=True, scale=scale, causal_offsets=plan.causal_offsets)
+        return (layout.pack_padded_values(jnp.swapaxes(dq, 1, 2), cu_seqlens_q, plan.q_start,
+                                          q.shape[0], 0.0),
+                *(layout.pack_padded_values(jnp.swapaxes(g, 1, 2), cu_seqlens_k, zeros,
+                                            k.shape[0], 0.0) for g in (dk, dv)))
 
 
 def gather_pages(pages, block_table):

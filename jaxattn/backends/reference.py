@@ -74,7 +74,7 @@ class ReferenceBackend(Backend):
     platforms = ("cpu", "gpu", "tpu")
     priority = {"cpu": 0, "gpu": 100, "tpu": 0}
     follows_schedule = False
-    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged"))
+    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged", "varlen"))
 
     def forward_with_lse(self, q, k, v, **kw):
         return _call(reference.forward_with_lse, q, k, v, **kw)

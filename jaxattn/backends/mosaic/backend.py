@@ -176,7 +176,7 @@ class MosaicBackend(Backend):
     description = ("Pallas Mosaic GPU kernels (Hopper: wgmma, TMA) on the canonical "
                    "schedule; bf16/fp16 (fp32 on the Pallas kernels)")
     platforms = ("gpu",)
-    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged"))
+    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged", "varlen"))
     priority = {"gpu": 5}  # before pallas wherever available (sm90)
 
     def __init__(self, *, interpret=False, fwd_config=None, bwd_config=None):

@@ -47,7 +47,7 @@ class PallasBackend(Backend):
     description = "Pallas kernels (Triton lowering) on the canonical schedule"
     platforms = ("gpu", "cpu")
     priority = {"gpu": 10}
-    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged"))
+    paths = frozenset(("attention", "backward", "cp", "cp_mesh", "paged", "varlen"))
 
     def available(self) -> str | None:
         if interpret():

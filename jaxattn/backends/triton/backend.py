@@ -26,7 +26,7 @@ class TritonBackend(Backend):
                    "canonical schedule")
     platforms = ("gpu", "cpu")
     priority = {"gpu": 20}  # after pallas
-    paths = frozenset(("attention", "backward", "paged"))
+    paths = frozenset(("attention", "backward", "paged", "varlen"))
 
     def available(self) -> str | None:
         platform = _platform()
