@@ -270,6 +270,97 @@ def check_cp(op, p: Problem, degrees: Sequence[int]) -> list[CheckResult]:
     return [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
 
 
+def check_varlen(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:
+    """Sequences packed end to end (``jaxattn.varlen.attention``, FlashAttention's
+    layout, NaN in the tokens past the last sequence) vs each sequence alone, forward and
+    backward. With ``causal`` a further sequence is a chunk (its queries the last 40 of
+    its keys: packed chunked prefill)."""
+    from jaxattn import varlen
+
+    be = op.backend_object
+    if "varlen" not in be.paths:
+        return [CheckResult("packed (varlen) vs alone", kind, True,
+                            f"backend {op.backend!r} has no varlen path; not checked",
+                            checked=False) for kind in ("forward", "backward")]
+    lq = list(lengths) + ([40] if p.causal else [])
+    lk = list(lengths) + ([p.seq_len] if p.causal else [])
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    key = jax.random.PRNGKey(p.seed + 11)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    dt = jnp.dtype(p.dtype)
+    tq, tk = int(cq[-1]) + 3, int(ck[-1]) + 2  # a NaN tail past the last sequence
+    q = jax.random.normal(k1, (tq, p.num_q_heads, p.head_dim), jnp.float32).astype(dt)
+    k = jax.random.normal(k2, (tk, p.num_kv_heads, p.head_dim), jnp.float32).astype(dt)
+    v = jax.random.normal(k3, (tk, p.num_kv_heads, p.head_dim), jnp.float32).astype(dt)
+    q, k, v = q.at[cq[-1]:].set(jnp.nan), k.at[ck[-1]:].set(jnp.nan), v.at[ck[-1]:].set(jnp.nan)
+    do = jax.random.normal(k4, q.shape, jnp.float32).at[cq[-1]:].set(0.0)
+    cu_q, cu_k = jnp.asarray(cq), jnp.asarray(ck)
+
+    @jax.jit
+    def packed(q, k, v, cu_q, cu_k):
+        return varlen.attention(q, k, v, cu_q, cu_k, causal=p.causal, max_seqlen_q=max(lq),
+                                max_seqlen_k=max(lk), return_lse=True, backend=be)
+
+    (out, lse), vjp = jax.vjp(lambda q, k, v: packed(q, k, v, cu_q, cu_k), q, k, v)
+    g = vjp((do.astype(out.dtype), jnp.zeros_like(lse)))
+    fwd, grads = _fwd(op, p.causal), _grads(op, p.causal)
+    bhsd = lambda x: jnp.swapaxes(x, 0, 1)[None]  # noqa: E731  [T, H, D] -> [1, H, T, D]
+    fpairs, bpairs = [], []
+    for n in range(len(lq)):
+        a, b, c, e = (int(x) for x in (cq[n], cq[n + 1], ck[n], ck[n + 1]))
+        if b == a:
+            continue
+        o1, l1 = fwd(bhsd(q[a:b]), bhsd(k[c:e]), bhsd(v[c:e]))
+        fpairs += [(o1, bhsd(out[a:b])), (l1, lse[None, :, a:b])]
+        g1 = grads(bhsd(q[a:b]), bhsd(k[c:e]), bhsd(v[c:e]), bhsd(do[a:b]), None)
+        bpairs += [(g1[0], bhsd(g[0][a:b])), (g1[1], bhsd(g[1][c:e])),
+                   (g1[2], bhsd(g[2][c:e]))]
+    nan = bool(jnp.isnan(out[:cq[-1]].astype(jnp.float32)).any()) or any(
+        bool(jnp.isnan(x.astype(jnp.float32)).any()) for x in g)
+    case = f"packed (varlen) {lq} vs alone"
+    res = [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
+    if nan:
+        res = [dataclasses.replace(r, equal=False, detail="NaN leaked from the padding")
+               for r in res]
+    return res
+
+
+def check_left_padding(op, p: Problem, pads: Sequence[int]) -> list[CheckResult]:
+    """A left-padded batch (``key_padding_mask`` False on each sequence's first ``pads[i]``
+    keys, NaN there; with ``causal`` the queries padded alike, as Hugging Face
+    ``generate`` builds its prompts) vs each sequence alone, forward and backward."""
+    b, s = len(pads), p.seq_len
+    q, k, v = random_qkv(p, batch=b)
+    f = jnp.asarray(pads)
+    valid = jnp.arange(s)[None, :] >= f[:, None]
+    nan = jnp.asarray(jnp.nan, k.dtype)
+    k_pad = jnp.where(valid[:, None, :, None], k, nan)
+    v_pad = jnp.where(valid[:, None, :, None], v, nan)
+    fwd, grads = _fwd(op, p.causal), _grads(op, p.causal)
+    out, lse = fwd(q, k_pad, v_pad, valid)
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    if p.causal:
+        do = jnp.where(valid[:, None, :, None], do, 0.0)
+    g = grads(q, k_pad, v_pad, do, valid)
+    fpairs, bpairs = [], []
+    for i, n in enumerate(pads):
+        r0 = n if p.causal else 0  # the first real query row
+        qs, ks = (slice(i, i + 1), slice(None), slice(r0, s)), (slice(i, i + 1), slice(None),
+                                                                slice(n, s))
+        o1, l1 = fwd(q[qs], k[ks], v[ks])
+        fpairs += [(o1, out[qs]), (l1, lse[qs[:3]])]
+        g1 = grads(q[qs], k[ks], v[ks], do[qs], None)
+        bpairs += [(g1[0], g[0][qs]), (g1[1], g[1][ks]), (g1[2], g[2][ks])]
+        zero_k = jnp.zeros_like(g[1][i:i + 1, :, :n])
+        bpairs += [(g[1][i:i + 1, :, :n], zero_k), (g[2][i:i + 1, :, :n], zero_k)]
+        if p.causal:  # padding query rows see no key: (0, -inf), zero gradient
+            fpairs += [(out[i:i + 1, :, :n], jnp.zeros_like(out[i:i + 1, :, :n])),
+                       (lse[i:i + 1, :, :n], jnp.full_like(lse[i:i + 1, :, :n], -jnp.inf))]
+    case = f"left padding {list(pads)} vs alone"
+    return [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
+
+
 def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
                decode_steps: Sequence[int] | None, pad_lengths: Sequence[int],
                progress: Callable[[str], None] | None = None) -> list[CheckResult]:
@@ -285,6 +376,8 @@ def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
         ("paged", lambda: check_paged(op, p, [64, 128], decode_steps or
                                       list(range(0, p.seq_len, max(1, p.seq_len // 8))))),
         ("cp", lambda: check_cp(op, p, [1, 2, 4, 8])),
+        ("varlen", lambda: check_varlen(op, p, [p.seq_len, 1, 0, 37, 64])),
+        ("left padding", lambda: check_left_padding(op, p, [0, 1, 37, 64, 100])),
     ]
     for name, fn in checks:
         if progress:
