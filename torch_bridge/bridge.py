@@ -17,6 +17,7 @@ import torch  # noqa: E402
 import jaxattn  # noqa: E402
 import jaxattn.validation  # noqa: E402
 from jaxattn import cp as jcp  # noqa: E402
+from jaxattn import layout as jlayout  # noqa: E402
 from jaxattn import platform as _jplatform  # noqa: E402
 from jaxattn import registry  # noqa: E402
 from jaxattn.schedule import bucket_length  # noqa: E402
@@ -259,9 +260,10 @@ def _jax_bucketed_forward(backend: str, causal: bool, scale: float | None, platf
         jaxattn.validation.validate_inputs(q, k, v, causal=causal, scale=scale,
                                            key_padding_mask=m)
         offsets, keep = _visible(causal, m, n_q, n_kv, q.shape[0], k.shape[2])
-        return be.forward_with_lse(q, k, v, causal=True,
-                                   scale=resolve_scale(scale, q.shape[-1]),
-                                   key_padding_mask=keep, causal_offsets=offsets)
+        kw = dict(causal=True, scale=resolve_scale(scale, q.shape[-1]), causal_offsets=offsets)
+        if keep is None:
+            return be.forward_with_lse(q, k, v, **kw)
+        return jlayout.aligned_forward(be, q, k, v, key_padding_mask=keep, **kw)
     return jax.jit(fn)
 
 
@@ -302,8 +304,10 @@ def _jax_bucketed_backward(backend: str, causal: bool, scale: float | None,
                        mask is not None))
         m = None if mask is None else mask != 0
         offsets, keep = _visible(causal, m, n_q, n_kv, q.shape[0], k.shape[2])
-        return be.backward(q, k, v, keep, out, lse, d_out, d_lse, causal=True,
-                           scale=resolve_scale(scale, q.shape[-1]), causal_offsets=offsets)
+        kw = dict(causal=True, scale=resolve_scale(scale, q.shape[-1]), causal_offsets=offsets)
+        if keep is None:
+            return be.backward(q, k, v, keep, out, lse, d_out, d_lse, **kw)
+        return jlayout.aligned_backward(be, q, k, v, keep, out, lse, d_out, d_lse, **kw)
     return jax.jit(bwd)
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from torch_bridge.bridge import get_op
+from torch_bridge.varlen import varlen_attention
 
 DEFAULT_NAME = "jaxattn"
 
@@ -65,8 +66,6 @@ _REFUSED_KWARGS = {
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens_k)",
 }
 
 
@@ -75,6 +74,39 @@ def _compiling() -> bool:
 
 
 # ---------------------------------------------------------------------------- the mask
+
+def _closure(fn: Callable) -> dict:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True)) \
+        if code is not None else {}
+
+
+def packed_sequence_ids(mask_function: Callable) -> torch.Tensor | None:
+    """The ``[B, S]`` sequence ids of transformers' packed-sequence mask (its causal mask
+    AND ``packed_sequence_mask_function(ids)``, the causal part possibly remapped to each
+    sequence's positions), or None for any other mask function. Recognised by the
+    functions transformers composes (plain Python, so it holds under ``torch.compile``);
+    anything else is refused by the caller."""
+    from transformers import masking_utils as mu
+
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    causal, ids = 0, None
+    for part in parts:
+        qual = getattr(part, "__qualname__", "")
+        if part is mu.causal_mask_function:
+            causal += 1
+        elif qual == "remap_positions_for_packed_sequence.<locals>.inner_mask" and \
+                _closure(part).get("mask_function") is mu.causal_mask_function:
+            causal += 1
+        elif qual == "packed_sequence_mask_function.<locals>.inner_mask" and ids is None:
+            ids = _closure(part).get("packed_sequence_mask")
+        else:
+            return None
+    return ids if causal == 1 and isinstance(ids, torch.Tensor) else None
+
 
 def mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
                  kv_offset: int = 0, mask_function: Callable | None = None,
@@ -85,6 +117,14 @@ def mask_builder(batch_size: int, q_length: int, kv_length: int, q_offset: Any =
     what jaxattn cannot compute."""
     from transformers import masking_utils as mu
 
+    if mask_function is not None and packed_sequence_ids(mask_function) is not None:
+        # Packed sequences (transformers found them in position_ids): no [S, S] mask is
+        # built; the attention function takes the sequences from position_ids (or the
+        # cu_seq_lens_* a flattening collator passes) and runs jaxattn's varlen entry.
+        if q_length != kv_length or kv_offset != 0 or attention_mask is not None:
+            raise ValueError("jaxattn serves packed sequences without a cache or a padding "
+                             "mask only (training and scoring forwards)")
+        return None
     if mask_function is not None and mask_function is not mu.causal_mask_function:
         name = getattr(mask_function, "__name__", repr(mask_function))
         raise ValueError(
@@ -217,6 +257,39 @@ class _MaskMemo:
         return self.value
 
 
+def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens [N + 1]`` int32 of the ``B * S`` flattened tokens when ``position_ids
+    [B, S]`` pack several sequences into a row (a position that does not follow the one
+    before it by 1 starts a sequence, as transformers' ``find_packed_sequence_indices``
+    reads them; each row starts one), else None. Reads the values (a host wait on a
+    GPU)."""
+    b, s = position_ids.shape
+    start = torch.ones(b, s, dtype=torch.bool, device=position_ids.device)
+    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if s < 2 or not bool(start[:, 1:].any()):
+        return None
+    idx = start.reshape(-1).nonzero().flatten()
+    return torch.cat([idx, idx.new_tensor([b * s])]).to(torch.int32)
+
+
+class _PackMemo:
+    """The last packing derived from ``position_ids``, by identity (one per forward: every
+    layer gets the same tensor)."""
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    def get(self, position_ids: torch.Tensor):
+        key = (id(position_ids), position_ids.data_ptr(), position_ids._version,
+               tuple(position_ids.shape))
+        if key != self.key:
+            cu = packed_cu_seqlens(position_ids)
+            longest = None if cu is None else int((cu[1:] - cu[:-1]).max())
+            self.key, self.value, self._held = key, (cu, longest), position_ids
+        return self.value
+
+
 # ------------------------------------------------------------------ attention function
 
 def make_attention_function(backend: str | None = None) -> Callable:
@@ -245,10 +318,45 @@ def make_attention_function(backend: str | None = None) -> Callable:
                              "only (is_causal=False)")
         b, _, sq, _ = query.shape
         skv = key.shape[2]
+        if attention_mask is None and sq == skv and (
+                kwargs.get("cu_seq_lens_q") is not None
+                or isinstance(kwargs.get("position_ids"), torch.Tensor)):
+            out = _packed(query, key, value, scaling, kwargs)
+            if out is not None:
+                return out, None
         kpm = _derived_mask(attention_mask, b, sq, skv)
         out = op(query, key, value, causal=True,
                  scale=None if scaling is None else float(scaling), key_padding_mask=kpm)
         return out.transpose(1, 2).contiguous(), None
+
+    packs = _PackMemo()
+
+    def _packed(query, key, value, scaling, kwargs):
+        """Packed sequences through :func:`torch_bridge.varlen_attention`, or None when
+        the batch packs nothing (one sequence per row)."""
+        b, hq, s, d = query.shape
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is not None:
+            if b != 1:
+                raise ValueError(f"cu_seq_lens_q describes one packed row; got a batch of {b}")
+            cu_k = cu_q if cu_k is None else cu_k
+            max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+            max_q = int((cu_q[1:] - cu_q[:-1]).max()) if max_q is None else max_q
+            max_k = int((cu_k[1:] - cu_k[:-1]).max()) if max_k is None else max_k
+        else:
+            if _compiling():
+                raise ValueError("jaxattn reads packed sequences off position_ids eagerly; "
+                                 "under torch.compile pass cu_seq_lens_q/k and "
+                                 "max_length_q/k (DataCollatorWithFlattening)")
+            cu_q, longest = packs.get(kwargs["position_ids"].expand(b, s))
+            if cu_q is None:
+                return None
+            cu_k, max_q, max_k = cu_q, longest, longest
+        flat = [x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value)]
+        out = varlen_attention(*flat, cu_q, cu_k, max_q, max_k, causal=True,
+                               softmax_scale=None if scaling is None else float(scaling),
+                               backend=backend)
+        return out.reshape(b, s, hq, d)
 
     jaxattn_attention_forward.op = op
     return jaxattn_attention_forward
