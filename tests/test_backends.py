@@ -447,6 +447,26 @@ def test_paged_kv_equals_contiguous(spec):
     _assert_all(invariance.check_paged(_op(spec), p, [64, 128], steps=[0, 63, 64, 149]))
 
 
+def test_packed_varlen_vs_alone(spec):
+    """The matrix's varlen row: sequences packed end to end (an empty one, one token, a
+    start off the block grid, and with causal a chunk: packed chunked prefill) equal each
+    sequence alone in bits, forward and backward."""
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    p = dataclasses.replace(PROBLEM, batch=1, seq_len=100)
+    _assert_all(invariance.check_varlen(_op(spec), p, [100, 1, 0, 37]))
+
+
+def test_left_padding_vs_alone(spec):
+    """The matrix's left-padding row: a left-padded batch (queries padded alike) equals
+    each sequence alone in bits, forward and backward; the padding rows are (0, -inf)."""
+    if not spec.follows_schedule:
+        pytest.skip("not promised by this backend")
+    p = dataclasses.replace(PROBLEM, batch=1, seq_len=100)
+    # 37: off the block grid; 64: a whole block of padding queries.
+    _assert_all(invariance.check_left_padding(_op(spec), p, [37, 64]))
+
+
 def test_decode_past_one_split_with_padding_mask(spec):
     """Decode over more than one SPLIT (split-parallel path) with a padding mask."""
     if not spec.follows_schedule:

@@ -8,9 +8,9 @@ A randomly initialised transformers Qwen3ForCausalLM runs prefill and cached gre
   slice and every decode step (one query row against the growing KV prefix) returns
   exactly that full forward's rows;
 * the same with left padding (decode vs the full forward of the padded batch);
-* a sequence alone equals its rows inside a right-padded batch, in raw bits (tail padding
-  keeps every key at its position; left padding shifts the keys against jaxattn's
-  64-key blocks, so there the rows agree within rounding, not in bits);
+* a sequence alone equals its rows inside a right-padded or a left-padded batch, and inside
+  a packed batch (several sequences in one row, by ``position_ids`` or by the
+  ``cu_seq_lens_*`` of a flattening collator), in raw bits;
 * end to end: generate's logits and attention outputs agree with transformers' eager
   attention and a float64 reference within 1e-4 (the torch layers around attention are
   not batch-invariant on a CPU, so decode and the full forward meet there only up to
@@ -23,6 +23,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -297,9 +298,8 @@ def test_left_padded_generate_matches_eager(model, rec):
         rows = keep.any(-1)[:, 0]  # query rows that see a key
         assert _rel(out[rows], ref[rows]) < TOL
         assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))  # left-padding rows
-    # Each sequence alone (its prompt unpadded) agrees with its rows in the batch, within
-    # rounding: left padding moves the keys to other lanes of jaxattn's 64-key blocks, so
-    # the bits are not promised (they differ by about 1 ulp; right padding keeps them).
+    # Each sequence alone (its prompt unpadded) equals its rows in the left-padded batch
+    # in raw bits: jaxattn aligns each sequence's key blocks to its first kept key.
     fn = ALL_ATTENTION_FUNCTIONS[NAME]
     for c in calls[:model.config.num_hidden_layers]:  # the prefill calls
         for i, n in enumerate(lengths):
@@ -307,7 +307,45 @@ def test_left_padded_generate_matches_eager(model, rec):
             alone, _ = fn(c["module"], c["q"][i:i + 1, :, p:], c["k"][i:i + 1, :, p:],
                           c["v"][i:i + 1, :, p:], hf.mask_builder(1, n, n),
                           scaling=c["scaling"])
-            assert _rel(alone, c["out"][i:i + 1, p:]) < TOL
+            assert _same_bits(alone, c["out"][i:i + 1, p:]), (i, c["layer"])
+
+
+def test_packed_rows_equal_each_sequence_alone_in_bits(model, rec):
+    """Sequences packed into one row (transformers detects them in position_ids, or a
+    flattening collator passes cu_seq_lens_*): jaxattn's varlen path, every row equal
+    to its sequence alone in bits, the logits within rounding of each sequence's own
+    forward; no [S, S] mask is built."""
+    lengths = [5, 9, 1, 7]
+    g = torch.Generator().manual_seed(21)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    model.set_attn_implementation(REC)
+    with torch.no_grad():  # no cache: transformers packs only then (training, scoring)
+        logits = model(ids, position_ids=pos, use_cache=False).logits
+    calls = _by_layer(rec.take())
+    assert torch.isfinite(logits).all()
+    fn = ALL_ATTENTION_FUNCTIONS[NAME]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    for c in calls.values():
+        assert c["mask"] is None
+        for a, b in zip(cu, cu[1:], strict=False):
+            alone, _ = fn(c["module"], c["q"][:, :, a:b], c["k"][:, :, a:b],
+                          c["v"][:, :, a:b], hf.mask_builder(1, b - a, b - a),
+                          scaling=c["scaling"])
+            assert _same_bits(alone, c["out"][:, a:b]), (a, b, c["layer"])
+    for s, a in zip(seqs, cu, strict=False):
+        own = _forward(model, "eager", s[None])
+        assert _rel(logits[0, a:a + len(s)], own[0]) < TOL
+    # The flattening collator's kwargs give the same bits.
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    model.set_attn_implementation(REC)
+    with torch.no_grad():
+        again = model(ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu_t,
+                      cu_seq_lens_k=cu_t, max_length_q=max(lengths),
+                      max_length_k=max(lengths)).logits
+    rec.take()
+    assert _same_bits(again, logits)
 
 
 def test_mask_forms_are_equivalent(rec):
