@@ -8,7 +8,8 @@
 # PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
 # matrix + accuracy at GPU sizes; operator: the check_operator CLI at Qwen3-8B shapes
 # (B=8, S=4096); bench: benchmarks/attention_bench.py at the issue's shapes; bridge: the
-# torch bridge's overhead (benchmarks/bridge_bench.py); hf: HF transformers decode and
+# torch bridge's overhead (benchmarks/bridge_bench.py); varlen: packed sequences and left
+# padding beside a padded batch and cuDNN (benchmarks/varlen_bench.py); hf: HF transformers decode and
 # training steps beside sdpa (benchmarks/hf_bench.py); peers: the invariance matrix of
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
 # heads, S 1k-32k causal and non-causal, D=64 and 256 points, chunked prefill, decode up
@@ -50,7 +51,7 @@ if has env; then
 fi
 if has tests; then
   # PYTEST_WORKERS: pytest-xdist workers sharing the GPU (addopts asks a worker per core).
-  $PY -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests} \
+  timeout ${TESTS_TIMEOUT:-1800} $PY -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests} \
       ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | tee "$OUT/pytest.txt" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
@@ -59,8 +60,8 @@ if has check; then
   # Default: every backend usable here but triton (mosaic on sm90, pallas, reference).
   CHECK_BACKENDS=${CHECK_BACKENDS:-$($PY -c 'from jaxattn.check import usable_backends
 print(",".join(b for b in usable_backends() if b != "triton"))')}
-  $PY -m jaxattn.check --backends=$CHECK_BACKENDS --batch=${CHECK_BATCH:-4} \
-      --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
+  timeout ${CHECK_TIMEOUT:-900} $PY -m jaxattn.check --backends=$CHECK_BACKENDS \
+      --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
       --chunk_sizes=64,100,1000 --json_out="$OUT/check.json" 2>&1 | tee "$OUT/check.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
 fi
@@ -78,6 +79,13 @@ if has bench; then
 fi
 if has bridge; then
   $PY -m benchmarks.bridge_bench --out_dir="$OUT/bridge" 2>&1 | tee "$OUT/bridge.txt" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has varlen; then
+  # Packed sequences and left padding beside the padded batch and cuDNN (varlen_bench.py).
+  timeout ${VARLEN_TIMEOUT:-240} $PY -m benchmarks.varlen_bench --out_dir="$OUT/varlen" \
+      ${VARLEN_ARGS:-} 2>&1 | grep -v 'Unable to initialize backend' \
+      | tee "$OUT/varlen.txt" | tail -22
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has hf; then
