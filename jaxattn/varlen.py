@@ -173,13 +173,37 @@ def guard(cu_seqlens_q, cu_seqlens_k, rows_q: int, rows_k: int, tq: int, tk: int
     return good & (fits[seq] if fits.shape[0] else jnp.ones((tq,), bool))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _core(q, k, v, cu_q, cu_k, be, causal, scale, rows_q, rows_k):
+    """The backend's varlen forward; its gradients are the backend's ``varlen_backward``
+    from the residuals (the same backward the torch bridge runs)."""
+    return be.varlen_forward(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
+                             max_seqlen_q=rows_q, max_seqlen_k=rows_k)
+
+
+def _core_fwd(q, k, v, cu_q, cu_k, be, causal, scale, rows_q, rows_k):
+    out, lse = _core(q, k, v, cu_q, cu_k, be, causal, scale, rows_q, rows_k)
+    return (out, lse), (q, k, v, cu_q, cu_k, out, lse)
+
+
+def _core_bwd(be, causal, scale, rows_q, rows_k, res, cts):
+    q, k, v, cu_q, cu_k, out, lse = res
+    d_out, d_lse = cts
+    dq, dk, dv = be.varlen_backward(q, k, v, cu_q, cu_k, out, lse, d_out, d_lse,
+                                    causal=causal, scale=scale, max_seqlen_q=rows_q,
+                                    max_seqlen_k=rows_k)
+    return dq, dk, dv, None, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
 @functools.partial(jax.jit, static_argnums=(5, 6, 7, 8, 9))
 def _varlen(q, k, v, cu_q, cu_k, be, causal, scale, rows_q, rows_k):
     tq, hq, d = q.shape
     if cu_q.shape[0] == 1 or tq == 0 or k.shape[0] == 0:  # nothing any row can see
         return jnp.zeros(q.shape, q.dtype), jnp.full((hq, tq), -jnp.inf, jnp.float32)
-    out, lse = be.varlen_forward(q, k, v, cu_q, cu_k, causal=causal, scale=scale,
-                                 max_seqlen_q=rows_q, max_seqlen_k=rows_k)
+    out, lse = _core(q, k, v, cu_q, cu_k, be, causal, scale, rows_q, rows_k)
     ok = guard(cu_q, cu_k, rows_q, rows_k, tq, k.shape[0])
     out = jnp.where(ok[:, None, None], out, jnp.asarray(jnp.nan, out.dtype))
     lse = jnp.where(ok[:, None], lse, jnp.nan)

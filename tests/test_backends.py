@@ -447,13 +447,14 @@ def test_paged_kv_equals_contiguous(spec):
     _assert_all(invariance.check_paged(_op(spec), p, [64, 128], steps=[0, 63, 64, 149]))
 
 
-def test_packed_varlen_vs_alone(spec):
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_varlen_vs_alone(spec, causal):
     """The matrix's varlen row: sequences packed end to end (an empty one, one token, a
     start off the block grid, and with causal a chunk: packed chunked prefill) equal each
     sequence alone in bits, forward and backward."""
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
-    p = dataclasses.replace(PROBLEM, batch=1, seq_len=100)
+    p = dataclasses.replace(PROBLEM, batch=1, seq_len=100, causal=causal)
     _assert_all(invariance.check_varlen(_op(spec), p, [100, 1, 0, 37]))
 
 

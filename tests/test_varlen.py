@@ -15,6 +15,7 @@ from conftest import np_attention, rand, rel_err
 from mosaic_support import missing_interpret, needs_threads
 
 import jaxattn
+import jaxattn.platform
 from jaxattn import invariance, layout, varlen
 from jaxattn.invariance import bits_equal
 
@@ -177,11 +178,15 @@ def test_torch_varlen_equals_jax_and_each_sequence_alone():
     def j(x):
         return jnp.asarray(x.detach().float().numpy()).astype(jnp.bfloat16)
 
-    cu = jnp.asarray(cq.numpy())
-    (o2, l2), vjp = jax.vjp(lambda q, k, v: varlen.attention(
-        q, k, v, cu, cu, max_seqlen_q=70, max_seqlen_k=70, return_lse=True,
-        backend="pallas"), j(q), j(k), j(v))
-    grads = vjp((j(do), jnp.zeros_like(l2)))
+    # The torch tensors are on the CPU, so the bridge runs on JAX's CPU device (also on
+    # a GPU host): the JAX side runs there too.
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jaxattn.platform.use("cpu"):
+        cu = jnp.asarray(cq.numpy())
+        (o2, l2), vjp = jax.vjp(lambda q, k, v: varlen.attention(
+            q, k, v, cu, cu, max_seqlen_q=70, max_seqlen_k=70, return_lse=True,
+            backend="pallas"), j(q), j(k), j(v))
+        grads = vjp((j(do), jnp.zeros_like(l2)))
 
     def same(a, b):
         a = a.detach().contiguous()

@@ -304,7 +304,11 @@ def _jax_bucketed_backward(backend: str, causal: bool, scale: float | None,
                        mask is not None))
         m = None if mask is None else mask != 0
         offsets, keep = _visible(causal, m, n_q, n_kv, q.shape[0], k.shape[2])
-        kw = dict(causal=True, scale=resolve_scale(scale, q.shape[-1]), causal_offsets=offsets)
+        # Not causal: the forward's causal-with-offset call has the non-causal forward's
+        # bits but not its backward's (the Mosaic kernels place rows by causal
+        # position), so the backward is the non-causal one with the padded keys masked.
+        kw = dict(causal=causal, scale=resolve_scale(scale, q.shape[-1]),
+                  causal_offsets=offsets if causal else None)
         if keep is None:
             return be.backward(q, k, v, keep, out, lse, d_out, d_lse, **kw)
         return jlayout.aligned_backward(be, q, k, v, keep, out, lse, d_out, d_lse, **kw)

@@ -190,7 +190,8 @@ class Backend:
         D]``, sequence n's queries ``cu_seqlens_q[n] .. cu_seqlens_q[n+1] - 1`` and keys
         likewise, each with the bottom-right causal rule. ``max_seqlen_*``: static
         capacities (rows of the padded layout). Returns ``(out [Tq, Hq, D], lse [Tq, Hq])``
-        of the packed tokens (zeros and -inf past ``cu_seqlens_q[-1]``), differentiable.
+        of the packed tokens (zeros and -inf past ``cu_seqlens_q[-1]``). Its gradients are
+        :meth:`varlen_backward`'s (:func:`jaxattn.varlen.attention` ties the two).
 
         The default places each sequence in a row of its own (:func:`jaxattn.layout.
         varlen_plan`: keys from key 0, the queries' first real row on a multiple of 64)
@@ -229,10 +230,15 @@ class Backend:
 
         kp, vp = (jnp.swapaxes(layout.pad_packed_values(x, cu_seqlens_k, zeros, max_seqlen_k,
                                                         0.0), 1, 2) for x in (k, v))
+        # Not causal: the forward's causal-with-offset call (which skips the blocks past
+        # each sequence's keys) has the non-causal call's forward bits, not its
+        # backward's (the Mosaic kernels place rows by causal position), so the backward
+        # is the non-causal one, with the keys past each sequence masked.
         dq, dk, dv = self.backward(
             rows(q), kp, vp, plan.key_padding_mask, rows(out), rows(lse, jnp.inf),
             rows(d_out.astype(out.dtype)), None if d_lse is None else rows(d_lse),
-            causal=True, scale=scale, causal_offsets=plan.causal_offsets)
+            causal=causal, scale=scale,
+            causal_offsets=plan.causal_offsets if causal else None)
         return (layout.pack_padded_values(jnp.swapaxes(dq, 1, 2), cu_seqlens_q, plan.q_start,
                                           q.shape[0], 0.0),
                 *(layout.pack_padded_values(jnp.swapaxes(g, 1, 2), cu_seqlens_k, zeros,
