@@ -6,6 +6,8 @@ Public surface (DESIGN.md section 2):
 * :func:`get_op` -- the registry (``get_op("attention")``, ``get_op("cp_attention")``).
 * :mod:`jaxattn.reference` -- the fp32 ground truth.
 * :mod:`jaxattn.schedule` -- ``BLOCK_N`` and ``SPLIT``, the canonical reduction order.
+* :mod:`jaxattn.varlen` -- packed sequences (FlashAttention's ``cu_seqlens`` layout);
+  :mod:`jaxattn.paged` -- a paged KV cache.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from jaxattn import cp as _cp  # noqa: F401  (the "cp_attention" op's module)
-from jaxattn import reference, schedule
+from jaxattn import paged, reference, schedule, varlen
 from jaxattn.merge import merge
 from jaxattn.registry import AttentionOp, backend_names, get_op
 from jaxattn.schedule import BLOCK_N, SPLIT
@@ -21,7 +23,7 @@ from jaxattn.validation import validate_inputs
 
 __all__ = [
     "BLOCK_N", "SPLIT", "AttentionOp", "attention", "backend_names", "get_op", "merge",
-    "reference", "schedule", "validate_inputs",
+    "paged", "reference", "schedule", "validate_inputs", "varlen",
 ]
 __version__ = "0.1.0"
 
@@ -37,7 +39,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         head ``h // (Hq // Hkv)``).
       causal: key j is visible to query i iff ``j <= i + (Skv - Sq)``.
       scale: ``None`` -> ``1/sqrt(D)``; any explicit value (0.0 included) verbatim.
-      key_padding_mask: ``[B, Skv]`` bool, True = keep.
+      key_padding_mask: ``[B, Skv]`` bool, True = keep. Each sequence's key blocks start
+        at its first kept key, so left padding (and tail padding) keeps the bits of the
+        sequence alone (docs/contract.md).
       return_lse: also return the fp32 natural-log lse ``[B, Hq, Sq]``.
       backend: ``None`` (platform priority: GPU ``"mosaic"`` on sm90, then
         ``"pallas"``, then ``"triton"``, then ``"reference"``; CPU ``"reference"``),

@@ -37,6 +37,8 @@ flags.DEFINE_integer("decode_steps", 8, "Decode steps checked (spread over the s
                      "0 = every position).")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+flags.DEFINE_list("rows", list(invariance.ROWS), "Rows of the matrix to check (default: "
+                  "every row: " + ", ".join(invariance.ROWS) + ").")
 
 #: Matrix rows the reference backend promises; kernel backends promise every row.
 REFERENCE_PROMISES = ("row alone vs in batch", "run to run")
@@ -102,7 +104,8 @@ def main(argv):
         acc = accuracy(be, p)
         rows = invariance.run_matrix(
             be, p, chunk_sizes=chunks, decode_steps=steps, pad_lengths=pad_lengths,
-            progress=lambda s: print(f"  ... {s} ({time.time() - t0:.0f}s)", flush=True))
+            progress=lambda s: print(f"  ... {s} ({time.time() - t0:.0f}s)", flush=True),
+            rows=FLAGS.rows)
         print(f"\n== backend {be} ==")
         print(f"accuracy vs forward_fp32: max|out-ref|/max|ref| = {acc['max_rel_err']:.2e} "
               f"(bar {acc['tolerance']:.0e}), lse max abs err {acc['lse_max_abs_err']:.2e}, "

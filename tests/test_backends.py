@@ -454,8 +454,8 @@ def test_packed_varlen_vs_alone(spec, causal):
     sequence alone in bits, forward and backward."""
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
-    p = dataclasses.replace(PROBLEM, batch=1, seq_len=100, causal=causal)
-    _assert_all(invariance.check_varlen(_op(spec), p, [100, 1, 0, 37]))
+    p = dataclasses.replace(PROBLEM, batch=1, seq_len=70, causal=causal)
+    _assert_all(invariance.check_varlen(_op(spec), p, [70, 1, 0, 37]))
 
 
 def test_left_padding_vs_alone(spec):
@@ -464,7 +464,7 @@ def test_left_padding_vs_alone(spec):
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
     p = dataclasses.replace(PROBLEM, batch=1, seq_len=100)
-    # 37: off the block grid; 64: a whole block of padding queries.
+    # 37: off the block grid; 64: a whole block of padding queries (36 real rows).
     _assert_all(invariance.check_left_padding(_op(spec), p, [37, 64]))
 
 

@@ -133,13 +133,17 @@ def test_layout_moves_are_exact_inverses():
 _why_interp = missing_interpret(("load", "Layout"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_why_interp is not None, reason=str(_why_interp))
 @needs_threads
 def test_mosaic_kernels_in_interpret_mode():
     """The Mosaic kernels (interpret mode, one warpgroup) behind both layouts: a packed
     batch (a sequence, an empty one, a chunk starting off the block grid) and a
-    left-padded batch equal each sequence alone in bits, forward and backward. (On an
-    H200 the battery runs the same rows natively, at more lengths.)"""
+    left-padded batch equal each sequence alone in bits, forward and backward. Behind
+    ``-m slow`` (40 s here): the layouts are the op's, which the default run checks on the
+    Pallas and Triton kernels, and the Mosaic kernels' per-sequence offsets and masks,
+    which these layouts use, have their own interpret tests (tests/test_cp.py,
+    tests/test_mosaic_backend.py); on an H200 the battery runs these rows natively.)"""
     from jaxattn import registry
     from jaxattn.backends.mosaic import backend as mb
     from jaxattn.backends.mosaic import backward as mbw

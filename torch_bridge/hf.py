@@ -17,16 +17,24 @@ What is accepted (mapped exactly onto jaxattn's contract, docs/contract.md):
 * plus key padding (left or right, from the 2D ``attention_mask``): ``key_padding_mask``
   ``[B, Skv]``, True = keep, read off the last query row of the 4D mask (under the causal
   rule that row sees every key, so it is exactly the padding);
+* packed rows: several sequences in one row, which transformers finds in ``position_ids``
+  when there is no padding mask and no cache (training and scoring forwards), or which a
+  flattening collator passes as ``cu_seq_lens_q/k`` and ``max_length_q/k``. The mask
+  builder recognises transformers' packed mask (its causal mask AND
+  ``packed_sequence_mask_function``) and builds no ``[S, S]`` mask; the attention function
+  takes the sequences from ``position_ids`` (or the ``cu_seq_lens_*``) and runs
+  :func:`torch_bridge.varlen_attention`;
 * ``scaling`` passed verbatim as ``scale``; GQA is left to jaxattn (K/V not repeated).
 
 What is refused with a ``ValueError`` rather than computed wrongly: sliding-window and
-chunked attention, packed sequences and any other mask pattern transformers builds from a
-mask function other than its plain causal one; bidirectional (``is_causal=False``)
+chunked attention and any other mask pattern transformers builds from a mask function
+other than its plain causal or packed one; bidirectional (``is_causal=False``)
 attention; a prefill whose queries are not the last keys (a ``StaticCache`` prefill, whose
 keys include empty future slots); 4D masks passed in by the user that are not
 "causal + key padding" (float masks must hold only 0 and the dtype's minimum or -inf: no
-biases); dropout > 0; attention sinks (``s_aux``/``sinks``), ``softcap``, position biases
-and flash-style packing arguments (``cu_seq_lens_*``).
+biases); dropout > 0; attention sinks (``s_aux``/``sinks``), ``softcap`` and position
+biases; packed rows read off ``position_ids`` under ``torch.compile`` (pass the
+``cu_seq_lens_*`` there), and packed rows with a padding mask or a cache.
 
 How the mask is checked: the mask builder refuses by structure (which mask function
 transformers composed, window sizes, offsets), which is plain Python and holds under
@@ -40,9 +48,8 @@ defines them; transformers' eager attention returns an average of values there. 
 are padding and are never read by the real tokens.
 
 Bits: with a kernel backend (``mosaic``, ``pallas``), decode rows equal the full
-forward's rows, and a sequence alone equals its rows in a right-padded batch. Left
-padding moves a sequence's keys within jaxattn's 64-key blocks, so alone vs left-padded
-agree only within rounding.
+forward's rows, and a sequence alone equals its rows in a right-padded, a left-padded
+(jaxattn aligns each sequence's key blocks to its first kept key) or a packed batch.
 
 transformers is imported lazily: ``import torch_bridge`` works without it.
 """
