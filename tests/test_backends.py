@@ -362,8 +362,9 @@ def _compiled(fn, *args):
     return lowered.compile(compiler_options=opts)(*args)
 
 
-@pytest.mark.parametrize("dtype,skv", [("bfloat16", 40), ("float16", 40), ("float32", 40),
-                                       ("float32", 64)])
+# bf16 stands for the 16-bit dtypes (fp16 runs the same kernels); fp32 is where the
+# one-block bits once differed.
+@pytest.mark.parametrize("dtype,skv", [("bfloat16", 40), ("float32", 40), ("float32", 64)])
 def test_flags_and_padding_that_hide_no_key_keep_bits_in_one_block(spec, dtype, skv):
     """The matrix's row "a flag or padding that hides no key changes no bit", where all
     the keys fit one BLOCK_N block (fp32 on the Pallas kernels once computed other bits
@@ -454,6 +455,9 @@ def test_packed_varlen_vs_alone(spec, causal):
     sequence alone in bits, forward and backward."""
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
+    if not causal and spec.name == "triton" and not ON_GPU:
+        pytest.skip("CI time: the layout is the interface's default, checked without causal "
+                    "on the Pallas kernels; on a GPU every backend runs it")
     p = dataclasses.replace(PROBLEM, batch=1, seq_len=70, causal=causal)
     _assert_all(invariance.check_varlen(_op(spec), p, [70, 1, 0, 37]))
 
