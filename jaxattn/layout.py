@@ -75,7 +75,9 @@ shifted.defvjp(_shifted_fwd, _shifted_bwd)
 
 def first_kept(key_padding_mask: jax.Array) -> jax.Array:
     """``[B]`` int32: the first True of each row of a ``[B, Skv]`` mask (0 for a row with
-    none)."""
+    none, or no keys at all)."""
+    if key_padding_mask.shape[1] == 0:
+        return jnp.zeros(key_padding_mask.shape[:1], jnp.int32)
     return jnp.argmax(key_padding_mask, axis=1).astype(jnp.int32)
 
 

@@ -199,8 +199,11 @@ def test_padding_mask_and_rows_with_no_visible_key(spec):
 
 def test_empty_kv_and_single_query(spec):
     q, k, v = rand_qkv(2, 4, 2, 5, 0, 64, jnp.bfloat16)
-    out, lse = _fwd(spec, causal=True)(q, k, v)
-    assert np.all(np.asarray(out, np.float32) == 0) and np.isneginf(np.asarray(lse)).all()
+    for causal in (True, False):  # no keys, with and without a (then empty) key mask
+        for mask in (None, jnp.ones((2, 0), jnp.bool_)):
+            out, lse = _fwd(spec, causal=causal)(q, k, v, mask)
+            assert np.all(np.asarray(out, np.float32) == 0), (causal, mask)
+            assert np.isneginf(np.asarray(lse)).all(), (causal, mask)
     q, k, v = rand_qkv(2, 4, 2, 1, 1, 64, jnp.bfloat16)
     out = _op(spec)(q, k, v)
     np.testing.assert_allclose(np.asarray(out, np.float32),
