@@ -292,11 +292,18 @@ def padding(sq: int, skv: int, causal: bool, rows: int) -> tuple[int, int, int]:
     return lead, -(-(lead + sq) // rows) * rows, -(-skv // bn) * bn
 
 
-def zero_dropped_keys(k, v, key_padding_mask):
-    """K and V with the keys ``key_padding_mask`` drops set to zero. Dropped keys may
-    hold anything (a paged cache's unused slots, NaN padding): their probabilities are
-    0, but 0 * inf in a product would be NaN."""
-    drop = ~key_padding_mask[:, None, :, None]
+def _along(axis: int, pad: tuple[int, int]):
+    """``jnp.pad`` widths of a rank-4 array padded by ``pad`` along ``axis`` only."""
+    return tuple(pad if i == axis else (0, 0) for i in range(4))
+
+
+def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
+    """K and V with the keys ``key_padding_mask`` drops set to zero (``axis``: the key
+    axis, 2 of ``[B, H, S, D]`` or 1 of ``[B, S, H, D]``). Dropped keys may hold
+    anything (a paged cache's unused slots, NaN padding): their probabilities are 0,
+    but 0 * inf in a product would be NaN."""
+    drop = (~key_padding_mask[:, None, :, None] if axis == 2
+            else ~key_padding_mask[:, :, None, None])
     return (jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype))
 
 
@@ -404,7 +411,8 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret, position: int | None = None,
-           key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False):
+           key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
+           q_btnh: bool = False, kv_btnh: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -420,13 +428,16 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     CTA per (tile, head, batch, SPLIT) writes that split's partial state, ``out [B, Hq,
     n_splits, sq, D]`` and ``lse [B, Hq, n_splits, sq]`` fp32 (``(0, -inf)`` where the
     split has nothing visible), for :func:`jaxattn.merge.fold` to fold: split-parallel
-    decode. One compute warpgroup, no persistent grid.
+    decode. One compute warpgroup, no persistent grid. ``q_btnh`` / ``kv_btnh``: Q and
+    O / K and V are ``[B, S, H, D]`` (JAX's layout; each tile a strided TMA box) instead
+    of ``[B, H, S, D]``; the lse stays ``[B, Hq, Sq]``.
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
                     causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                     interpret=interpret, position=position, key_mask=key_mask,
-                    dyn_offsets=dyn_offsets, split_out=split_out).call()
+                    dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
+                    kv_btnh=kv_btnh).call()
 
 
 @dataclasses.dataclass
@@ -474,8 +485,12 @@ class _Forward:
 
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
-                 dyn_offsets, split_out):
+                 dyn_offsets, split_out, q_btnh=False, kv_btnh=False):
         bn = self.bn = schedule.BLOCK_N
+        if q_btnh and split_out:
+            raise ValueError("split_out writes [B, Hq, n_splits, Sq, D] partial states: "
+                             "q_btnh is not served there")
+        self.q_btnh, self.kv_btnh = q_btnh, kv_btnh
         self.b, self.hq, self.sq, self.skv, self.d, self.dtype = b, hq, sq, skv, d, dtype
         self.causal, self.offset, self.position = causal, offset, position
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
@@ -577,6 +592,13 @@ class _Forward:
     def layout(self, x, lay):
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
+    @staticmethod
+    def tile_of(ref, bi, h, rows, btnh: bool):
+        """The ``[rows, D]`` tile of head ``h`` of sequence ``bi``: ``ref.at[bi, h,
+        rows]`` of ``[B, H, S, D]``, or ``ref.at[bi, rows, h]`` of ``[B, S, H, D]`` (a TMA
+        box whose rows are ``H * D`` elements apart)."""
+        return ref.at[bi, rows, h] if btnh else ref.at[bi, h, rows]
+
     def split_lo(self):
         """The first block of the CTA's split (split_out), else 0."""
         return (lax.axis_index("s") * self.per_split if self.split_out
@@ -674,8 +696,8 @@ class _Forward:
             n = base + t
             slot = lax.rem(n, jnp.int32(stages))
             k0 = t * bn
-            src = (k_ref.at[bi, kvh, pl.ds(k0, bn)] if self.gpu_operands
-                   else k_ref.at[bi, kvh, :, pl.ds(k0, bn)])
+            src = (self.tile_of(k_ref, bi, kvh, pl.ds(k0, bn), self.kv_btnh)
+                   if self.gpu_operands else k_ref.at[bi, kvh, :, pl.ds(k0, bn)])
 
             @pl.when(n >= stages)
             def _():
@@ -687,7 +709,8 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(v_ref.at[bi, kvh, pl.ds(k0, bn)], v_s.at[slot],
+            plgpu.copy_gmem_to_smem(self.tile_of(v_ref, bi, kvh, pl.ds(k0, bn),
+                                                 self.kv_btnh), v_s.at[slot],
                                     v_bar.at[slot])
             if self.key_mask:
                 plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(k0, bn)], keep_s.at[slot],
@@ -878,7 +901,8 @@ class _Forward:
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
         if qbuf is None:
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, h, pl.ds(it.q0, self.bm)], q_s, q_b)
+            plgpu.copy_gmem_to_smem(
+                self.tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
         plgpu.barrier_wait(q_b)
         if after_q is not None:
             after_q()
@@ -947,7 +971,8 @@ class _Forward:
             it.q_s[...] = out.astype(self.dtype)
             it.lse_s[...] = natural_lse(lse)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(it.q_s, o_ref.at[it.bi, it.h, rows])
+            plgpu.copy_smem_to_gmem(it.q_s, self.tile_of(o_ref, it.bi, it.h, rows,
+                                                         self.q_btnh))
             plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
         plgpu.wait_smem_to_gmem(0)
 
@@ -989,7 +1014,8 @@ class _Forward:
 
                 def issue_q(tile0, h, bi, buf):
                     plgpu.copy_gmem_to_smem(
-                        q_ref.at[bi, h, pl.ds(tile0 + wg * bm, bm)], smem[0].at[buf, wg],
+                        self.tile_of(q_ref, bi, h, pl.ds(tile0 + wg * bm, bm), self.q_btnh),
+                        smem[0].at[buf, wg],
                         bars[4].at[buf * nwg + wg])
 
                 def one(k, base):
@@ -1048,7 +1074,8 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             grid, grid_names = (n, *grid), ("s", *grid_names)
         else:
-            out_type = (jax.ShapeDtypeStruct((b, hq, sq, d), self.dtype),
+            out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
+                                             else (b, hq, sq, d), self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
         call = plgpu.kernel(
             self.kernel,
@@ -1130,8 +1157,14 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
     return table
 
 
+def _bhsd_shape(x):
+    """A ``[B, S, H, D]`` array's shape and dtype as ``[B, H, S, D]`` (for the checks)."""
+    b, s, h, d = x.shape
+    return jax.ShapeDtypeStruct((b, h, s, d), x.dtype)
+
+
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
-             causal_offsets=None, partials=False):
+             causal_offsets=None, partials=False, btnh=False):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -1152,12 +1185,19 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
 
     ``partials``: the kernel writes each SPLIT's partial state instead of folding them
     (one compute warpgroup of 64 rows: launch choices never change a row's bits), and
-    ``unpad`` returns ``(out [n_splits, B, Hq, Sq, D], lse [n_splits, B, Hq, Sq])`` fp32."""
+    ``unpad`` returns ``(out [n_splits, B, Hq, Sq, D], lse [n_splits, B, Hq, Sq])`` fp32.
+
+    ``btnh``: q, k, v and out are ``[B, S, H, D]`` (JAX's layout), read and written in
+    place by the kernel's TMA boxes (the lse stays ``[B, Hq, Sq]``); decode stacks the
+    group's rows as above (a free reshape of ``[B, 1, Hq, D]``)."""
     cfg = config or MosaicConfig()
+    if btnh and partials:
+        raise ValueError("partials are [B, Hq, ...] states: btnh is not served there")
+    sa = 1 if btnh else 2  # the sequence axis
     if partials:
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=schedule.BLOCK_N,
                                   persistent=0, prefetch_q=False)
-    check_inputs(q, k, v)
+    check_inputs(*((_bhsd_shape(x) for x in (q, k, v)) if btnh else (q, k, v)))
     dyn = causal and causal_offsets is not None
     if dyn:
         causal_offsets = jnp.asarray(causal_offsets)
@@ -1167,9 +1207,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              f"{causal_offsets.dtype} {causal_offsets.shape}")
         causal_offsets = causal_offsets.astype(jnp.int32)
     if key_padding_mask is not None:
-        if key_padding_mask.shape != (k.shape[0], k.shape[2]):
+        if key_padding_mask.shape != (k.shape[0], k.shape[sa]):
             raise ValueError(f"key_padding_mask must be [B, Skv] = "
-                             f"{(k.shape[0], k.shape[2])}, got {key_padding_mask.shape}")
+                             f"{(k.shape[0], k.shape[sa])}, got {key_padding_mask.shape}")
         if key_padding_mask.dtype != jnp.bool_:
             raise TypeError(f"key_padding_mask must be bool, got {key_padding_mask.dtype}")
     # A non-causal call with a partial last block: its padding keys are dropped by a
@@ -1177,16 +1217,20 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     # padding with dropped keys gets (the same code on every block; on the H200 a
     # kernel bounding the keys at Skv gave rows that differed from it in the last
     # bits, and ran 3 to 9% slower: docs/mosaic.md, retired options).
-    synth = (not causal or dyn) and k.shape[2] % schedule.BLOCK_N != 0
+    synth = (not causal or dyn) and k.shape[sa] % schedule.BLOCK_N != 0
     if synth and key_padding_mask is None:
-        key_padding_mask = jnp.ones((k.shape[0], k.shape[2]), jnp.bool_)
+        key_padding_mask = jnp.ones((k.shape[0], k.shape[sa]), jnp.bool_)
     key_mask = key_padding_mask is not None
     if key_mask:
-        k, v = zero_dropped_keys(k, v, key_padding_mask)
+        k, v = zero_dropped_keys(k, v, key_padding_mask, axis=sa)
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
-    b, hq, sq, d = q.shape
-    _, hkv, skv, _ = k.shape
+    if btnh:
+        b, sq, hq, d = q.shape
+        _, skv, hkv, _ = k.shape
+    else:
+        b, hq, sq, d = q.shape
+        _, hkv, skv, _ = k.shape
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bn = schedule.BLOCK_N
@@ -1205,7 +1249,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
-                                 split_out=split)
+                                 split_out=split, kv_btnh=btnh)
+        # [B, Hq, 1, D] and [B, 1, Hq, D] are both [B, Hkv, group, D] in memory.
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
         offs = causal_offsets  # the one row's position
         out_dtype = q.dtype
@@ -1219,7 +1264,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 out, lse = fold_partials(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0),
                                          interpret=interpret, config=cfg)
                 out = out.astype(out_dtype)
-            return (out[:, :, :group].reshape(b, hq, 1, d),
+            return (out[:, :, :group].reshape((b, 1, hq, d) if btnh else (b, hq, 1, d)),
                     lse[:, :, :group].reshape(b, hq, 1))
     elif dyn:
         rows = cfg.rows
@@ -1229,9 +1274,11 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 key_mask=key_mask, dyn_offsets=True, split_out=partials)
+                                 key_mask=key_mask, dyn_offsets=True, split_out=partials,
+                                 q_btnh=btnh, kv_btnh=btnh)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
-            jnp.zeros((hq, sq_pad, d), x.dtype), x, (0, at, 0)))(q, lead)
+            jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
+            (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
 
         def unpad(out, lse):
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
@@ -1240,8 +1287,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                             x, (0, 0, at, 0), (hq, n, sq, d)))(out, lead), 2, 0),
                         jnp.moveaxis(jax.vmap(lambda x, at: lax.dynamic_slice(
                             x, (0, 0, at), (hq, n, sq)))(lse, lead), 2, 0))
-            return (jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at, 0), (hq, sq, d)))(
-                        out, lead),
+            return (jax.vmap(lambda x, at: lax.dynamic_slice(
+                        x, (at, 0, 0) if btnh else (0, at, 0),
+                        (sq, hq, d) if btnh else (hq, sq, d)))(out, lead),
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
@@ -1249,9 +1297,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                                  offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                                 interpret=interpret, key_mask=key_mask, split_out=partials)
+                                 interpret=interpret, key_mask=key_mask, split_out=partials,
+                                 q_btnh=btnh, kv_btnh=btnh)
         if (lead, sq_pad) != (0, sq):
-            q = jnp.pad(q, ((0, 0), (0, 0), (lead, sq_pad - sq - lead), (0, 0)))
+            q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
         def unpad(out, lse):
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
@@ -1259,11 +1308,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                         jnp.moveaxis(lse[:, :, :, lead:lead + sq], 2, 0))
             if (lead, sq_pad) == (0, sq):
                 return out, lse
-            return out[:, :, lead:lead + sq], lse[:, :, lead:lead + sq]
+            return (lax.slice_in_dim(out, lead, lead + sq, axis=sa),
+                    lse[:, :, lead:lead + sq])
     if skv_pad != skv:
-        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
+        k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
     ones = jnp.ones((bn, ones_cols), q.dtype)
-    k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)  # [B, Hkv, D, Skv]
+    # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose).
+    k_in = (k if gpu_operands else
+            jnp.transpose(k, (0, 2, 3, 1)) if btnh else jnp.swapaxes(k, 2, 3))
     extra = ()
     if key_mask:
         keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
@@ -1274,20 +1326,23 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     return call, (q, k_in, v, ones, *extra), unpad
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
+                                             "btnh"))
 def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
             interpret=False, config: MosaicConfig | None = None, key_padding_mask=None,
-            causal_offsets=None):
+            causal_offsets=None, btnh: bool = False):
     """Attention forward ``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``.
 
     ``interpret``: False (compile for the GPU), True (Mosaic GPU interpret mode on the
     CPU, default parameters) or an ``InterpretGPUParams``. ``key_padding_mask``: None or
     ``[B, Skv]`` bool, True = keep (DESIGN.md section 3). ``causal_offsets``: None or
     ``[B]`` int, per-sequence causal offsets (:func:`_prepare`; ignored when not causal).
+    ``btnh``: q, k, v and out are ``[B, S, H, D]``, read and written in place (the lse
+    stays ``[B, Hq, Sq]``).
     """
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
-                                 causal_offsets=causal_offsets)
+                                 causal_offsets=causal_offsets, btnh=btnh)
     return unpad(*call(*args))
 
 
