@@ -43,9 +43,10 @@ def main(_):
                       for j, shp in enumerate([(b, s, hq, d), (b, skv, hkv, d),
                                                (b, skv, hkv, d)])) for i in range(3)]
         t = lambda x: jnp.swapaxes(x, 1, 2)
-        f_btnh = jax.jit(lambda q, k, v: mosaic_fwd.forward(q, k, v, causal=bool(causal),
-                                                             btnh=True)[0])
-        f_bhsd = jax.jit(lambda q, k, v: mosaic_fwd.forward(q, k, v, causal=bool(causal))[0])
+        f_btnh = jax.jit(lambda q, k, v, c=bool(causal): mosaic_fwd.forward(
+            q, k, v, causal=c, btnh=True)[0])
+        f_bhsd = jax.jit(lambda q, k, v, c=bool(causal): mosaic_fwd.forward(
+            q, k, v, causal=c)[0])
         sets_bhsd = [tuple(t(x) for x in st) for st in sets]
         a = np.asarray(t(f_btnh(*sets[0]))).view(np.uint16)
         bb = np.asarray(f_bhsd(*sets_bhsd[0])).view(np.uint16)

@@ -109,6 +109,7 @@ def test_benchmark_smoke(tmp_path):
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
+@pytest.mark.slow  # CI time (31 s): the binary's real run is gpu_suite.sh's peers stage
 def test_peer_invariance_smoke(tmp_path):
     """The peers' invariance matrix runs on the CPU; jaxattn's column is all equal; no
     system's cell is an error or beyond tolerance (which would mean a broken experiment)."""
@@ -144,19 +145,19 @@ def test_bridge_benchmark_smoke(tmp_path):
 
 def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     """The multi-device CP binary (the multi-GPU issue's) runs on 8 virtual CPU devices:
-    degrees 2 and 8, bits equal to one device forward and backward."""
+    degree 2, bits equal to one device forward and backward."""
     env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    # Degrees 2 and 8 (degree 4's bits: tests/test_cp.py's mesh test).
+    # Degree 2 (degrees 4 and 8's bits: tests/test_cp.py's mesh test).
     proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_bench", "--smoke",
-                           "--degrees=2,8", f"--out_dir={tmp_path}"], capture_output=True,
+                           "--degrees=2", f"--out_dir={tmp_path}"], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     rows = report["rows"]
-    assert [r["n"] for r in rows] == [2, 8]
+    assert [r["n"] for r in rows] == [2]
     assert all(r["fwd_bits_equal"] and r["bwd_bits_equal"] for r in rows), rows
     assert all(r["fwd_gather_MB"] < r["bwd_gather_MB"] for r in rows)
-    assert set(report["meta"]["allgather_GBps"]) == {"2", "8"}
+    assert set(report["meta"]["allgather_GBps"]) == {"2"}
 
 
 def test_gpu_only_binaries_parse_their_flags():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from examples import qwen3_rollout_parity as demo
 
@@ -59,6 +60,7 @@ def test_rowwise_gives_the_same_bits_for_a_row_whatever_the_row_count():
                               np.asarray(full[:n]).view(np.uint32)), n
 
 
+@pytest.mark.slow  # CI time (23 s): its parity is test_rollout_and_training_logprobs_...
 def test_example_runs_as_a_program():
     import subprocess
     import sys

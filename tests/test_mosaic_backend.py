@@ -294,3 +294,40 @@ def test_interpret_cp_equals_single_call():
         schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
         jax.clear_caches()
 
+
+
+@needs_api
+def test_btnh_forward_lowers_for_cuda_without_a_transpose():
+    """The forward on ``[B, S, H, D]`` (JAX's layout, ``btnh=True``) lowers for CUDA with
+    q, k, v and out read and written in place: no transpose in the module around the
+    kernel (each tile is a strided TMA box)."""
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+    text = jax.jit(lambda q, k, v: mosaic_fwd.forward(q, k, v, causal=True, btnh=True)).trace(
+        q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "stablehlo.transpose" not in text
+
+
+@pytest.mark.slow
+@needs_threads
+@needs_interpret
+@pytest.mark.parametrize("sq,skv,causal,masked", [(40, 70, True, False), (1, 130, True, False),
+                                                  (70, 70, False, True)])
+def test_interpret_btnh_forward_equals_bhsd(sq, skv, causal, masked):
+    """``btnh=True`` gives the ``[B, H, S, D]`` call's bits (out transposed back, lse
+    as is): a causal chunk with a partial block, decode (the group's rows stacked), and
+    non-causal with a key mask. ``-m slow`` (about a minute here)."""
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    seed = int(np.random.default_rng().integers(2**16))
+    q, k, v = rand_qkv(2, 4, 2, sq, skv, 64, jnp.bfloat16, seed=seed)
+    mask = (jnp.asarray(np.random.default_rng(seed).random((2, skv)) > 0.2) if masked
+            else None)
+    kw = dict(causal=causal, scale=0.2, interpret=True, key_padding_mask=mask,
+              config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64))
+    out, lse = mosaic_fwd.forward(q, k, v, **kw)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    out_t, lse_t = mosaic_fwd.forward(t(q), t(k), t(v), btnh=True, **kw)
+    assert out_t.shape == t(q).shape and not np.isnan(np.asarray(out_t, np.float32)).any()
+    assert bits_equal(t(out_t), out) and bits_equal(lse_t, lse), f"seed {seed}"

@@ -334,6 +334,7 @@ def test_interpret_split_dkdv_and_head_dim_256(mosaic_bwd):
         assert err < 2e-2, f"D=256 d{name}: {err:.3g} (seed {seed})"
 
 
+@pytest.mark.slow  # CI time (37 s): test_mosaic_backend's CP test runs these kernels
 @needs_threads
 @needs_interpret
 def test_interpret_backward_over_ranges(mosaic_bwd):
