@@ -126,13 +126,15 @@ def bench_point(system: systems.System, mode: str, b, hq, hkv, sq, skv, d, dtype
     if system.framework == "jax":  # compiled once: timed, and asked for its memory
         timed = jax.jit(run).lower(*sets[0]).compile()
         extra = _jax_temp_mb(timed)
+        # XLA transposes around the kernels (layout changes inside the timed call).
+        transposes = timed.as_text().count(" transpose(")
     else:
-        timed, extra = run, _torch_extra_mb(run, sets[0])
+        timed, extra, transposes = run, _torch_extra_mb(run, sets[0]), None
     sec, reps = report.sampled_seconds(timed, sets, system.sync, iters, warmup, FLAGS.reps,
                       FLAGS.sample_ms / 1e3)
     row = {"system": system.name, "mode": mode, "B": b, "Hq": hq, "Hkv": hkv, "Sq": sq,
            "Skv": skv, "D": d, "dtype": str(jnp.dtype(dtype)), "causal": causal,
-           "ms": sec * 1e3, "reps": reps, "extra_MB": extra}
+           "ms": sec * 1e3, "reps": reps, "extra_MB": extra, "transposes": transposes}
     if mode == "decode":
         row["GB/s"] = 2 * b * hkv * skv * d * jnp.dtype(dtype).itemsize / sec / 1e9
     else:
@@ -162,15 +164,17 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         lines += [f"Device-to-device copy bandwidth (read + write): "
                   f"{meta['copy_GBps']:.0f} GB/s", ""]
     lines += ["| mode | system | B | Hq | Hkv | Sq | Skv | D | causal | ms | TFLOP/s | GB/s "
-              "| extra MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| extra MB | transposes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = (f"| {r['mode']} | {r['system']} | {r['B']} | {r['Hq']} | {r['Hkv']} | "
                 f"{r['Sq']} | {r['Skv']} | {r['D']} | {r['causal']} |")
         if "error" in r:
-            lines.append(f"{head} {r['error'][:70].replace('|', '/')} | | | |")
+            lines.append(f"{head} {r['error'][:70].replace('|', '/')} | | | | |")
             continue
         lines.append(f"{head} {r['ms']:.3f} | {_fmt(r, 'TFLOP/s', '.1f')} | "
-                     f"{_fmt(r, 'GB/s', '.0f')} | {_fmt(r, 'extra_MB', '.1f')} |")
+                     f"{_fmt(r, 'GB/s', '.0f')} | {_fmt(r, 'extra_MB', '.1f')} | "
+                     f"{_fmt(r, 'transposes', 'd')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,10 @@ Systems (``--backends`` names):
 
 - ``jaxattn`` (the platform's first backend; ``jaxattn:<backend>`` picks one, e.g.
   ``jaxattn:reference`` or ``jaxattn:triton``);
-- ``cudnn`` and ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
+- ``jaxattn_btnh`` (``jaxattn_btnh:<backend>``): ``jaxattn.dot_product_attention`` on
+  JAX's ``[B, S, H, D]`` arrays (the JAX drop-in; Sq == Skv or Sq == 1 when causal);
+- ``cudnn`` and ``xla``: ``jax.nn.dot_product_attention(implementation=...)`` on its
+  own ``[B, S, H, D]`` arrays;
 - ``pallas_mha``: JAX's built-in Pallas Triton ``mha`` (no GQA: K and V are repeated to
   Hq heads in ``prepare``, outside any timed region; Sq must fill its 128-row blocks);
 - ``pallas_mgpu``: JAX's built-in Pallas Mosaic GPU attention (Hopper; GQA native;
@@ -101,6 +104,8 @@ def _bshd(x):
 
 
 def _dpa(implementation: str) -> System:
+    """``jax.nn.dot_product_attention`` on its own ``[B, S, H, D]`` arrays: out and
+    gradients stay in that layout inside the timed call (``to_numpy`` transposes)."""
     def fwd(q, k, v, *, causal, kv_lens=None):
         sq, skv = q.shape[1], k.shape[1]
         kw: dict[str, Any] = {"implementation": implementation}
@@ -110,17 +115,46 @@ def _dpa(implementation: str) -> System:
             kw["is_causal"] = True
         elif causal and sq > 1:  # top-left is_causal; bottom-right needs a mask
             kw["mask"] = jnp.asarray(causal_mask(sq, skv))[None, None]
-        return _bshd(jax.nn.dot_product_attention(q, k, v, **kw))
+        return jax.nn.dot_product_attention(q, k, v, **kw)
 
     def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
         _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
                          q, k, v)
-        return tuple(_bshd(g) for g in vjp(do))
+        return vjp(do)
 
     return System(implementation, "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)),
-                  fwd, fwdbwd, lambda x: x, jax.block_until_ready, _jax_to_numpy,
-                  notes="jax.nn.dot_product_attention; bottom-right causal by mask when "
-                        "1 < Sq < Skv")
+                  fwd, fwdbwd, _bshd, jax.block_until_ready,
+                  lambda x: _jax_to_numpy(_bshd(x)),
+                  notes="jax.nn.dot_product_attention on [B, S, H, D]; bottom-right causal "
+                        "by mask when 1 < Sq < Skv")
+
+
+def _jaxattn_btnh(backend: str | None) -> System:
+    """``jaxattn.dot_product_attention`` (jax.nn's signature) on ``[B, S, H, D]`` arrays,
+    out and gradients in that layout inside the timed call. jax.nn's causal rule is
+    top-left: served where it is jaxattn's (Sq == Skv; Sq == 1 sees every key)."""
+    def fwd(q, k, v, *, causal, kv_lens=None):
+        sq, skv = q.shape[1], k.shape[1]
+        if causal and 1 < sq != skv:
+            raise Unsupported("jax.nn's top-left causal rule differs from jaxattn's for "
+                              "1 < Sq != Skv")
+        return jaxattn.dot_product_attention(q, k, v, is_causal=causal and sq == skv,
+                                             key_value_seq_lengths=kv_lens,
+                                             implementation=backend)
+
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
+                         q, k, v)
+        return vjp(do)
+
+    name = "jaxattn_btnh" if backend is None else f"jaxattn_btnh:{backend}"
+    try:
+        op = jaxattn.get_op("attention", backend=backend)
+    except ValueError as e:
+        raise Unsupported(str(e)) from e
+    return System(name, "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)), fwd, fwdbwd,
+                  _bshd, jax.block_until_ready, lambda x: _jax_to_numpy(_bshd(x)),
+                  notes=f"jaxattn.dot_product_attention on [B, S, H, D], backend {op.backend}")
 
 
 def _pallas_mha() -> System:
@@ -276,6 +310,8 @@ def make(name: str) -> System:
     """The system called ``name`` (see the module docstring)."""
     if name == "jaxattn" or name.startswith("jaxattn:"):
         return _jaxattn(name.split(":", 1)[1] if ":" in name else None)
+    if name == "jaxattn_btnh" or name.startswith("jaxattn_btnh:"):
+        return _jaxattn_btnh(name.split(":", 1)[1] if ":" in name else None)
     if name in ("cudnn", "xla"):
         return _dpa(name)
     if name == "pallas_mha":
@@ -287,7 +323,8 @@ def make(name: str) -> System:
         if reason:
             raise Unsupported(reason)
         return _torch_system(name)
-    known = ["jaxattn", "jaxattn:<backend>", *JAX_PEERS, *TORCH_PEERS]
+    known = ["jaxattn", "jaxattn:<backend>", "jaxattn_btnh", "jaxattn_btnh:<backend>",
+             *JAX_PEERS, *TORCH_PEERS]
     raise ValueError(f"unknown system {name!r}; known: {', '.join(known)}")
 
 

@@ -3,6 +3,9 @@
 Public surface (DESIGN.md section 2):
 
 * :func:`attention` -- the main entry, jittable and differentiable.
+* :func:`dot_product_attention` -- ``jax.nn.dot_product_attention``'s signature on
+  JAX's ``[B, T, N, H]`` layout (:mod:`jaxattn.nn`); :mod:`jaxattn.flax` -- Flax's
+  ``attention_fn``.
 * :func:`get_op` -- the registry (``get_op("attention")``, ``get_op("cp_attention")``).
 * :mod:`jaxattn.reference` -- the fp32 ground truth.
 * :mod:`jaxattn.schedule` -- ``BLOCK_N`` and ``SPLIT``, the canonical reduction order.
@@ -15,15 +18,17 @@ from __future__ import annotations
 import jax
 
 from jaxattn import cp as _cp  # noqa: F401  (the "cp_attention" op's module)
-from jaxattn import paged, reference, schedule, varlen
+from jaxattn import flax, nn, paged, reference, schedule, varlen
 from jaxattn.merge import merge
+from jaxattn.nn import dot_product_attention
 from jaxattn.registry import AttentionOp, backend_names, get_op
 from jaxattn.schedule import BLOCK_N, SPLIT
 from jaxattn.validation import validate_inputs
 
 __all__ = [
-    "BLOCK_N", "SPLIT", "AttentionOp", "attention", "backend_names", "get_op", "merge",
-    "paged", "reference", "schedule", "validate_inputs", "varlen",
+    "BLOCK_N", "SPLIT", "AttentionOp", "attention", "backend_names",
+    "dot_product_attention", "flax", "get_op", "merge", "nn", "paged", "reference",
+    "schedule", "validate_inputs", "varlen",
 ]
 __version__ = "0.1.0"
 

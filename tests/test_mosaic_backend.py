@@ -310,6 +310,65 @@ def test_btnh_forward_lowers_for_cuda_without_a_transpose():
     assert "stablehlo.transpose" not in text
 
 
+@needs_api
+@pytest.mark.parametrize("offsets", [False, True])
+def test_btnh_gradient_lowers_for_cuda_without_a_transpose(offsets):
+    """The backend's ``[B, S, H, D]`` entry (``jaxattn.dot_product_attention``'s),
+    forward and gradient, lowers for CUDA with no transpose anywhere in the module:
+    the forward, delta, dK/dV and dQ kernels read q, k, v, out, dO and write out, dQ,
+    dK, dV in place; with per-sequence offsets (jax.nn's top-left causal rule for Sq
+    != Skv) too."""
+    q = jax.ShapeDtypeStruct((2, 100, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 150, 2, 128), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 150), jnp.bool_)
+    offs = jnp.zeros((2,), jnp.int32) if offsets else None
+
+    def loss(q, k, v, m):
+        out, _ = mosaic_backend.attention(q, k, v, m, causal=True, scale=0.3,
+                                          causal_offsets=offs, btnh=True)
+        return out.astype(jnp.float32).sum()
+
+    f = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+    text = f.trace(q, k, k, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 4  # forward, delta, dK/dV, dQ
+    assert "stablehlo.transpose" not in text
+
+
+@needs_threads
+@needs_interpret
+def test_interpret_btnh_backward_equals_bhsd():
+    """The ``[B, S, H, D]`` backward (delta, dK/dV and dQ reading and writing JAX's
+    layout in place) gives the ``[B, H, S, D]`` backward's bits: a causal chunk with
+    partial blocks and a key mask, through the custom VJP, D=16 padded to 64."""
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    seed = int(np.random.default_rng().integers(2**16))
+    q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, jnp.bfloat16, seed=seed)
+    mask = jnp.asarray(np.random.default_rng(seed).random((1, 70)) > 0.2)
+    kw = dict(causal=True, scale=0.25, interpret=True,
+              fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
+              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+
+    def grads(btnh, offsets=None):
+        def loss(q, k, v):
+            out = mosaic_backend.attention(q, k, v, mask, btnh=btnh, causal_offsets=offsets,
+                                           **kw)[0]
+            return jnp.sum((t(out) if btnh else out).astype(jnp.float32) * w)
+        args = (t(q), t(k), t(v)) if btnh else (q, k, v)
+        g = jax.grad(loss, (0, 1, 2))(*args)
+        return tuple(t(x) for x in g) if btnh else g
+
+    want = grads(False)
+    # Without offsets (the static rule) and with per-sequence offsets equal to it (the
+    # backward over one key range, its rows placed per sequence).
+    for got in (grads(True), grads(True, jnp.array([30], jnp.int32))):
+        for name, g, h in zip("qkv", got, want, strict=True):
+            assert not np.isnan(np.asarray(g, np.float32)).any(), name
+            assert bits_equal(g, h), f"d{name} (seed {seed})"
+
+
 @pytest.mark.slow
 @needs_threads
 @needs_interpret

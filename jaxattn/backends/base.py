@@ -5,6 +5,8 @@ it serves, the same methods:
 
 * ``forward_with_lse``: attention on the canonical schedule (or, for the reference, in
   plain ``jax.numpy``), differentiable; optional per-sequence causal offsets;
+  ``forward_with_lse_btnh`` the same on JAX's ``[B, S, H, D]`` layout (the default
+  transposes; kernels that read that layout in place override it);
 * ``backward``: the gradients from saved residuals ``(out, lse)``, without a recomputed
   forward (what the torch bridge's autograd runs);
 * ``split_states`` / ``fold_states`` / ``backward_over_ranges``: the per-SPLIT partial
@@ -105,6 +107,22 @@ class Backend:
         ``Skv - Sq``): with ``causal``, key j is visible to query i of sequence b iff
         ``j <= i + causal_offsets[b]``."""
         raise NotImplementedError
+
+    def forward_with_lse_btnh(self, q, k, v, *, causal: bool, scale: float,
+                              key_padding_mask=None, causal_offsets=None) -> OutLse:
+        """:meth:`forward_with_lse` on JAX's layout (``jax.nn.dot_product_attention``'s
+        BTNH): ``q [B, Sq, Hq, D]``, ``k, v [B, Skv, Hkv, D]`` -> ``(out [B, Sq, Hq, D],
+        lse [B, Hq, Sq] fp32)``, differentiable, the bits of :meth:`forward_with_lse` on
+        the transposed inputs. The default transposes q, k, v and out (XLA copies, and
+        their transposes in the gradient); a backend whose kernels read the layout in
+        place overrides it."""
+        def t(x):
+            return jnp.swapaxes(x, 1, 2)
+
+        out, lse = self.forward_with_lse(t(q), t(k), t(v), causal=causal, scale=scale,
+                                         key_padding_mask=key_padding_mask,
+                                         causal_offsets=causal_offsets)
+        return t(out), lse
 
     def forward_fp32_with_lse(self, q, k, v, **kw) -> OutLse:
         """The same backend on fp32-upcast inputs: fp32 ``(out, lse)``."""

@@ -98,64 +98,70 @@ def _refuse_unsupported(q) -> None:
         raise ValueError(reason)
 
 
-def _is_empty(q, k) -> bool:
+def _is_empty(q, k, btnh: bool = False) -> bool:
     """No rows, or rows that see no key: answered without a kernel."""
-    return 0 in (*q.shape[:3], k.shape[2])
+    return 0 in (*q.shape[:3], k.shape[1 if btnh else 2])
 
 
-def _served(q, k, v, run):
+def _served(q, k, v, run, btnh: bool = False):
     """The Mosaic entries' common frame: refuse what the kernels do not serve, answer
     empty calls without a kernel (0 and -inf, zero gradients), zero-pad the head dim to
-    a native one, ``run(q, k, v) -> (out, lse)`` and cut the output back to D."""
+    a native one, ``run(q, k, v) -> (out, lse)`` and cut the output back to D.
+    ``btnh``: q, k, v are ``[B, S, H, D]``."""
     _refuse_unsupported(q)
     if on_pallas(q.dtype):
         raise ValueError("fp32 runs the Pallas kernels, not this entry (an internal error)")
-    b, hq, sq, d = q.shape
-    if _is_empty(q, k):
+    d = q.shape[-1]
+    b, sq, hq = (q.shape[0], q.shape[1], q.shape[2]) if btnh else (
+        q.shape[0], q.shape[2], q.shape[1])
+    if _is_empty(q, k, btnh):
         return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
     dp = _padded_head_dim(d)
     out, lse = run(*(pad_head_dim(x, dp) for x in (q, k, v)))
     return out[..., :d], lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _core(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret, fwd_config,
-          bwd_config):
+          bwd_config, btnh):
     from jaxattn.backends.mosaic import forward as mosaic_fwd
     return mosaic_fwd.forward(q, k, v, causal=causal, scale=scale, interpret=interpret,
                               config=fwd_config, key_padding_mask=key_padding_mask,
-                              causal_offsets=causal_offsets if causal else None)
+                              causal_offsets=causal_offsets if causal else None, btnh=btnh)
 
 
 def _core_fwd(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret,
-              fwd_config, bwd_config):
+              fwd_config, bwd_config, btnh):
     out, lse = _core(q, k, v, key_padding_mask, causal_offsets, causal, scale, interpret,
-                     fwd_config, bwd_config)
+                     fwd_config, bwd_config, btnh)
     return (out, lse), (q, k, v, key_padding_mask, causal_offsets, out, lse)
 
 
 def _kernel_backward(q, k, v, key_padding_mask, causal_offsets, out, lse, d_out, d_lse, *,
-                     causal, scale, interpret, bwd_config):
+                     causal, scale, interpret, bwd_config, btnh=False):
     """The Mosaic backward of native-D inputs: with per-sequence causal offsets, the
-    backward over one key range (its kernels take dynamic offsets)."""
+    backward over one key range (its kernels take dynamic offsets). ``btnh``: q, k, v,
+    out, d_out and the gradients are ``[B, S, H, D]``."""
     from jaxattn.backends.mosaic import backward as mosaic_bwd
     d_out = d_out.astype(out.dtype)
     if causal and causal_offsets is not None:
         return mosaic_bwd.backward_over_ranges(
-            q, k, v, out, lse, d_out, d_lse, ranges=[(0, k.shape[2])],
+            q, k, v, out, lse, d_out, d_lse, ranges=[(0, k.shape[1 if btnh else 2])],
             offsets=jnp.asarray(causal_offsets, jnp.int32), causal=True, scale=scale,
-            interpret=interpret, config=bwd_config, key_padding_mask=key_padding_mask)
+            interpret=interpret, config=bwd_config, key_padding_mask=key_padding_mask,
+            btnh=btnh)
     return mosaic_bwd.backward(q, k, v, out, lse, d_out, d_lse, causal=causal, scale=scale,
                                interpret=interpret, config=bwd_config,
-                               key_padding_mask=key_padding_mask)
+                               key_padding_mask=key_padding_mask, btnh=btnh)
 
 
-def _core_bwd(causal, scale, interpret, fwd_config, bwd_config, residuals, cotangents):
+def _core_bwd(causal, scale, interpret, fwd_config, bwd_config, btnh, residuals,
+              cotangents):
     q, k, v, key_padding_mask, causal_offsets, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv = _kernel_backward(q, k, v, key_padding_mask, causal_offsets, out, lse, d_out,
                                   d_lse, causal=causal, scale=scale, interpret=interpret,
-                                  bwd_config=bwd_config)
+                                  bwd_config=bwd_config, btnh=btnh)
     return dq, dk, dv, None, None
 
 
@@ -212,6 +218,18 @@ class MosaicBackend(Backend):
                                            causal_offsets=causal_offsets)
         return attention(q, k, v, key_padding_mask, causal=causal, scale=scale,
                          causal_offsets=causal_offsets, **self._kw())
+
+    def forward_with_lse_btnh(self, q, k, v, *, causal, scale, key_padding_mask=None,
+                              causal_offsets=None):
+        """JAX's layout read and written in place by the kernels (forward and backward:
+        each tile a strided TMA box, no transpose); fp32 (the Pallas kernels) transposes
+        as the default does."""
+        if on_pallas(q.dtype):
+            return super().forward_with_lse_btnh(q, k, v, causal=causal, scale=scale,
+                                                 key_padding_mask=key_padding_mask,
+                                                 causal_offsets=causal_offsets)
+        return attention(q, k, v, key_padding_mask, causal=causal, scale=scale,
+                         causal_offsets=causal_offsets, btnh=True, **self._kw())
 
     def backward(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal, scale,
                  causal_offsets=None):
@@ -352,21 +370,27 @@ class MosaicBackend(Backend):
 
 
 def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,
-              causal_offsets=None, interpret=False, fwd_config=None, bwd_config=None):
+              causal_offsets=None, interpret=False, fwd_config=None, bwd_config=None,
+              btnh: bool = False):
     """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``, differentiable (the
     Mosaic backward; dK/dV and dQ kernels). ``causal_offsets``: ``[B]`` int or None
     (with ``causal``, row i of sequence b sees key j iff ``j <= i + causal_offsets[b]``).
-    ``interpret`` and the configs are for tests. fp32: the Pallas backend's kernels
-    (interpreted on a CPU)."""
+    ``btnh``: q, k, v and out are ``[B, S, H, D]`` (JAX's layout), read and written in
+    place by the forward and backward kernels; the lse stays ``[B, Hq, Sq]``; bf16/fp16
+    only. ``interpret`` and the configs are for tests. fp32: the Pallas backend's
+    kernels (interpreted on a CPU)."""
     if on_pallas(q.dtype):
         _refuse_unsupported(q)
+        if btnh:
+            raise ValueError("btnh: fp32 runs the Pallas kernels on [B, H, S, D] (the "
+                             "backend's forward_with_lse_btnh transposes for it)")
         return PALLAS.forward_with_lse(q, k, v, causal=causal, scale=scale,
                                        key_padding_mask=key_padding_mask,
                                        causal_offsets=causal_offsets)
     offs = None if causal_offsets is None else jnp.asarray(causal_offsets, jnp.int32)
     return _served(q, k, v, lambda q, k, v: _core(
         q, k, v, key_padding_mask, offs, bool(causal), float(scale), interpret, fwd_config,
-        bwd_config))
+        bwd_config, bool(btnh)), btnh)
 
 
 def backward(q, k, v, key_padding_mask, out, lse, d_out, d_lse, *, causal: bool,

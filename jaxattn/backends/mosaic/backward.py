@@ -313,10 +313,17 @@ def _t(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
+def _tile(ref, bi, h, rows, btnh: bool):
+    """The ``[rows, D]`` tile of head ``h`` of sequence ``bi``: ``ref.at[bi, h, rows]``
+    of ``[B, H, S, D]``, or ``ref.at[bi, rows, h]`` of ``[B, S, H, D]`` (JAX's layout: a
+    TMA box whose rows are ``H * D`` elements apart)."""
+    return ref.at[bi, rows, h] if btnh else ref.at[bi, h, rows]
+
+
 # ----------------------------------------------------------------------------- delta
 
 
-def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret):
+def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret, btnh=False):
     bm = BLOCK_Q
     lay = _Layouts(interpret)
     itemsize = jnp.dtype(dtype).itemsize
@@ -327,8 +334,8 @@ def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret):
 
         def body(smem, bars):
             o_s, do_s, dl_s, out_s = smem
-            plgpu.copy_gmem_to_smem(o_ref.at[bi, h, rows], o_s, bars.at[0])
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, h, rows], do_s, bars.at[1])
+            plgpu.copy_gmem_to_smem(_tile(o_ref, bi, h, rows, btnh), o_s, bars.at[0])
+            plgpu.copy_gmem_to_smem(_tile(do_ref, bi, h, rows, btnh), do_s, bars.at[1])
             plgpu.copy_gmem_to_smem(dlse_ref.at[bi, h, rows], dl_s, bars.at[2])
             for i in range(3):
                 plgpu.barrier_wait(bars.at[i])
@@ -424,6 +431,7 @@ class _DkdvKernel:
     key_mask: bool = False
     dyn_offsets: bool = False
     parts: str = "dkdv"
+    btnh: bool = False
 
     def __post_init__(self):
         if self.parts not in ("dkdv", "dk", "dv"):
@@ -500,8 +508,9 @@ class _DkdvKernel:
         def source(name, ref, t):
             h = tile.kvh * group + lax.div(t, tile.n)
             rows = pl.ds((tile.first + lax.rem(t, tile.n)) * bq, bq)
-            return (ref.at[tile.bi, h, :, rows] if name in ("qt", "dot")
-                    else ref.at[tile.bi, h, rows])
+            if name in ("qt", "dot"):
+                return ref.at[tile.bi, h, :, rows]
+            return _tile(ref, tile.bi, h, rows, self.btnh and name in ("q", "do"))
 
         srcs = {name: refs[name] for name in self.names}
         _produce(srcs, sm, bars, self.stages, tile.total, source)
@@ -519,9 +528,10 @@ class _DkdvKernel:
         sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
-        plgpu.copy_gmem_to_smem(refs["k"].at[bi, kvh, pl.ds(start, bkv)], sm["k"],
+        keys = pl.ds(start, bkv)
+        plgpu.copy_gmem_to_smem(_tile(refs["k"], bi, kvh, keys, self.btnh), sm["k"],
                                 bars["misc"].at[2 * w])
-        plgpu.copy_gmem_to_smem(refs["v"].at[bi, kvh, pl.ds(start, bkv)], sm["v"],
+        plgpu.copy_gmem_to_smem(_tile(refs["v"], bi, kvh, keys, self.btnh), sm["v"],
                                 bars["misc"].at[2 * w + 1])
         plgpu.barrier_wait(bars["misc"].at[2 * w])
         plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
@@ -621,16 +631,18 @@ class _DkdvKernel:
     def epilogue(self, blk: _DkdvBlock, tile: _DkdvTile, refs, dk, dv):
         """Epilogue: dK scaled, both cast to k's dtype and staged in the SMEM of K and V
         (no longer needed), then stored by TMA."""
-        sm, rows = blk.sm, (tile.bi, tile.kvh, pl.ds(blk.start, BLOCK_KV))
+        sm, keys = blk.sm, pl.ds(blk.start, BLOCK_KV)
         if self.want_dk:
             sm["k"][...] = (dk * self.scale).astype(self.dtype)
         if self.want_dv:
             sm["v"][...] = dv.astype(self.dtype)
         plgpu.commit_smem()
         if self.want_dk:
-            plgpu.copy_smem_to_gmem(sm["k"], refs["dk"].at[rows])
+            plgpu.copy_smem_to_gmem(sm["k"], _tile(refs["dk"], tile.bi, tile.kvh, keys,
+                                                   self.btnh))
         if self.want_dv:
-            plgpu.copy_smem_to_gmem(sm["v"], refs["dv"].at[rows])
+            plgpu.copy_smem_to_gmem(sm["v"], _tile(refs["dv"], tile.bi, tile.kvh, keys,
+                                                   self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
     def consume(self, w, refs, sm, bars, tile: _DkdvTile):
@@ -707,7 +719,9 @@ class _DkdvKernel:
     def build(self):
         """The launch: one CTA per (``nwg`` KV blocks, KV head, batch), ``nwg + 1``
         warpgroups."""
-        kv_grad = jax.ShapeDtypeStruct((self.b, self.hkv, self.skv, self.d), self.dtype)
+        kv_grad = jax.ShapeDtypeStruct(
+            (self.b, self.skv, self.hkv, self.d) if self.btnh
+            else (self.b, self.hkv, self.skv, self.d), self.dtype)
         return plgpu.kernel(
             self.kernel, out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
             grid=(self.skv // (self.nwg * BLOCK_KV), self.hkv, self.b),
@@ -796,6 +810,7 @@ class _DqKernel:
     key_mask: bool = False
     dyn_offsets: bool = False
     continue_acc: bool = False
+    btnh: bool = False
 
     def __post_init__(self):
         cfg, bq, d = self.cfg, BLOCK_Q, self.d
@@ -848,7 +863,9 @@ class _DqKernel:
             cols = pl.ds(j * bkv, bkv)
             if name == "keep":
                 return ref.at[bi, cols]
-            return ref.at[bi, kvh, :, cols] if name in ("kt", "vt") else ref.at[bi, kvh, cols]
+            if name in ("kt", "vt"):
+                return ref.at[bi, kvh, :, cols]
+            return _tile(ref, bi, kvh, cols, self.btnh)
 
         _produce(srcs, sm, bars, self.stages, tile.hi_cta, source)
 
@@ -868,7 +885,9 @@ class _DqKernel:
         if self.continue_acc:  # the accumulator so far, into the output tile's SMEM
             srcs.append(("out", refs["acc_in"]))
         for i, (name, ref) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(ref.at[bi, h, rows_sl], own[name],
+            plgpu.copy_gmem_to_smem(_tile(ref, bi, h, rows_sl,
+                                          self.btnh and name in ("q", "do", "out")),
+                                    own[name],
                                     bars["misc"].at[5 * w + i])
         for i in range(len(srcs)):
             plgpu.barrier_wait(bars["misc"].at[5 * w + i])
@@ -943,8 +962,8 @@ class _DqKernel:
         """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA."""
         rows.own["out"][...] = dq
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(rows.own["out"], refs["acc"].at[tile.bi, tile.h,
-                                                                 rows.rows_sl])
+        plgpu.copy_smem_to_gmem(rows.own["out"], _tile(refs["acc"], tile.bi, tile.h,
+                                                       rows.rows_sl, self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
     def consume(self, w, refs, sm, bars, tile: _DqTile):
@@ -1017,7 +1036,9 @@ class _DqKernel:
         warpgroups."""
         return plgpu.kernel(
             self.kernel,
-            out_type=jax.ShapeDtypeStruct((self.b, self.hq, self.sq, self.d), jnp.float32),
+            out_type=jax.ShapeDtypeStruct(
+                (self.b, self.sq, self.hq, self.d) if self.btnh
+                else (self.b, self.hq, self.sq, self.d), jnp.float32),
             grid=(self.sq // (self.nwg * BLOCK_Q), self.hq, self.b),
             grid_names=("q", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",
@@ -1040,19 +1061,43 @@ def _check_whole_tiles(q, k, v, d_out, lse, delta_):
     _check_rows("delta", delta_, q.shape[:3], jnp.float32)
 
 
-def _t_in(x):
-    return jnp.swapaxes(x, 2, 3)  # [B, H, S, D] -> [B, H, D, S]
+def _t_in(x, btnh: bool = False):
+    """``[B, H, D, S]`` (the operands staged transposed off the GPU operand path) from
+    ``[B, H, S, D]`` or, with ``btnh``, ``[B, S, H, D]``: an XLA transpose."""
+    return jnp.transpose(x, (0, 2, 3, 1)) if btnh else jnp.swapaxes(x, 2, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None = None):
+def _bhsd(shape, btnh: bool):
+    """``(B, H, S, D)`` of a ``[B, H, S, D]`` shape or, with ``btnh``, a ``[B, S, H,
+    D]`` one."""
+    b, x, y, d = shape
+    return (b, y, x, d) if btnh else (b, x, y, d)
+
+
+def _seq_axis(btnh: bool) -> int:
+    return 1 if btnh else 2
+
+
+def _pad_seq(x, btnh: bool, pad, fill=0.0):
+    """``x`` (rank 4) padded by ``pad`` along its sequence axis."""
+    widths = [(0, 0)] * x.ndim
+    widths[_seq_axis(btnh)] = pad
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "btnh"))
+def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None = None,
+          btnh: bool = False):
     """``rowsum(dO * O) - dlse`` per query row, fp32 ``[B, Hq, Sq]`` (see the module
-    docstring for the two implementations)."""
+    docstring for the two implementations). ``btnh``: out and d_out are ``[B, Sq, Hq,
+    D]`` (read in place)."""
     cfg = config or BwdConfig()
-    b, hq, sq, d = out.shape
+    b, hq, sq, d = _bhsd(out.shape, btnh)
     d_lse = (jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None
              else d_lse.astype(jnp.float32))
     if cfg.delta == "triton":
+        if btnh:
+            raise ValueError("delta='triton' reads [B, Hq, Sq, D]: btnh is not served there")
         return pallas_triton_vjp.delta(out, d_out, d_lse, interpret=bool(interpret))
     if out.dtype not in (jnp.bfloat16, jnp.float16) or d not in HEAD_DIMS:
         raise ValueError(f"out must be bf16/fp16 with D in {HEAD_DIMS}, got {out.dtype} {d}")
@@ -1061,7 +1106,7 @@ def delta(out, d_out, d_lse=None, *, interpret=False, config: BwdConfig | None =
     _check_rows("d_out", d_out, out.shape)
     _check_rows("d_lse", d_lse, (b, hq, sq))
     call = _build_delta(b=b, hq=hq, sq=sq, d=d, dtype=out.dtype, cfg=cfg,
-                        interpret=resolve_interpret(interpret))
+                        interpret=resolve_interpret(interpret), btnh=btnh)
     return call(out, d_out.astype(out.dtype), d_lse)
 
 
@@ -1087,12 +1132,13 @@ def dq_accumulate(q, k, v, d_out, lse, delta_, *, causal: bool, scale: float,
                       interpret=interpret, config=config or BwdConfig())
 
 
-def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask):
+def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask,
+                             btnh=False):
     """The backward entries' input checks; returns K and V with dropped keys zeroed
     (their gradients are zero anyway)."""
-    check_inputs(q, k, v)
-    b, hq, sq, _ = q.shape
-    skv = k.shape[2]
+    check_inputs(*(jax.ShapeDtypeStruct(_bhsd(x.shape, btnh), x.dtype) for x in (q, k, v)))
+    b, hq, sq, _ = _bhsd(q.shape, btnh)
+    skv = k.shape[_seq_axis(btnh)]
     _check_rows("out", out, q.shape)
     _check_rows("d_out", d_out, q.shape)
     _check_rows("lse", lse, (b, hq, sq), jnp.float32)
@@ -1103,13 +1149,14 @@ def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask):
     if key_padding_mask.shape != (b, skv) or key_padding_mask.dtype != jnp.bool_:
         raise ValueError(f"key_padding_mask must be bool [B, Skv] = {(b, skv)}, got "
                          f"{key_padding_mask.dtype} {key_padding_mask.shape}")
-    return zero_dropped_keys(k, v, key_padding_mask)
+    return zero_dropped_keys(k, v, key_padding_mask, axis=_seq_axis(btnh))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
+                                             "btnh"))
 def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
              scale: float | None = None, interpret=False, config: BwdConfig | None = None,
-             key_padding_mask=None):
+             key_padding_mask=None, btnh: bool = False):
     """Gradients ``(dq, dk, dv)`` of attention given the forward's ``(out, lse)`` and the
     cotangents ``d_out`` (and optionally ``d_lse``); ``pallas_triton_vjp.backward``'s
     order and final scaling. ``interpret``: False (GPU), True or an
@@ -1119,32 +1166,39 @@ def backward(q, k, v, out, lse, d_out, d_lse=None, *, causal: bool,
     (``mosaic_fwd.padding``: causal tiles aligned to 64 absolute positions; padding rows
     get ``lse = -inf``, so they add nothing) and the keys to whole blocks, dropped by the
     key mask. ``key_padding_mask``: None or ``[B, Skv]`` bool, True = keep; dropped keys
-    get zero gradients."""
+    get zero gradients. ``btnh``: q, k, v, out, d_out and the gradients are ``[B, S, H,
+    D]`` (JAX's layout), read and written in place by the kernels' TMA boxes; lse and
+    d_lse stay ``[B, Hq, Sq]``."""
     cfg = config or BwdConfig()
-    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask)
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
+    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask,
+                                    btnh)
+    b, hq, sq, d = _bhsd(q.shape, btnh)
+    sa = _seq_axis(btnh)
+    skv = k.shape[sa]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lead, sq_pad, skv_pad = padding(sq, skv, causal, BLOCK_Q * cfg.dq_wgs)
-    rows = ((0, 0), (0, 0), (lead, sq_pad - sq - lead))
+    rows = (lead, sq_pad - sq - lead)
     if (lead, sq_pad) != (0, sq):
-        q, out, d_out = (jnp.pad(x, (*rows, (0, 0))) for x in (q, out, d_out))
-        lse = jnp.pad(lse, rows, constant_values=NEG_INF)  # padding rows add nothing
-        d_lse = None if d_lse is None else jnp.pad(d_lse, rows)
+        q, out, d_out = (_pad_seq(x, btnh, rows) for x in (q, out, d_out))
+        # padding rows add nothing
+        lse = jnp.pad(lse, ((0, 0), (0, 0), rows), constant_values=NEG_INF)
+        d_lse = None if d_lse is None else jnp.pad(d_lse, ((0, 0), (0, 0), rows))
     keep = key_padding_mask
     if skv_pad != skv:
-        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
+        k, v = (_pad_seq(x, btnh, (0, skv_pad - skv)) for x in (k, v))
         keep = jnp.ones((b, skv), jnp.bool_) if keep is None else keep
         keep = jnp.pad(keep, ((0, 0), (0, skv_pad - skv)))
     dq, dk, dv = _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep,
                                   offset=skv - sq - lead, causal=causal, scale=scale,
-                                  interpret=interpret, cfg=cfg)
-    return dq[:, :, lead:lead + sq], dk[:, :, :skv], dv[:, :, :skv]
+                                  interpret=interpret, cfg=cfg, btnh=btnh)
+    return (lax.slice_in_dim(dq, lead, lead + sq, axis=sa),
+            *(lax.slice_in_dim(g, 0, skv, axis=sa) for g in (dk, dv)))
 
 
 def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offsets,
                          causal: bool, scale: float | None = None, interpret=False,
-                         config: BwdConfig | None = None, key_padding_mask=None):
+                         config: BwdConfig | None = None, key_padding_mask=None,
+                         btnh: bool = False):
     """Gradients ``(dq, dk, dv)`` with per-sequence causal offsets and the keys taken in
     ``ranges`` (``[(a, e), ...]``, ascending and covering ``[0, Skv)``; context
     parallelism's key shards): dK and dV of each range by the dK/dV kernel, dQ by the
@@ -1153,11 +1207,14 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
     (causal). The ranges' starts must be multiples of ``2 * BLOCK_KV`` (SPLIT-aligned
     shards are): each range's CTAs then hold the key blocks one call over all keys
     holds, and the result is that call's in bits. Each sequence's rows are placed at
-    their own lead (``offsets[b] mod 64``), as the forward places them."""
+    their own lead (``offsets[b] mod 64``), as the forward places them. ``btnh``: as in
+    :func:`backward`."""
     cfg = config or BwdConfig()
-    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask)
-    b, hq, sq, d = q.shape
-    skv = k.shape[2]
+    k, v = _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask,
+                                    btnh)
+    b, hq, sq, d = _bhsd(q.shape, btnh)
+    sa = _seq_axis(btnh)
+    skv = k.shape[sa]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     offsets = jnp.asarray(offsets)
     if offsets.shape != (b,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
@@ -1172,64 +1229,74 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
         raise ValueError(f"ranges must be ascending, non-empty, contiguous, cover "
                          f"[0, {skv}) and start at multiples of {2 * BLOCK_KV}; got "
                          f"{ranges}")
-    place, unplace, offs = _placement(q.shape, offsets, causal, BLOCK_Q * cfg.dq_wgs)
-    qp, outp, dop = place(q), place(out), place(d_out.astype(q.dtype))
+    place, unplace, offs = _placement(q.shape, offsets, causal, BLOCK_Q * cfg.dq_wgs,
+                                      btnh)
+    qp, outp, dop = (place(x, btnh=btnh) for x in (q, out, d_out.astype(q.dtype)))
     lsep = place(lse, NEG_INF)  # padding rows add nothing
     dlsep = None if d_lse is None else place(d_lse.astype(jnp.float32))
-    kw = dict(offset=0, causal=causal, scale=scale, interpret=interpret, config=cfg)
-    dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg)
+    kw = dict(offset=0, causal=causal, scale=scale, interpret=interpret, config=cfg,
+              btnh=btnh)
+    dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg, btnh=btnh)
     dks, dvs, acc = [], [], None
     for a, e in ranges:
-        kr, vr, keep = _key_range(k, v, key_padding_mask, a, e)
+        kr, vr, keep = _key_range(k, v, key_padding_mask, a, e, btnh)
         off_r = offs - a if causal else None
         dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
         acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
-        dks.append(dk[:, :, :e - a])
-        dvs.append(dv[:, :, :e - a])
+        dks.append(lax.slice_in_dim(dk, 0, e - a, axis=sa))
+        dvs.append(lax.slice_in_dim(dv, 0, e - a, axis=sa))
     dq = unplace((acc * scale).astype(q.dtype))
-    return dq, jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+    return dq, jnp.concatenate(dks, axis=sa), jnp.concatenate(dvs, axis=sa)
 
 
-def _placement(q_shape, offsets, causal: bool, rows_cta: int):
+def _placement(q_shape, offsets, causal: bool, rows_cta: int, btnh: bool = False):
     """``(place, unplace, offs)``: the rows of each sequence placed at their own lead
     (``offsets[b] mod 64`` when causal, as the forward places them) in whole CTA tiles,
-    and the offsets in the placed rows' coordinates (multiples of ``BLOCK_KV``)."""
-    b, hq, sq, d = q_shape
+    and the offsets in the placed rows' coordinates (multiples of ``BLOCK_KV``).
+    ``q_shape`` is ``[B, S, H, D]`` with ``btnh``; ``place(x, btnh=True)`` places such
+    an array, ``place(x)`` a ``[B, Hq, Sq, ...]`` one (lse, delta); ``unplace`` takes
+    q's layout back."""
+    b, hq, sq, d = _bhsd(q_shape, btnh)
     if causal:
         lead = offsets % BLOCK_KV  # [B]: each sequence's tiles at 64 absolute positions
         sq_pad = -(-(BLOCK_KV - 1 + sq) // rows_cta) * rows_cta
 
-        def place(x, fill=0.0):
-            shape = (hq, sq_pad, *x.shape[3:])
-            return jax.vmap(lambda y, at: lax.dynamic_update_slice(
-                jnp.full(shape, fill, y.dtype), y, (0, at) + (0,) * (y.ndim - 2)))(x, lead)
+        def place(x, fill=0.0, btnh=False):
+            shape = ((sq_pad, *x.shape[2:]) if btnh else (x.shape[1], sq_pad, *x.shape[3:]))
+            at = (lambda i: (i,) + (0,) * (x.ndim - 2)) if btnh else (
+                lambda i: (0, i) + (0,) * (x.ndim - 3))
+            return jax.vmap(lambda y, i: lax.dynamic_update_slice(
+                jnp.full(shape, fill, y.dtype), y, at(i)))(x, lead)
 
         def unplace(x):
             return jax.vmap(lambda y, at: lax.dynamic_slice(
-                y, (0, at, 0), (hq, sq, d)))(x, lead)
+                y, (at, 0, 0) if btnh else (0, at, 0),
+                (sq, hq, d) if btnh else (hq, sq, d)))(x, lead)
     else:
         lead = jnp.zeros((b,), jnp.int32)
         sq_pad = -(-sq // rows_cta) * rows_cta
 
-        def place(x, fill=0.0):
-            pad = [(0, 0), (0, 0), (0, sq_pad - sq)] + [(0, 0)] * (x.ndim - 3)
+        def place(x, fill=0.0, btnh=False):
+            pad = [(0, 0)] * x.ndim
+            pad[_seq_axis(btnh)] = (0, sq_pad - sq)
             return jnp.pad(x, pad, constant_values=fill)
 
         def unplace(x):
-            return x[:, :, :sq]
+            return lax.slice_in_dim(x, 0, sq, axis=_seq_axis(btnh))
     return place, unplace, offsets - lead
 
 
-def _key_range(k, v, key_padding_mask, a: int, e: int):
+def _key_range(k, v, key_padding_mask, a: int, e: int, btnh: bool = False):
     """Keys ``[a, e)`` padded to whole ``BLOCK_KV`` blocks, the padding dropped by the
     keep values (fp32, or None without a mask or padding)."""
     b = k.shape[0]
     n = e - a
     n_pad = -(-n // BLOCK_KV) * BLOCK_KV
-    kr, vr = k[:, :, a:e], v[:, :, a:e]
+    sa = _seq_axis(btnh)
+    kr, vr = (lax.slice_in_dim(x, a, e, axis=sa) for x in (k, v))
     keep = None if key_padding_mask is None else key_padding_mask[:, a:e]
     if n_pad != n:
-        kr, vr = (jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0))) for x in (kr, vr))
+        kr, vr = (_pad_seq(x, btnh, (0, n_pad - n)) for x in (kr, vr))
         keep = jnp.ones((b, n), jnp.bool_) if keep is None else keep
         keep = jnp.pad(keep, ((0, 0), (0, n_pad - n)))
     return kr, vr, None if keep is None else keep.astype(jnp.float32)
@@ -1292,28 +1359,31 @@ def query_gradients(q, k, v, lse, d_out, delta_, *, offsets, causal: bool,
 
 
 def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, scale,
-                     interpret, cfg):
+                     interpret, cfg, btnh=False):
     """:func:`backward` on whole tiles: ``Sq`` and ``Skv`` multiples of 64, row i seeing
     key j iff ``j <= i + offset`` (causal), ``keep`` None or bool ``[B, Skv]``."""
-    kw = dict(offset=offset, causal=causal, scale=scale, interpret=interpret, config=cfg)
+    kw = dict(offset=offset, causal=causal, scale=scale, interpret=interpret, config=cfg,
+              btnh=btnh)
     d_out = d_out.astype(q.dtype)
-    dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg)
+    dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg, btnh=btnh)
     keep = None if keep is None else keep.astype(jnp.float32)
     dk, dv = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
     acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
     return (acc * scale).astype(q.dtype), dk, dv
 
 
-def _block_dims(q, k, interpret, config, causal, scale, offset, keep, offs=None):
+def _block_dims(q, k, interpret, config, causal, scale, offset, keep, offs=None,
+                btnh=False):
     interp = resolve_interpret(interpret)
     gpu_operands = (config.gpu_operands if config.gpu_operands is not None
                     else interp is None)
-    b, hq, sq, d = q.shape
-    _, hkv, skv, _ = k.shape
+    b, hq, sq, d = _bhsd(q.shape, btnh)
+    _, hkv, skv, _ = _bhsd(k.shape, btnh)
     return gpu_operands, dict(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, dtype=q.dtype,
                               causal=causal, scale=scale, cfg=config,
                               gpu_operands=gpu_operands, interpret=interp, offset=offset,
-                              key_mask=keep is not None, dyn_offsets=offs is not None)
+                              key_mask=keep is not None, dyn_offsets=offs is not None,
+                              btnh=btnh)
 
 
 # Each kernel in a jitted function of its own (one interpreted kernel per XLA
@@ -1332,42 +1402,43 @@ def _dkdv_parts(q, k, v, d_out, lse, delta_, keep, offs=None, *, config, **kw):
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
-                                             "config", "parts"))
+                                             "config", "parts", "btnh"))
 def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, *, offset, causal, scale,
-                 interpret, config, parts="dkdv"):
+                 interpret, config, parts="dkdv", btnh=False):
     gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
-                                     offs)
+                                     offs, btnh)
     keep_in = () if keep is None else (keep,)
     offs_in = () if offs is None else (offs,)
-    t_in = () if gpu_operands else (_t_in(q), _t_in(d_out))
+    t_in = () if gpu_operands else (_t_in(q, btnh), _t_in(d_out, btnh))
     return _build_dkdv(**dims, parts=parts)(q, k, v, d_out, lse, delta_, *keep_in, *offs_in,
                                             *t_in)
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
-                                             "config"))
+                                             "config", "btnh"))
 def _dq_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, acc=None, *, offset, causal,
-               scale, interpret, config):
+               scale, interpret, config, btnh=False):
     gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
-                                     offs)
+                                     offs, btnh)
     keep_in = () if keep is None else (keep,)
     offs_in = () if offs is None else (offs,)
     acc_in = () if acc is None else (acc,)
-    kv = (k, v) if gpu_operands else (k, _t_in(k), _t_in(v))
+    kv = (k, v) if gpu_operands else (k, _t_in(k, btnh), _t_in(v, btnh))
     return _build_dq(**dims, continue_acc=acc is not None)(q, d_out, lse, delta_, *kv,
                                                            *keep_in, *offs_in, *acc_in)
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   config: BwdConfig | None = None, key_padding_mask=None):
+                   config: BwdConfig | None = None, key_padding_mask=None,
+                   btnh: bool = False):
     """Lower (not compile) the whole GPU backward (delta, dK/dV, dQ) for CUDA on a
     machine without a GPU; ``q``/``k``/``v`` (and ``key_padding_mask``) may be
     ``jax.ShapeDtypeStruct``. Returns the ``jax.stages.Lowered``."""
-    b, hq, sq, _ = q.shape
+    b, hq, sq, _ = _bhsd(q.shape, btnh)
 
     def f(q, k, v, out, lse, d_out, mask):
         return backward(q, k, v, out, lse, d_out, causal=causal, scale=scale,
-                        interpret=False, config=config, key_padding_mask=mask)
+                        interpret=False, config=config, key_padding_mask=mask, btnh=btnh)
 
     lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
     return jax.jit(f).trace(q, k, v, q, lse, q, key_padding_mask).lower(
