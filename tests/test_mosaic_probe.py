@@ -194,6 +194,7 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
+@pytest.mark.slow  # CI time (13 s): a launch choice, also run on the H200
 @needs_threads
 @needs_interpret
 @pytest.mark.parametrize("causal", [True, False])
@@ -257,6 +258,7 @@ def test_interpret_key_mask(mosaic_fwd, causal):
                                           err_msg=f"Skv {skv} (seed {seed})")
 
 
+@pytest.mark.slow  # CI time (8 s): the batch rows of the matrix run on the H200
 @needs_threads
 @needs_interpret
 def test_interpret_rows_keep_bits_across_calls(mosaic_fwd):

@@ -55,7 +55,8 @@ def test_tile_height_does_not_change_bits(block_m):
     assert_configs_keep_bits(_forward, q, k, v, [pt.ForwardConfig(block_m=block_m)])
 
 
-@pytest.mark.parametrize("sq", [100, 128, 40])
+@pytest.mark.parametrize("sq", [pytest.param(100, marks=pytest.mark.slow),
+                                pytest.param(128, marks=pytest.mark.slow), 40])
 def test_tile_launch_orders_do_not_change_bits(sq):
     """Every tile order maps each program to its own tile: tiles within one head (Sq a
     multiple of the tile), straddling heads, and shorter than a tile."""

@@ -158,6 +158,7 @@ def test_split_parallel_and_prefill_paths_agree_in_bits(sq, skv, causal):
         assert_paths_agree(_forward, q, k, v, m, causal)
 
 
+@pytest.mark.slow  # CI time (14 s): a launch choice, also run on the H200
 @needs_triton
 def test_tile_height_does_not_change_bits():
     """A row's bits do not depend on which other rows share its tile (on a CPU this
@@ -314,7 +315,8 @@ def _compile_for_sm90(name: str, arrays, scalars, outs, constexprs, *, ones=(),
 
 
 @needs_triton
-@pytest.mark.parametrize("dt,d", [("bf16", 128), ("fp32", 32)])
+@pytest.mark.parametrize("dt,d", [("bf16", 128), pytest.param("fp32", 32,
+                                                                 marks=pytest.mark.slow)])
 def test_kernels_compile_for_sm90_without_a_gpu(dt, d, tmp_path, monkeypatch):
     """The compiled (non-interpreted) code path of every kernel, checked on a CPU: it
     goes through Triton's compiler down to a cubin for the H200, including the decode
