@@ -46,11 +46,18 @@ ON_GPU = jax.default_backend() in ("gpu", "cuda")
 cache_interpreter_compiles()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects the slow tests
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+        # A module's SLOW_ON_CPU {backend: {test names}}: those tests of that backend's
+        # parameter are slow off the GPU (CI time; the H200 battery runs them natively).
+        spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
+        slow = getattr(item.module, "SLOW_ON_CPU", {}).get(getattr(spec, "name", None), ())
+        if not ON_GPU and item.originalname in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 def cpu_env(**extra: str) -> dict:

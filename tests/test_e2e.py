@@ -35,6 +35,7 @@ def test_parity_holds_for_another_chunk_size(monkeypatch):
     _rollout_and_training(dataclasses.replace(demo.SIZES["small"], layers=1), new_tokens=3)
 
 
+@pytest.mark.slow  # CI time (18 s): the parity runs above; the bf16 model on the H200
 def test_bf16_model_keeps_its_dtype_and_parity():
     """The Qwen3-8B preset is bf16: activations stay bf16 (no float64 numpy scalar
     promoting them to fp32 against bf16 KV pages) and parity holds."""

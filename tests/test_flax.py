@@ -7,6 +7,7 @@ CPU the "pallas" kernels (interpret mode)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ from conftest import rand, rel_err
 import jaxattn
 from jaxattn.invariance import bits_equal
 
-nnx = pytest.importorskip("flax.nnx", reason="flax is a test extra")
-linen = pytest.importorskip("flax.linen", reason="flax is a test extra")
+# Flax is imported by the tests themselves, not at collection (2.5 s a worker).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
+                                reason="flax is a test extra")
 
 BACKEND = "pallas"
 
@@ -51,6 +53,7 @@ def _grads_close(got, want, tol=1e-4):
 def test_nnx_multihead_attention():
     """nnx.MultiHeadAttention with ``attention_fn=jaxattn.flax.dot_product_attention``,
     called with ``is_causal=True``: output and parameter gradients."""
+    from flax import nnx
     seed = int(np.random.default_rng().integers(2**16))
     x = rand((2, 70, 32), seed=seed)
 
@@ -81,6 +84,7 @@ def test_linen_multihead_attention():
     """linen.MultiHeadDotProductAttention with ``attention_fn=jaxattn.flax.attention_fn(
     is_causal=True)`` (linen passes no ``is_causal``) against linen's own attention with
     ``make_causal_mask``: output and parameter gradients."""
+    from flax import linen
     seed = int(np.random.default_rng().integers(2**16))
     x = rand((2, 70, 32), seed=seed)
 
@@ -106,6 +110,7 @@ def test_linen_multihead_attention():
 def test_refusals():
     """Dropout (unless deterministic), a dense mask and sowing the weights raise,
     naming the argument."""
+    from flax import nnx
     m = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=16, decode=False,
                                dropout_rate=0.1, rngs=nnx.Rngs(0),
                                attention_fn=jaxattn.flax.dot_product_attention)

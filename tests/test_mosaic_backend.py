@@ -244,6 +244,8 @@ def test_interpret_backend_wrapper():
                                   np.asarray(lse).view(np.uint32))
 
 
+@pytest.mark.slow  # CI time (32 s): the H200 runs CP on the Mosaic kernels natively; the
+# backward over a key range runs in test_interpret_btnh_backward_equals_bhsd
 @needs_threads
 @needs_interpret
 def test_interpret_cp_equals_single_call():

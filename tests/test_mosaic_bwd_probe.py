@@ -220,6 +220,8 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"seed {seed}")
 
 
+@pytest.mark.slow  # CI time (21 s): test_mosaic_backend's wrapper test runs tails and a key
+# mask through the same kernels against the reference
 @needs_threads
 @needs_interpret
 def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
