@@ -199,9 +199,10 @@ def check_padding(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:
 
 
 def check_paged(op, p: Problem, page_sizes: Sequence[int], steps: Sequence[int],
-                seed: int = 0) -> list[CheckResult]:
+                seed: int = 0, layouts: Sequence[str] = ("HND", "NHD")) -> list[CheckResult]:
     """Decode steps and a chunk read from a paged KV cache (shuffled page table, unused
-    pages full of NaN) vs the contiguous prefill rows."""
+    pages and slots full of NaN) vs the contiguous prefill rows, for every page size
+    and page layout."""
     from jaxattn import paged, registry
 
     if "paged" not in registry.backend(op.backend).paths:
@@ -214,27 +215,30 @@ def check_paged(op, p: Problem, page_sizes: Sequence[int], steps: Sequence[int],
     pairs = []
     rng = np.random.default_rng(seed)
     for ps in page_sizes:
-        max_pages = -(-p.seq_len // ps)
-        num_pages = p.batch * max_pages + 3
-        table = jnp.asarray(rng.permutation(num_pages)[:p.batch * max_pages]
-                            .reshape(p.batch, max_pages).astype(np.int32))
-        shape = (num_pages, p.num_kv_heads, ps, p.head_dim)
-        kp = jnp.full(shape, jnp.nan, k.dtype)
-        vp = jnp.full(shape, jnp.nan, v.dtype)
-        lens = jnp.zeros((p.batch,), jnp.int32)
-        t0 = 0
-        for t in sorted(set(steps)):
-            kp, vp, lens = paged.write(kp, vp, table, lens, k[:, :, t0:t + 1], v[:, :, t0:t + 1])
-            t0 = t + 1
-            o, l = paged.attention(q[:, :, t:t + 1], kp, vp, table, lens, return_lse=True,
-                                   backend=op.backend)
-            pairs += [(o, out[:, :, t:t + 1]), (l, lse[:, :, t:t + 1])]
-        # A chunk: the last min(37, t0) tokens written so far.
-        c = min(37, t0)
-        o, l = paged.attention(q[:, :, t0 - c:t0], kp, vp, table, lens, return_lse=True,
-                               backend=op.backend)
-        pairs += [(o, out[:, :, t0 - c:t0]), (l, lse[:, :, t0 - c:t0])]
-    return [_compare(f"paged KV (pages {list(page_sizes)}) vs contiguous", "forward", pairs)]
+        for layout in layouts:
+            max_pages = -(-p.seq_len // ps)
+            num_pages = p.batch * max_pages + 3
+            table = jnp.asarray(rng.permutation(num_pages)[:p.batch * max_pages]
+                                .reshape(p.batch, max_pages).astype(np.int32))
+            shape = ((num_pages, ps, p.num_kv_heads, p.head_dim) if layout == "NHD"
+                     else (num_pages, p.num_kv_heads, ps, p.head_dim))
+            kp = jnp.full(shape, jnp.nan, k.dtype)
+            vp = jnp.full(shape, jnp.nan, v.dtype)
+            lens = jnp.zeros((p.batch,), jnp.int32)
+            t0 = 0
+            kw = dict(return_lse=True, backend=op.backend, layout=layout)
+            for t in sorted(set(steps)):
+                kp, vp, lens = paged.write(kp, vp, table, lens, k[:, :, t0:t + 1],
+                                           v[:, :, t0:t + 1], layout=layout)
+                t0 = t + 1
+                o, l = paged.attention(q[:, :, t:t + 1], kp, vp, table, lens, **kw)
+                pairs += [(o, out[:, :, t:t + 1]), (l, lse[:, :, t:t + 1])]
+            # A chunk: the last min(37, t0) tokens written so far.
+            c = min(37, t0)
+            o, l = paged.attention(q[:, :, t0 - c:t0], kp, vp, table, lens, **kw)
+            pairs += [(o, out[:, :, t0 - c:t0]), (l, lse[:, :, t0 - c:t0])]
+    return [_compare(f"paged KV (pages {list(page_sizes)}, {'/'.join(layouts)}) vs "
+                     f"contiguous", "forward", pairs)]
 
 
 def check_cp(op, p: Problem, degrees: Sequence[int]) -> list[CheckResult]:
@@ -384,7 +388,7 @@ def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
         "chunked": lambda: check_chunked_prefill(op, p, chunk_sizes),
         "decode": lambda: check_decode(op, p, decode_steps),
         "padding": lambda: check_padding(op, p, pad_lengths),
-        "paged": lambda: check_paged(op, p, [64, 128], decode_steps or
+        "paged": lambda: check_paged(op, p, [1, 16, 32, 64, 128, 256], decode_steps or
                                      list(range(0, p.seq_len, max(1, p.seq_len // 8)))),
         "cp": lambda: check_cp(op, p, [1, 2, 4, 8]),
         "varlen": lambda: check_varlen(op, p, [p.seq_len, 1, 0, 37]),

@@ -1,5 +1,6 @@
 """Paged KV cache: read in place by the kernels, equal in bits to contiguous KV for any
-page table and any page size that is a multiple of BLOCK_N; clear errors otherwise."""
+page table, any page size (a block of 64 keys from one page or from several) and both
+layouts (HND, vLLM's NHD); clear errors otherwise."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ from jaxattn.invariance import bits_equal
 P = invariance.Problem(batch=3, num_q_heads=4, num_kv_heads=2, seq_len=150, head_dim=64)
 
 
-def test_paged_decode_and_chunks_equal_contiguous_in_bits():
+@pytest.mark.parametrize("page_sizes", [
+    [1, 32, 128],  # token-granular, two pages per block, two blocks per page
+    pytest.param([16, 48, 256], marks=pytest.mark.slow)])
+def test_paged_decode_and_chunks_equal_contiguous_in_bits(page_sizes):
+    """Decode steps (both sides of a block edge) and a chunk, both layouts, NaN in every
+    unused page and slot, a shuffled page table: the contiguous rows' bits."""
     op = jaxattn.get_op("attention", backend="pallas")
-    res = invariance.check_paged(op, P, [64, 128, 256], steps=[0, 1, 63, 64, 100, 149])
+    res = invariance.check_paged(op, P, page_sizes, steps=[0, 63, 64, 149])
     assert all(r.equal for r in res), res
 
 
@@ -51,19 +57,22 @@ def test_paged_over_more_than_one_split_and_ragged_lengths():
         assert not np.isnan(np.asarray(out, np.float32)).any()
 
 
-def test_reference_backend_reads_any_page_size():
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_reference_backend_reads_any_page_size(layout):
     p = dataclasses.replace(P, batch=2)
     q, k, v = invariance.random_qkv(p)
     table = jnp.asarray(np.arange(2 * 6)[::-1].reshape(2, 6).astype(np.int32))
-    kp = jnp.zeros((12, 2, 30, 64), k.dtype)
-    vp = jnp.zeros((12, 2, 30, 64), v.dtype)
+    shape = (12, 30, 2, 64) if layout == "NHD" else (12, 2, 30, 64)
+    kp = jnp.full(shape, jnp.nan, k.dtype)
+    vp = jnp.full(shape, jnp.nan, v.dtype)
     kp, vp, lens = paged.write(kp, vp, table, jnp.zeros((2,), jnp.int32), k[:, :, :120],
-                               v[:, :, :120])
-    out = paged.attention(q[:, :, 110:120], kp, vp, table, lens, backend="reference")
+                               v[:, :, :120], layout=layout)
+    out = paged.attention(q[:, :, 110:120], kp, vp, table, lens, backend="reference",
+                          layout=layout)
     ref = jaxattn.reference.forward_fp32(q[:, :, 110:120], k[:, :, :120], v[:, :, :120])
+    assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 3e-2
-    with pytest.raises(ValueError, match=r"page_size 30 is not a multiple of BLOCK_N=64"):
-        paged.attention(q[:, :, 110:120], kp, vp, table, lens, backend="pallas")
+    np.testing.assert_array_equal(paged.gather(kp, table, layout)[:, :, :120], k[:, :, :120])
 
 
 def test_write_appends_without_touching_inputs():
@@ -95,6 +104,11 @@ def test_errors():
         paged.attention(q.astype(jnp.bfloat16), kp, kp, table, lens)
     with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
         paged.attention(q, jnp.zeros((5, 3, 64, 64)), jnp.zeros((5, 3, 64, 64)), table, lens)
+    with pytest.raises(ValueError, match="layout must be 'HND'"):
+        paged.attention(q, kp, kp, table, lens, layout="bshd")
+    # NHD reads [num_pages, page_size, Hkv, D]: the same array is 64 heads of 2 keys there.
+    with pytest.raises(ValueError, match="Hq must be a multiple of Hkv: Hq=4 .* Hkv=64"):
+        paged.attention(q, kp, kp, table, lens, layout="NHD")
     # A backend with no paged path raises instead of handing the call to another backend.
     from jaxattn import registry
     registry.register(registry.FunctionBackend("no_paged", jaxattn.reference.forward_with_lse))

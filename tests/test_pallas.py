@@ -245,7 +245,8 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
     """The compiled (not interpreted) Pallas path, lowered for CUDA on any machine:
     forward with mask and per-sequence offsets on both launch paths, the paged kernels
     (their page arithmetic once failed to lower inside nested loops: "AssertionError:
-    ('i32', 'i1')" from jnp's remainder), and the backward."""
+    ('i32', 'i1')" from jnp's remainder) for pages of 128 and 16 keys in both layouts,
+    and the backward."""
     bf = jnp.bfloat16
     q = jax.ShapeDtypeStruct((2, 4, sq, 64), bf)
     kv = jax.ShapeDtypeStruct((2, 2, 1100, 64), bf)
@@ -268,7 +269,22 @@ def test_every_kernel_lowers_to_triton_for_cuda_without_a_gpu(sq):
                 for p in ("prefill", "split")
                 for cfg in (pt.ForwardConfig(tile_order="heavy_first"), None)]
 
+    # Pages of 16 keys (each block's rows gathered from four pages) in both layouts,
+    # and pages of 128 in vLLM's NHD layout (a strided slice of one page).
+    nhd128 = jax.ShapeDtypeStruct((20, 128, 2, 64), bf)
+    hnd16 = jax.ShapeDtypeStruct((150, 2, 16, 64), bf)
+    nhd16 = jax.ShapeDtypeStruct((150, 16, 2, 64), bf)
+    table16 = jax.ShapeDtypeStruct((2, 70), jnp.int32)
+
+    def paged_layouts(q, p128, h16, n16, t, t16, lens):
+        outs = [pt.paged_forward(q, p128, p128, t, lens, layout="NHD", **kw)]
+        for layout, pg in (("HND", h16), ("NHD", n16)):
+            outs += [pt.paged_forward(q, pg, pg, t16, lens, path=p, layout=layout, **kw)
+                     for p in ("prefill", "split")]
+        return outs
+
     for fn, args in ((fwd_bwd, (q, kv, kv, mask, offs)),
-                     (paged_fwd, (q, pages, pages, table, offs))):
+                     (paged_fwd, (q, pages, pages, table, offs)),
+                     (paged_layouts, (q, nhd128, hnd16, nhd16, table, table16, offs))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") >= 2, text[:1000]

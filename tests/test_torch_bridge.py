@@ -33,6 +33,8 @@ def _t(*shape, dtype=torch.bfloat16, grad=False, seed=None):
 
 def _j(t: torch.Tensor) -> jax.Array:
     """An independent copy of a tensor as a JAX array (through NumPy, not DLPack)."""
+    if t.dtype == torch.int32:
+        return jnp.asarray(t.cpu().numpy())
     arr = jnp.asarray(t.detach().float().cpu().numpy())
     return arr.astype({torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
                        torch.float32: jnp.float32}[t.dtype])
@@ -366,3 +368,36 @@ def test_cpu_tensors_run_on_jax_cpu_on_any_host():
     if torch.cuda.is_available() and not ON_GPU:  # pragma: no cover - CUDA torch, CPU JAX
         with pytest.raises(ValueError, match="this JAX has no 'gpu' devices"):
             op(q.cuda(), k.cuda(), v.cuda())
+
+
+@pytest.mark.parametrize("layout,sq", [("NHD", 1), ("HND", 5)])
+def test_paged_op_runs_on_the_cache_tensors_with_the_jax_bits(layout, sq):
+    """``get_op("paged_attention")`` on torch cache tensors (pages of 16 keys, four to a
+    block; NaN in every unused page and slot; int32 table and lengths): the bits of
+    ``jaxattn.paged.attention`` on the same arrays; decode (NHD) and a chunk of 5 queries
+    padded to its bucket of 8 (HND); the cache is read without a copy."""
+    from jaxattn import paged
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, ps, max_pages = 2, 4, 2, 64, 16, 6
+    num_pages = b * max_pages + 1
+    shape = (num_pages, ps, hkv, d) if layout == "NHD" else (num_pages, hkv, ps, d)
+    kc = torch.full(shape, float("nan"), dtype=torch.bfloat16).to(DEV)
+    vc = torch.full(shape, float("nan"), dtype=torch.bfloat16).to(DEV)
+    table = torch.randperm(num_pages, generator=gen)[:b * max_pages].reshape(b, max_pages)
+    table = table.to(torch.int32).to(DEV)
+    lens = torch.tensor([70, 33], dtype=torch.int32, device=DEV)
+    k_new, v_new = (torch.randn(b, hkv, 70, d, generator=gen).to(torch.bfloat16) for _ in "kv")
+    kj, vj, _ = paged.write(_j(kc), _j(vc), _j(table), jnp.zeros((b,), jnp.int32),
+                            _j(k_new.to(DEV)), _j(v_new.to(DEV)), layout=layout)
+    kc, vc = bridge.to_torch(kj), bridge.to_torch(vj)  # the "engine's" cache tensors
+    q = torch.randn(b, hq, sq, d, generator=gen).to(torch.bfloat16).to(DEV)
+    op = torch_bridge.get_op("paged_attention", backend=BACKEND)
+    out, lse = op.forward_with_lse(q, kc, vc, table, lens, layout=layout)
+    want, want_lse = paged.attention(_j(q), kj, vj, _j(table), _j(lens), return_lse=True,
+                                     backend=BACKEND, layout=layout)
+    assert out.shape == q.shape and not torch.isnan(out.float()).any()
+    assert _same(out, want) and _same(lse, want_lse)
+    # Zero-copy import of the cache: JAX reads the torch buffer itself.
+    assert bridge.to_jax(kc).unsafe_buffer_pointer() == kc.data_ptr()
+    with pytest.raises(TypeError, match="block_table must be an int32"):
+        op(q, kc, vc, table.long(), lens, layout=layout)

@@ -187,13 +187,14 @@ class Backend:
     # ---------------------------------------------------------------------- paged
 
     def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal: bool,
-                      scale: float) -> OutLse:
+                      scale: float, layout: str = "HND") -> OutLse:
         """The last ``Sq`` tokens of each sequence against its paged KV
-        (``[num_pages, Hkv, page_size, D]``, ``block_table [B, max_pages]`` int32,
+        (``[num_pages, Hkv, page_size, D]`` with ``layout="HND"``, ``[num_pages,
+        page_size, Hkv, D]`` with ``"NHD"``; ``block_table [B, max_pages]`` int32,
         ``seq_lens [B]`` int32). The default gathers the pages into contiguous K and V
         (a copy) and runs :meth:`forward_with_lse` with the keys past each sequence's
         length dropped and per-sequence causal offsets ``seq_lens - Sq``."""
-        k, v = gather_pages(k_pages, block_table), gather_pages(v_pages, block_table)
+        k, v = (gather_pages(x, block_table, layout) for x in (k_pages, v_pages))
         keep = jnp.arange(k.shape[2])[None, :] < seq_lens[:, None]
         offsets = seq_lens - q.shape[2]
         return self.forward_with_lse(q, k, v, causal=causal, scale=scale,
@@ -263,9 +264,14 @@ class Backend:
                                             k.shape[0], 0.0) for g in (dk, dv)))
 
 
-def gather_pages(pages, block_table):
-    """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages."""
-    g = pages[block_table]  # [B, max_pages, Hkv, page_size, D]
+def gather_pages(pages, block_table, layout: str = "HND"):
+    """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages
+    (``[num_pages, Hkv, page_size, D]``, or ``[num_pages, page_size, Hkv, D]`` with
+    ``layout="NHD"``)."""
+    g = pages[block_table]  # [B, max_pages, Hkv, page_size, D] (HND)
+    if layout == "NHD":  # [B, max_pages, page_size, Hkv, D]
+        b, n, p, h, d = g.shape
+        return jnp.swapaxes(g.reshape(b, n * p, h, d), 1, 2)
     b, n, h, p, d = g.shape
     return jnp.moveaxis(g, 2, 1).reshape(b, h, n * p, d)
 

@@ -357,16 +357,17 @@ class MosaicBackend(Backend):
             return tuple(g[..., :d] for g in grads)
         return grads[..., :d]
 
-    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale):
+    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale,
+                      layout="HND"):
         """fp32: the Pallas kernels (pages read in place). bf16/fp16: the pages gathered
         into contiguous K and V (a copy) and the forward with the keys past each
         sequence's length dropped and per-sequence causal offsets ``seq_lens - Sq``
         (each row's bits are those of its contiguous call)."""
         if on_pallas(q.dtype):
             return PALLAS.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
-                                        causal=causal, scale=scale)
+                                        causal=causal, scale=scale, layout=layout)
         return super().paged_forward(q, k_pages, v_pages, block_table, seq_lens,
-                                     causal=causal, scale=scale)
+                                     causal=causal, scale=scale, layout=layout)
 
 
 def attention(q, k, v, key_padding_mask=None, *, causal: bool, scale: float,

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import platform as _platform
-from jaxattn import schedule
 from jaxattn.backends.base import Backend
 from jaxattn.backends.pallas import backward as pv
 from jaxattn.backends.pallas import forward as pt
@@ -58,12 +57,6 @@ class PallasBackend(Backend):
         reason = super().unsupported(dims, path, page_size=page_size)
         if reason is None:
             reason = pt.check_supported(dims.head_dim)
-        if reason is None and path == "paged" and page_size % schedule.BLOCK_N:
-            reason = (
-                f"page_size {page_size} is not a multiple of BLOCK_N={schedule.BLOCK_N}: a "
-                f"key block would straddle two pages and the Pallas kernels would have to "
-                f"change the reduction order. Use a page size that is a multiple of "
-                f"{schedule.BLOCK_N} (or the reference backend, which gathers pages).")
         return reason
 
     def forward_with_lse(self, q, k, v, *, causal, scale, key_padding_mask=None,
@@ -125,11 +118,13 @@ class PallasBackend(Backend):
                                interpret=interpret())
         return (acc * scale).astype(q.dtype)
 
-    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale):
-        """Pages read in place, one ``BLOCK_N`` block at a time (no gather)."""
+    def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale,
+                      layout="HND"):
+        """Pages read in place, one ``BLOCK_N`` block at a time (no gather), any page size,
+        both layouts."""
         return pt.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                 causal=bool(causal), scale=float(scale),
-                                interpret=interpret())
+                                interpret=interpret(), layout=layout)
 
 
 BACKEND = PallasBackend()

@@ -112,39 +112,65 @@ def _split_refs(refs, has_mask: bool, has_offsets: bool):
 
 
 class _KV(NamedTuple):
-    """Where a program's keys live. ``view(ref, start)`` is the ``[BLOCK_N, D]`` view of
-    keys ``[start, start + BLOCK_N)`` of this program's sequence and KV head: a slice of
-    the contiguous ``[Skv, D]`` block, or a slice of one page of a paged cache."""
+    """Where a program's keys live. ``load(ref, start, ok=None)`` is the ``[BLOCK_N,
+    D]`` block of keys ``[start, start + BLOCK_N)`` of this program's sequence and KV
+    head (the rows where ``ok`` is False read as zeros: NaN or inf in padding cannot
+    leak through 0 * x): a slice of the contiguous ``[Skv, D]`` block, a slice of one
+    page of a paged cache, or rows gathered from several pages."""
 
     k_ref: Any
     v_ref: Any
     mask_ref: Any
     kv_len: Any  # a Python int (contiguous) or this sequence's length (paged)
-    view: Callable
+    load: Callable
+
+
+#: Paged KV layouts: HND ``[num_pages, Hkv, page_size, D]``, NHD ``[num_pages,
+#: page_size, Hkv, D]`` (vLLM's and FlashInfer's default).
+PAGE_LAYOUTS = ("HND", "NHD")
+
+
+def _load_view(view, ok):
+    return view[...] if ok is None else plgpu.load(view, mask=ok[:, None], other=0.0)
 
 
 def _kv_source(k_ref, v_ref, mask_ref, paged_refs, kv_len: int, page_size: int | None,
-               b, h) -> _KV:
-    """``b``, ``h``: this program's sequence and KV head."""
+               b, h, page_layout: str = "HND") -> _KV:
+    """``b``, ``h``: this program's sequence and KV head. A paged block is the same
+    ``BLOCK_N`` keys in the same order whatever the page size and layout (the reduction
+    order never changes): one page's slice where pages are multiples of ``BLOCK_N``, else
+    each row from its own page (a gather)."""
     bn = schedule.BLOCK_N
     if page_size is None:
         return _KV(k_ref, v_ref, mask_ref, kv_len,
-                   lambda ref, start: ref.at[pl.ds(start, bn), :])
+                   lambda ref, start, ok=None: _load_view(ref.at[pl.ds(start, bn), :], ok))
     table_ref, lens_ref = paged_refs
-    num_pages = k_ref.shape[0]
+    num_pages, max_pages = k_ref.shape[0], table_ref.shape[1]
+    nhd = page_layout == "NHD"
+    size = jnp.int32(page_size)
+    # lax.div / lax.rem, not // and %: indices are >= 0, and jnp's floor/remainder
+    # wrappers (a select on the divisor) fail to lower inside nested loops on JAX 0.11's
+    # Triton lowering ("AssertionError: ('i32', 'i1')", seen on the H200). The clips
+    # only keep a bad table entry (or rows past the table) from reading outside.
 
-    def view(ref, start):
-        # page_size is a multiple of BLOCK_N, so a block never straddles two pages; the
-        # clip only keeps a bad table entry from reading outside the cache.
-        # lax.div / lax.rem, not // and %: start >= 0, and jnp's floor/remainder wrappers
-        # (a select on the divisor) fail to lower inside nested loops on JAX 0.11's
-        # Triton lowering ("AssertionError: ('i32', 'i1')", seen on the H200).
-        start = jnp.asarray(start, jnp.int32)
-        size = jnp.int32(page_size)
-        page = jnp.clip(table_ref[b, jax.lax.div(start, size)], 0, num_pages - 1)
-        return ref.at[page, h, pl.ds(jax.lax.rem(start, size), bn), :]
+    def page_of(logical):
+        return jnp.clip(table_ref[b, jnp.minimum(logical, max_pages - 1)], 0, num_pages - 1)
 
-    return _KV(k_ref, v_ref, None, lens_ref[b], view)
+    if page_size % bn == 0:  # a block never straddles two pages
+        def load(ref, start, ok=None):
+            start = jnp.asarray(start, jnp.int32)
+            page, slot = page_of(jax.lax.div(start, size)), jax.lax.rem(start, size)
+            view = (ref.at[page, pl.ds(slot, bn), h, :] if nhd
+                    else ref.at[page, h, pl.ds(slot, bn), :])
+            return _load_view(view, ok)
+    else:
+        def load(ref, start, ok=None):
+            rows = jnp.asarray(start, jnp.int32) + jnp.arange(bn, dtype=jnp.int32)
+            page, slot = page_of(jax.lax.div(rows, size)), jax.lax.rem(rows, size)
+            x = ref[page, slot, h, :] if nhd else ref[page, h, slot, :]
+            return x if ok is None else jnp.where(ok[:, None], x, jnp.zeros((), x.dtype))
+
+    return _KV(k_ref, v_ref, None, lens_ref[b], load)
 
 
 def _causal_offset(off_ref, q_len: int, kv_len: int, b):
@@ -219,8 +245,8 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
     mask_ref, kv_len = kv.mask_ref, kv.kv_len
 
     def whole(j, carry):
-        k = kv.view(kv.k_ref, j * bn)[...]
-        v = kv.view(kv.v_ref, j * bn)[...]
+        k = kv.load(kv.k_ref, j * bn)
+        v = kv.load(kv.v_ref, j * bn)
         return online_softmax_step(*carry, q, k, v, None, scale=scale, precision=precision)
 
     def masked(j, carry):
@@ -230,8 +256,8 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
         if mask_ref is not None:
             ok = ok & (plgpu.load(mask_ref.at[pl.ds(start, bn)], mask=ok, other=0) != 0)
         # Keys not kept load as zeros: NaN or inf in padding cannot leak through 0 * x.
-        k = plgpu.load(kv.view(kv.k_ref, start), mask=ok[:, None], other=0.0)
-        v = plgpu.load(kv.view(kv.v_ref, start), mask=ok[:, None], other=0.0)
+        k = kv.load(kv.k_ref, start, ok)
+        v = kv.load(kv.v_ref, start, ok)
         visible = jnp.broadcast_to(ok[None, :], (m_rows, bn))
         if causal:
             visible = visible & (cols[None, :] <= limit[:, None])
@@ -252,13 +278,14 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                    kv_len, rows, block_m, precision, whole_blocks, page_size, tile_order):
+                    kv_len, rows, block_m, precision, whole_blocks, page_size, tile_order,
+                    page_layout):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
     n_tiles = pl.cdiv(rows, block_m)
     tile, b, h = _prefill_program(tile_order, n_tiles,
                                   q_len // block_m if q_len % block_m == 0 else None,
                                   rows // q_len)
-    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h, page_layout)
     o_ref, lse_ref = refs[-2:]
     row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
                                  _causal_offset(off_ref, q_len, kv.kv_len, b))
@@ -282,10 +309,11 @@ def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, s
 
 
 def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
-                  kv_len, rows, block_m, n_splits, precision, whole_blocks, page_size):
+                  kv_len, rows, block_m, n_splits, precision, whole_blocks, page_size,
+                  page_layout):
     mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
     b, h = pl.program_id(1), pl.program_id(2)
-    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h)
+    kv = _kv_source(k_ref, v_ref, mask_ref, refs[:2], kv_len, page_size, b, h, page_layout)
     o_ref, lse_ref = refs[-2:]
     pid = pl.program_id(0)
     tile = pid // n_splits
@@ -381,17 +409,19 @@ def forward(q, k, v, key_padding_mask=None, causal_offsets=None, *, causal: bool
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
-                                             "config"))
+                                             "config", "layout"))
 def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, scale: float,
                   interpret: bool, path: str | None = None,
-                  config: ForwardConfig | None = None):
+                  config: ForwardConfig | None = None, layout: str = "HND"):
     """Attention of the last ``Sq`` tokens of each sequence against a paged KV cache,
     read in place by the kernels (no gather into a contiguous copy).
 
     Args:
       q: ``[B, Hq, Sq, D]``: the queries of tokens ``seq_lens[b] - Sq .. seq_lens[b] - 1``.
-      k_pages, v_pages: ``[num_pages, Hkv, page_size, D]``; ``page_size`` a multiple of
-        ``BLOCK_N``.
+      k_pages, v_pages: ``[num_pages, Hkv, page_size, D]`` (``layout="HND"``) or
+        ``[num_pages, page_size, Hkv, D]`` (``"NHD"``); any ``page_size`` (a key block
+        of ``BLOCK_N`` keys is one page's slice where ``page_size`` is a multiple of it,
+        else its rows are gathered from their pages: the same keys in the same order).
       block_table: ``[B, max_pages]`` int32: logical page p of sequence b is physical
         page ``block_table[b, p]``.
       seq_lens: ``[B]`` int32 keys per sequence (at most ``max_pages * page_size``).
@@ -399,11 +429,13 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, s
     Returns ``(out, lse)`` equal in bits to :func:`forward` on the contiguous keys. A
     head dim the kernels are not compiled for pads the pages too (a copy of the cache).
     """
+    if layout not in PAGE_LAYOUTS:
+        raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
     d = q.shape[-1]
     _, q, k_pages, v_pages = _pad_qkv(q, k_pages, v_pages)
     out, lse = _forward(q, k_pages, v_pages, None, None, causal=causal, scale=scale,
                         interpret=interpret, path=path, config=config, partials=False,
-                        paged=(block_table, seq_lens))
+                        paged=(block_table, seq_lens), page_layout=layout)
     return out[..., :d], lse
 
 
@@ -415,13 +447,13 @@ def _heavy_first_spec(spec: pl.BlockSpec) -> pl.BlockSpec:
 
 
 def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interpret, path,
-             config, partials, paged=None):
+             config, partials, paged=None, page_layout="HND"):
     b, hq, sq, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[2] if paged is not None and page_layout == "NHD" else k.shape[1]
     if paged is None:
         skv, page_size = k.shape[2], None
     else:  # capacity of the block table; each sequence's own length comes from seq_lens
-        page_size = k.shape[2]
+        page_size = k.shape[1] if page_layout == "NHD" else k.shape[2]
         skv = paged[0].shape[1] * page_size
     g = hq // hkv
     rows = g * sq
@@ -463,6 +495,7 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
         args += [table.astype(jnp.int32), lens.astype(jnp.int32)]
     static = dict(has_mask=has_mask, has_offsets=has_offsets, causal=causal, scale=scale,
                   q_len=sq, kv_len=skv, rows=rows, precision=precision, page_size=page_size,
+                  page_layout=page_layout,
                   whole_blocks=(not interpret) if cfg.whole_blocks is None
                   else cfg.whole_blocks)
     out_shapes = [jax.ShapeDtypeStruct((b, hkv, rows, d), q.dtype),
