@@ -1,0 +1,122 @@
+"""Paged decode beside contiguous decode: GB/s of K and V read per call, per page size,
+page layout and backend, with the device's copy bandwidth measured in the same run.
+
+    python -m benchmarks.paged_bench --out_dir=$OUT/paged
+    python -m benchmarks.paged_bench --smoke          # tiny, on a CPU
+
+Each point is one decode step (Sq = 1) of B sequences of Skv keys (Hq=32, Hkv=8, D=128
+bf16 by default) against a shuffled page table; back-to-back calls on rotating inputs
+(report.sampled_seconds). Contiguous rows are ``jaxattn.attention`` on ``[B, Hkv, Skv,
+D]``; paged rows are ``jaxattn.paged.attention`` (the Pallas kernels read the pages in
+place; the mosaic backend gathers them first).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import jaxattn
+from benchmarks import report
+
+flags.DEFINE_list("batches", ["8", "64"], "Batch sizes.")
+flags.DEFINE_list("kv_lens", ["8192", "4096"], "Keys per sequence (paired with --batches).")
+flags.DEFINE_list("page_sizes", ["16", "64", "128"], "Page sizes.")
+flags.DEFINE_list("layouts", ["HND", "NHD"], "Page layouts.")
+flags.DEFINE_list("backends", ["mosaic", "pallas"], "jaxattn backends.")
+flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dim.")
+flags.DEFINE_integer("iters", 7, "Timed samples per point (median).")
+flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU.")
+FLAGS = flags.FLAGS
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, GB/s counting bytes read plus bytes written (as
+    attention_bench measures it)."""
+    n = nbytes // 4
+    xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
+    sec, _ = report.sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready,
+                                    20, 3, 5, 0.0)
+    return 2 * n * 4 / sec / 1e9
+
+
+def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2):
+    rng = np.random.default_rng(b * 7 + skv + (ps or 0))
+    max_pages = -(-skv // (ps or skv))
+    sets = []
+    for i in range(sets_n):
+        ks = jax.random.split(jax.random.PRNGKey(100 * i + b), 3)
+        q = jax.random.normal(ks[0], (b, hq, 1, d), jnp.bfloat16)
+        if ps is None:
+            k = jax.random.normal(ks[1], (b, hkv, skv, d), jnp.bfloat16)
+            v = jax.random.normal(ks[2], (b, hkv, skv, d), jnp.bfloat16)
+            sets.append((q, k, v))
+            continue
+        n = b * max_pages
+        shape = (n, ps, hkv, d) if layout == "NHD" else (n, hkv, ps, d)
+        kp = jax.random.normal(ks[1], shape, jnp.bfloat16)
+        vp = jax.random.normal(ks[2], shape, jnp.bfloat16)
+        table = jnp.asarray(rng.permutation(n).reshape(b, max_pages).astype(np.int32))
+        sets.append((q, kp, vp, table, jnp.full((b,), skv, jnp.int32)))
+    if ps is None:
+        fn = jax.jit(lambda q, k, v: jaxattn.attention(q, k, v, backend=backend))
+    else:
+        fn = jax.jit(lambda q, kp, vp, t, lens: jaxattn.paged.attention(
+            q, kp, vp, t, lens, backend=backend, layout=layout))
+    sec, _ = report.sampled_seconds(fn, sets, jax.block_until_ready, FLAGS.iters, 2, 20,
+                                    0.02)
+    nbytes = 2 * b * hkv * skv * d * 2
+    return {"backend": backend, "B": b, "Skv": skv, "page_size": ps,
+            "layout": layout if ps else "contiguous", "ms": sec * 1e3,
+            "GB/s": nbytes / sec / 1e9}
+
+
+def main(argv):
+    del argv
+    hq, hkv, d = FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
+    points = list(zip(map(int, FLAGS.batches), map(int, FLAGS.kv_lens), strict=True))
+    page_sizes, backends = [int(p) for p in FLAGS.page_sizes], FLAGS.backends
+    if FLAGS.smoke:
+        hq, hkv, d, points, page_sizes, backends = 4, 2, 64, [(2, 128)], [16, 64], ["pallas"]
+    rows = []
+    for b, skv in points:
+        for backend in backends:
+            for ps, layout in [(None, None)] + [(p, lay) for p in page_sizes
+                                                for lay in FLAGS.layouts]:
+                try:
+                    row = _point(backend, b, skv, ps, layout, hq, hkv, d)
+                except Exception as e:  # reported, not fatal
+                    row = {"backend": backend, "B": b, "Skv": skv, "page_size": ps,
+                           "layout": layout, "error": f"{type(e).__name__}: {e}"[:300]}
+                print(row, flush=True)
+                rows.append(row)
+    meta = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0]),
+            "jax": jax.__version__, "command": "python -m benchmarks.paged_bench "
+            + " ".join(sys.argv[1:]), "Hq": hq, "Hkv": hkv, "D": d,
+            "copy_GBps": None if FLAGS.smoke else copy_bandwidth()}
+    lines = [f"Measured {meta['date']} on {meta['device']} (jax {meta['jax']}), Hq={hq} "
+             f"Hkv={hkv} D={d} bf16, decode (Sq=1); command: `{meta['command']}`", ""]
+    if meta["copy_GBps"]:
+        lines += [f"Device copy bandwidth (read + write): {meta['copy_GBps']:.0f} GB/s", ""]
+    lines += ["| backend | B | Skv | page size | layout | ms | GB/s |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tail = (f"{r['error'][:60]} | |" if "error" in r
+                else f"{r['ms']:.3f} | {r['GB/s']:.0f} |")
+        lines.append(f"| {r['backend']} | {r['B']} | {r['Skv']} | {r['page_size'] or '-'} | "
+                     f"{r['layout']} | {tail}")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, md)
+
+
+if __name__ == "__main__":
+    app.run(main)
