@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -164,6 +165,14 @@ def main(argv):
     print("\n".join(md))
     report.write(FLAGS.out_dir, {"meta": meta, "rows": rows, "growing": grow},
                  "\n".join(md) + "\n")
+    # With torch and JAX both loaded and both having run work, the process sometimes
+    # aborts in native teardown after main has returned ("terminate called without an
+    # active exception", no Python frame on the main thread): twice in about twelve CI
+    # runs of the smoke test, never reproduced alone. The results are written and
+    # flushed: leave without the native teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_bridge_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bridge_bench", "--smoke",
                            f"--out_dir={tmp_path}"], capture_output=True, text=True,
                           timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["bridge_ms"] > 0 and r["jax_ms"] > 0 and r["sdpa_ms"] > 0
                                   for r in rows)
