@@ -365,9 +365,45 @@ def check_left_padding(op, p: Problem, pads: Sequence[int]) -> list[CheckResult]
     return [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
 
 
+def check_jax_layout(op, p: Problem) -> list[CheckResult]:
+    """``jaxattn.dot_product_attention`` on JAX's ``[B, S, H, D]`` (jax.nn's signature;
+    read in place by the mosaic kernels) vs :func:`jaxattn.attention` on ``[B, H, S, D]``,
+    forward and backward, with keys past ``key_value_seq_lengths`` NaN."""
+    from jaxattn import nn
+
+    q, k, v = random_qkv(p)
+    s = p.seq_len
+    lens = jnp.asarray([s if i % 2 == 0 else max(1, s - 37) for i in range(p.batch)],
+                       jnp.int32)
+    keep = jnp.arange(s)[None, :] < lens[:, None]
+    nan = jnp.asarray(jnp.nan, k.dtype)
+    k, v = (jnp.where(keep[:, None, :, None], x, nan) for x in (k, v))
+    do = jax.random.normal(jax.random.PRNGKey(p.seed + 11), q.shape, jnp.float32)
+
+    def t(x):
+        return jnp.swapaxes(x, 1, 2)
+
+    def drop_in(q, k, v):  # [B, H, S, D] in and out, [B, S, H, D] inside
+        return t(nn.dot_product_attention(t(q), t(k), t(v), is_causal=p.causal,
+                                          key_value_seq_lengths=lens,
+                                          implementation=op.backend))
+
+    def bhsd(q, k, v):
+        return op.forward(q, k, v, causal=p.causal, key_padding_mask=keep)
+
+    def run(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(do.astype(out.dtype))
+
+    (o1, g1), (o2, g2) = jax.jit(lambda: run(drop_in))(), jax.jit(lambda: run(bhsd))()
+    case = "JAX layout [B, S, H, D] vs [B, H, S, D]"
+    return [_compare(case, "forward", [(o1, o2)]),
+            _compare(case, "backward", list(zip(g1, g2, strict=True)))]
+
+
 #: The rows :func:`run_matrix` checks, by name, in order.
 ROWS: tuple[str, ...] = ("batch", "rerun", "chunked", "decode", "padding", "paged", "cp",
-                         "varlen", "left padding")
+                         "varlen", "left padding", "jax layout")
 
 
 def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
@@ -394,6 +430,7 @@ def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
         "varlen": lambda: check_varlen(op, p, [p.seq_len, 1, 0, 37]),
         "left padding": lambda: check_left_padding(
             op, p, [f for f in (0, 37, 64) if f < p.seq_len]),
+        "jax layout": lambda: check_jax_layout(op, p),
     }
     for name in rows:
         if progress:

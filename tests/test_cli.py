@@ -25,7 +25,7 @@ def test_check_main_job_passes_and_writes_json(tmp_path, capsys):
     try:
         # Rows enough to exercise the job (a promised row, a row with n/a results, the
         # table and the JSON); every row runs on every backend in tests/test_backends.py.
-        rows = ["batch", "decode", "cp"]
+        rows = ["batch", "decode", "cp", "jax layout"]
         flags.FLAGS(["check", "--backends=pallas,reference", "--num_q_heads=2",
                      "--num_kv_heads=1", "--head_dim=32", "--seq_len=70", "--decode_steps=2",
                      "--chunk_sizes=50", f"--json_out={out}", f"--rows={','.join(rows)}"])
@@ -40,8 +40,10 @@ def test_check_main_job_passes_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["passed"] is True
     rows = report["backends"]["pallas"]["invariance"]
-    assert len(rows) == 5 and all(r["equal"] for r in rows)
-    assert {"varlen", "left padding"} <= set(flags.FLAGS["rows"].default)
+    assert len(rows) == 7 and all(r["equal"] for r in rows)
+    assert {"varlen", "left padding", "jax layout"} <= set(flags.FLAGS["rows"].default)
+    assert [r["kind"] for r in rows if r["case"].startswith("JAX layout")] == [
+        "forward", "backward"]
     cp_rows = [r for r in rows if r["case"].startswith("CP")]
     assert len(cp_rows) == 2 and not any(r["checked"] for r in cp_rows)
     assert "n/a" in stdout
