@@ -243,6 +243,32 @@ def test_sharded_attention_on_8_cpu_devices_equals_one_device():
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
 
 
+class _SerialMosaic:
+    """The Mosaic backend in interpret mode with every eager kernel call waited for
+    before the next one starts: two interpreted Mosaic kernels running at once (JAX's
+    asynchronous CPU dispatch overlaps independent eager calls) can hang JAX 0.10.2's
+    Mosaic GPU interpreter. Seen once in a CI run of this test on 2026-12-03 (the
+    eager key-gradient call waiting forever on XLA's CPU execution semaphore)."""
+
+    def __new__(cls, **kw):
+        from jaxattn.backends.mosaic import backend as mb
+
+        class Serial(mb.MosaicBackend):
+            pass
+
+        for name in ("delta", "key_gradients", "query_gradients", "split_states",
+                     "fold_states", "forward_with_lse", "backward", "backward_over_ranges"):
+            def wrap(method):
+                def call(self, *a, **k):
+                    return jax.block_until_ready(method(self, *a, **k))
+                return call
+            setattr(Serial, name, wrap(getattr(mb.MosaicBackend, name)))
+        return Serial(**kw)
+
+
+# CI time and reliability: -m slow (the hang above stopped one CI run; the test takes 40 s
+# here); the H200 battery runs the mesh path on the Mosaic kernels natively.
+@pytest.mark.slow
 @needs_mosaic_interpret
 @needs_threads
 def test_sharded_attention_on_the_mosaic_kernels_equals_one_device():
@@ -264,7 +290,7 @@ def test_sharded_attention_on_the_mosaic_kernels_equals_one_device():
     from jaxattn.backends.mosaic import forward as mf
     kw = dict(interpret=True, fwd_config=mf.MosaicConfig(compute_wgs=1, block_m=64),
               bwd_config=mbw.BwdConfig(dkdv_wgs=1, dq_wgs=1))
-    be = mb.MosaicBackend(**kw)
+    be = _SerialMosaic(**kw)
     s = 256
     q, k, v = rand_qkv(1, 2, 1, s, s, 64, jnp.bfloat16)
     do = rand(q.shape, jnp.bfloat16)
