@@ -31,12 +31,11 @@ Where the semantics differ from :func:`jaxattn.attention`:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import registry
-from jaxattn.validation import resolve_scale, validate_inputs
+from jaxattn.validation import as_bhsd, resolve_scale, validate_inputs
 
 __all__ = ["dot_product_attention"]
 
@@ -117,9 +116,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise ValueError(f"key must be [B, S, K, H] with query's B={b} and H={h}, got "
                          f"{key.shape} (query {query.shape})")
     # The contract's checks (dtypes, N % K, the scale) on the [B, H, S, D] view.
-    dims = validate_inputs(*(jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1],
-                                                   x.shape[3]), x.dtype)
-                             for x in (query, key, value)),
+    dims = validate_inputs(*(as_bhsd(x) for x in (query, key, value)),
                            causal=bool(is_causal), scale=scale)
     q_len = _lengths("query_seq_lengths", query_seq_lengths, b)
     kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)

@@ -6,6 +6,7 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -126,6 +127,13 @@ def validate_inputs(
         if not math.isfinite(float(scale)):
             raise ValueError(f"scale must be finite, got {scale}")
     return Dims(b, hq, hkv, sq, skv, d, np.dtype(q.dtype))
+
+
+def as_bhsd(x) -> jax.ShapeDtypeStruct:
+    """A ``[B, S, H, D]`` array's shape and dtype viewed as ``[B, H, S, D]`` (JAX's
+    layout checked by :func:`validate_inputs`, which reads the contract's layout)."""
+    b, s, h, d = x.shape
+    return jax.ShapeDtypeStruct((b, h, s, d), x.dtype)
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

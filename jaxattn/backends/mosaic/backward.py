@@ -73,15 +73,18 @@ from jaxattn import schedule
 from jaxattn.backends.common import LOG2E
 from jaxattn.backends.mosaic.forward import (
     HEAD_DIMS,
+    _along,
     _smem_transforms,
     check_inputs,
     interpret_params,
     padding,
     reset_interpret_state,
     resolve_interpret,
+    tile_of,
     zero_dropped_keys,
 )
 from jaxattn.backends.pallas import backward as pallas_triton_vjp
+from jaxattn.validation import as_bhsd
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -313,13 +316,6 @@ def _t(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
-def _tile(ref, bi, h, rows, btnh: bool):
-    """The ``[rows, D]`` tile of head ``h`` of sequence ``bi``: ``ref.at[bi, h, rows]``
-    of ``[B, H, S, D]``, or ``ref.at[bi, rows, h]`` of ``[B, S, H, D]`` (JAX's layout: a
-    TMA box whose rows are ``H * D`` elements apart)."""
-    return ref.at[bi, rows, h] if btnh else ref.at[bi, h, rows]
-
-
 # ----------------------------------------------------------------------------- delta
 
 
@@ -334,8 +330,8 @@ def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret, btnh=False):
 
         def body(smem, bars):
             o_s, do_s, dl_s, out_s = smem
-            plgpu.copy_gmem_to_smem(_tile(o_ref, bi, h, rows, btnh), o_s, bars.at[0])
-            plgpu.copy_gmem_to_smem(_tile(do_ref, bi, h, rows, btnh), do_s, bars.at[1])
+            plgpu.copy_gmem_to_smem(tile_of(o_ref, bi, h, rows, btnh), o_s, bars.at[0])
+            plgpu.copy_gmem_to_smem(tile_of(do_ref, bi, h, rows, btnh), do_s, bars.at[1])
             plgpu.copy_gmem_to_smem(dlse_ref.at[bi, h, rows], dl_s, bars.at[2])
             for i in range(3):
                 plgpu.barrier_wait(bars.at[i])
@@ -510,7 +506,7 @@ class _DkdvKernel:
             rows = pl.ds((tile.first + lax.rem(t, tile.n)) * bq, bq)
             if name in ("qt", "dot"):
                 return ref.at[tile.bi, h, :, rows]
-            return _tile(ref, tile.bi, h, rows, self.btnh and name in ("q", "do"))
+            return tile_of(ref, tile.bi, h, rows, self.btnh and name in ("q", "do"))
 
         srcs = {name: refs[name] for name in self.names}
         _produce(srcs, sm, bars, self.stages, tile.total, source)
@@ -529,9 +525,9 @@ class _DkdvKernel:
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
         keys = pl.ds(start, bkv)
-        plgpu.copy_gmem_to_smem(_tile(refs["k"], bi, kvh, keys, self.btnh), sm["k"],
+        plgpu.copy_gmem_to_smem(tile_of(refs["k"], bi, kvh, keys, self.btnh), sm["k"],
                                 bars["misc"].at[2 * w])
-        plgpu.copy_gmem_to_smem(_tile(refs["v"], bi, kvh, keys, self.btnh), sm["v"],
+        plgpu.copy_gmem_to_smem(tile_of(refs["v"], bi, kvh, keys, self.btnh), sm["v"],
                                 bars["misc"].at[2 * w + 1])
         plgpu.barrier_wait(bars["misc"].at[2 * w])
         plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
@@ -638,10 +634,10 @@ class _DkdvKernel:
             sm["v"][...] = dv.astype(self.dtype)
         plgpu.commit_smem()
         if self.want_dk:
-            plgpu.copy_smem_to_gmem(sm["k"], _tile(refs["dk"], tile.bi, tile.kvh, keys,
+            plgpu.copy_smem_to_gmem(sm["k"], tile_of(refs["dk"], tile.bi, tile.kvh, keys,
                                                    self.btnh))
         if self.want_dv:
-            plgpu.copy_smem_to_gmem(sm["v"], _tile(refs["dv"], tile.bi, tile.kvh, keys,
+            plgpu.copy_smem_to_gmem(sm["v"], tile_of(refs["dv"], tile.bi, tile.kvh, keys,
                                                    self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
@@ -865,7 +861,7 @@ class _DqKernel:
                 return ref.at[bi, cols]
             if name in ("kt", "vt"):
                 return ref.at[bi, kvh, :, cols]
-            return _tile(ref, bi, kvh, cols, self.btnh)
+            return tile_of(ref, bi, kvh, cols, self.btnh)
 
         _produce(srcs, sm, bars, self.stages, tile.hi_cta, source)
 
@@ -885,7 +881,7 @@ class _DqKernel:
         if self.continue_acc:  # the accumulator so far, into the output tile's SMEM
             srcs.append(("out", refs["acc_in"]))
         for i, (name, ref) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(_tile(ref, bi, h, rows_sl,
+            plgpu.copy_gmem_to_smem(tile_of(ref, bi, h, rows_sl,
                                           self.btnh and name in ("q", "do", "out")),
                                     own[name],
                                     bars["misc"].at[5 * w + i])
@@ -962,7 +958,7 @@ class _DqKernel:
         """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA."""
         rows.own["out"][...] = dq
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(rows.own["out"], _tile(refs["acc"], tile.bi, tile.h,
+        plgpu.copy_smem_to_gmem(rows.own["out"], tile_of(refs["acc"], tile.bi, tile.h,
                                                        rows.rows_sl, self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
@@ -1078,11 +1074,9 @@ def _seq_axis(btnh: bool) -> int:
     return 1 if btnh else 2
 
 
-def _pad_seq(x, btnh: bool, pad, fill=0.0):
-    """``x`` (rank 4) padded by ``pad`` along its sequence axis."""
-    widths = [(0, 0)] * x.ndim
-    widths[_seq_axis(btnh)] = pad
-    return jnp.pad(x, widths, constant_values=fill)
+def _pad_seq(x, btnh: bool, pad):
+    """``x`` (rank 4) zero-padded by ``pad`` along its sequence axis."""
+    return jnp.pad(x, _along(_seq_axis(btnh), pad))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "btnh"))
@@ -1136,7 +1130,7 @@ def _checked_backward_inputs(q, k, v, out, lse, d_out, d_lse, key_padding_mask,
                              btnh=False):
     """The backward entries' input checks; returns K and V with dropped keys zeroed
     (their gradients are zero anyway)."""
-    check_inputs(*(jax.ShapeDtypeStruct(_bhsd(x.shape, btnh), x.dtype) for x in (q, k, v)))
+    check_inputs(*((as_bhsd(x) for x in (q, k, v)) if btnh else (q, k, v)))
     b, hq, sq, _ = _bhsd(q.shape, btnh)
     skv = k.shape[_seq_axis(btnh)]
     _check_rows("out", out, q.shape)

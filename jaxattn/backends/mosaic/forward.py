@@ -69,6 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
 from jaxattn.backends.common import LN2, LOG2E
+from jaxattn.validation import as_bhsd
 
 NEG_INF = float("-inf")
 
@@ -290,6 +291,14 @@ def padding(sq: int, skv: int, causal: bool, rows: int) -> tuple[int, int, int]:
     bn = schedule.BLOCK_N
     lead = (skv - sq) % bn if causal else 0
     return lead, -(-(lead + sq) // rows) * rows, -(-skv // bn) * bn
+
+
+def tile_of(ref, bi, h, rows, btnh: bool):
+    """The ``[rows, D]`` tile of head ``h`` of sequence ``bi``: ``ref.at[bi, h, rows]``
+    of ``[B, H, S, D]``, or ``ref.at[bi, rows, h]`` of ``[B, S, H, D]`` (JAX's layout: a
+    TMA box whose rows are ``H * D`` elements apart). The forward and backward kernels'
+    one place for it."""
+    return ref.at[bi, rows, h] if btnh else ref.at[bi, h, rows]
 
 
 def _along(axis: int, pad: tuple[int, int]):
@@ -592,13 +601,6 @@ class _Forward:
     def layout(self, x, lay):
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
-    @staticmethod
-    def tile_of(ref, bi, h, rows, btnh: bool):
-        """The ``[rows, D]`` tile of head ``h`` of sequence ``bi``: ``ref.at[bi, h,
-        rows]`` of ``[B, H, S, D]``, or ``ref.at[bi, rows, h]`` of ``[B, S, H, D]`` (a TMA
-        box whose rows are ``H * D`` elements apart)."""
-        return ref.at[bi, rows, h] if btnh else ref.at[bi, h, rows]
-
     def split_lo(self):
         """The first block of the CTA's split (split_out), else 0."""
         return (lax.axis_index("s") * self.per_split if self.split_out
@@ -696,7 +698,7 @@ class _Forward:
             n = base + t
             slot = lax.rem(n, jnp.int32(stages))
             k0 = t * bn
-            src = (self.tile_of(k_ref, bi, kvh, pl.ds(k0, bn), self.kv_btnh)
+            src = (tile_of(k_ref, bi, kvh, pl.ds(k0, bn), self.kv_btnh)
                    if self.gpu_operands else k_ref.at[bi, kvh, :, pl.ds(k0, bn)])
 
             @pl.when(n >= stages)
@@ -709,7 +711,7 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(self.tile_of(v_ref, bi, kvh, pl.ds(k0, bn),
+            plgpu.copy_gmem_to_smem(tile_of(v_ref, bi, kvh, pl.ds(k0, bn),
                                                  self.kv_btnh), v_s.at[slot],
                                     v_bar.at[slot])
             if self.key_mask:
@@ -902,7 +904,7 @@ class _Forward:
                                causal=self.causal)
         if qbuf is None:
             plgpu.copy_gmem_to_smem(
-                self.tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
+                tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
         plgpu.barrier_wait(q_b)
         if after_q is not None:
             after_q()
@@ -971,7 +973,7 @@ class _Forward:
             it.q_s[...] = out.astype(self.dtype)
             it.lse_s[...] = natural_lse(lse)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(it.q_s, self.tile_of(o_ref, it.bi, it.h, rows,
+            plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows,
                                                          self.q_btnh))
             plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
         plgpu.wait_smem_to_gmem(0)
@@ -1014,7 +1016,7 @@ class _Forward:
 
                 def issue_q(tile0, h, bi, buf):
                     plgpu.copy_gmem_to_smem(
-                        self.tile_of(q_ref, bi, h, pl.ds(tile0 + wg * bm, bm), self.q_btnh),
+                        tile_of(q_ref, bi, h, pl.ds(tile0 + wg * bm, bm), self.q_btnh),
                         smem[0].at[buf, wg],
                         bars[4].at[buf * nwg + wg])
 
@@ -1157,12 +1159,6 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
     return table
 
 
-def _bhsd_shape(x):
-    """A ``[B, S, H, D]`` array's shape and dtype as ``[B, H, S, D]`` (for the checks)."""
-    b, s, h, d = x.shape
-    return jax.ShapeDtypeStruct((b, h, s, d), x.dtype)
-
-
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
              causal_offsets=None, partials=False, btnh=False):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
@@ -1197,7 +1193,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     if partials:
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=schedule.BLOCK_N,
                                   persistent=0, prefetch_q=False)
-    check_inputs(*((_bhsd_shape(x) for x in (q, k, v)) if btnh else (q, k, v)))
+    check_inputs(*((as_bhsd(x) for x in (q, k, v)) if btnh else (q, k, v)))
     dyn = causal and causal_offsets is not None
     if dyn:
         causal_offsets = jnp.asarray(causal_offsets)
