@@ -143,15 +143,6 @@ def bench_point(system: systems.System, mode: str, b, hq, hkv, sq, skv, d, dtype
     return row
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
-    """Device-to-device copy, GB/s counting bytes read plus bytes written."""
-    n = nbytes // 4
-    xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
-    sec, _ = report.sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready,
-                                    iters, 3, 5, 0.0)
-    return 2 * n * 4 / sec / 1e9
-
-
 def _fmt(r: dict, key: str, spec: str) -> str:
     return format(r[key], spec) if r.get(key) is not None else ""
 
@@ -249,7 +240,7 @@ def main(argv):
                        mode == "chunked", **heads)
     if "decode" in FLAGS.modes:
         if jax.default_backend() != "cpu":
-            meta["copy_GBps"] = copy_bandwidth()
+            meta["copy_GBps"] = report.copy_bandwidth()
         for s in kv_lens:
             for name in names:
                 if name == "pallas_mha":

@@ -38,16 +38,6 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU.")
 FLAGS = flags.FLAGS
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, GB/s counting bytes read plus bytes written (as
-    attention_bench measures it)."""
-    n = nbytes // 4
-    xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
-    sec, _ = report.sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready,
-                                    20, 3, 5, 0.0)
-    return 2 * n * 4 / sec / 1e9
-
-
 def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2):
     rng = np.random.default_rng(b * 7 + skv + (ps or 0))
     max_pages = -(-skv // (ps or skv))
@@ -101,7 +91,7 @@ def main(argv):
     meta = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0]),
             "jax": jax.__version__, "command": "python -m benchmarks.paged_bench "
             + " ".join(sys.argv[1:]), "Hq": hq, "Hkv": hkv, "D": d,
-            "copy_GBps": None if FLAGS.smoke else copy_bandwidth()}
+            "copy_GBps": None if FLAGS.smoke else report.copy_bandwidth()}
     lines = [f"Measured {meta['date']} on {meta['device']} (jax {meta['jax']}), Hq={hq} "
              f"Hkv={hkv} D={d} bf16, decode (Sq=1); command: `{meta['command']}`", ""]
     if meta["copy_GBps"]:

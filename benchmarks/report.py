@@ -78,3 +78,16 @@ def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
     else:
         pairs = sq * skv
     return 4.0 * b * hq * pairs * d
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, GB/s counting bytes read plus bytes written: the bandwidth
+    the binaries put beside their memory-bound figures."""
+    import jax
+    import jax.numpy as jnp
+
+    n = nbytes // 4
+    xs = [(jax.random.uniform(jax.random.PRNGKey(i), (n,), jnp.float32),) for i in range(2)]
+    sec, _ = sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready, iters,
+                             3, 5, 0.0)
+    return 2 * n * 4 / sec / 1e9

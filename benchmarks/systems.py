@@ -77,6 +77,29 @@ def _jax_to_numpy(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _grads(fwd, q, k, v, do, causal, kv_lens):
+    """The gradients of ``sum(fwd(q, k, v) * do)`` by ``jax.vjp`` (one forward, one
+    backward; ``do`` in ``fwd``'s output layout)."""
+    _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens), q, k, v)
+    return vjp(do)
+
+
+def _fwdbwd_of(fwd):
+    """A JAX system's ``fwdbwd``: :func:`_grads` of its ``fwd``, in its own layout."""
+    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
+        return _grads(fwd, q, k, v, do, causal, kv_lens)
+    return fwdbwd
+
+
+def _backend_of(backend: str | None) -> str:
+    """The jaxattn backend that serves ``backend`` here (None: the platform's first);
+    one that cannot (e.g. "mosaic" off an sm90 GPU) is reported, not fatal."""
+    try:
+        return jaxattn.get_op("attention", backend=backend).backend
+    except ValueError as e:
+        raise Unsupported(str(e)) from e
+
+
 def _jaxattn(backend: str | None) -> System:
     def fwd(q, k, v, *, causal, kv_lens=None):
         mask = None
@@ -85,18 +108,12 @@ def _jaxattn(backend: str | None) -> System:
         return jaxattn.attention(q, k, v, causal=causal, key_padding_mask=mask,
                                  backend=backend)
 
-    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
-        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
-                         q, k, v)
-        return vjp(do)
+    fwdbwd = _fwdbwd_of(fwd)
 
     name = "jaxattn" if backend is None else f"jaxattn:{backend}"
-    try:
-        op = jaxattn.get_op("attention", backend=backend)
-    except ValueError as e:  # e.g. "mosaic" off an sm90 GPU: reported, not fatal
-        raise Unsupported(str(e)) from e
     return System(name, "jax", lambda q, k, v: (q, k, v), fwd, fwdbwd, lambda x: x,
-                  jax.block_until_ready, _jax_to_numpy, notes=f"backend {op.backend}")
+                  jax.block_until_ready, _jax_to_numpy,
+                  notes=f"backend {_backend_of(backend)}")
 
 
 def _bshd(x):
@@ -117,10 +134,7 @@ def _dpa(implementation: str) -> System:
             kw["mask"] = jnp.asarray(causal_mask(sq, skv))[None, None]
         return jax.nn.dot_product_attention(q, k, v, **kw)
 
-    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
-        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
-                         q, k, v)
-        return vjp(do)
+    fwdbwd = _fwdbwd_of(fwd)
 
     return System(implementation, "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)),
                   fwd, fwdbwd, _bshd, jax.block_until_ready,
@@ -142,19 +156,13 @@ def _jaxattn_btnh(backend: str | None) -> System:
                                              key_value_seq_lengths=kv_lens,
                                              implementation=backend)
 
-    def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
-        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
-                         q, k, v)
-        return vjp(do)
+    fwdbwd = _fwdbwd_of(fwd)
 
     name = "jaxattn_btnh" if backend is None else f"jaxattn_btnh:{backend}"
-    try:
-        op = jaxattn.get_op("attention", backend=backend)
-    except ValueError as e:
-        raise Unsupported(str(e)) from e
     return System(name, "jax", lambda q, k, v: (_bshd(q), _bshd(k), _bshd(v)), fwd, fwdbwd,
                   _bshd, jax.block_until_ready, lambda x: _jax_to_numpy(_bshd(x)),
-                  notes=f"jaxattn.dot_product_attention on [B, S, H, D], backend {op.backend}")
+                  notes=f"jaxattn.dot_product_attention on [B, S, H, D], backend "
+                        f"{_backend_of(backend)}")
 
 
 def _pallas_mha() -> System:
@@ -170,9 +178,7 @@ def _pallas_mha() -> System:
                                  causal=causal))
 
     def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
-        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
-                         q, k, v)
-        dq, dk, dv = (_bshd(g) for g in vjp(do))
+        dq, dk, dv = (_bshd(g) for g in _grads(fwd, q, k, v, do, causal, kv_lens))
         return dq, dk, dv  # dk, dv per repeated head (Hq heads)
 
     return System("pallas_mha", "jax", prepare, fwd, fwdbwd, lambda x: x,
@@ -197,9 +203,7 @@ def _pallas_mgpu(block_kv: int = 128) -> System:
     def fwdbwd(q, k, v, do, *, causal, kv_lens=None):
         if causal:
             raise Unsupported("Pallas mgpu: its backward is non-causal only")
-        _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, causal=causal, kv_lens=kv_lens),
-                         q, k, v)
-        return tuple(_bshd(g) for g in vjp(do))
+        return tuple(_bshd(g) for g in _grads(fwd, q, k, v, do, causal, kv_lens))
 
     def prepare(q, k, v):
         # Its kernel stages Q/O through fp16 SMEM scratch (jax 0.10.2 to 0.11.2), so a
