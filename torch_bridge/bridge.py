@@ -40,7 +40,8 @@ def op_names() -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- transfer
 
 _NP_DTYPES = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
-              torch.float32: jnp.float32, torch.bool: jnp.bool_}
+              torch.float32: jnp.float32, torch.bool: jnp.bool_, torch.int32: jnp.int32,
+              torch.int64: jnp.int64}
 
 
 def _platform(t: torch.Tensor) -> str:
@@ -454,7 +455,9 @@ class _EagerAttention(torch.autograd.Function):
 # ------------------------------------------------------------------------ validation
 
 class _Meta:
-    """A tensor's shape and dtype as jaxattn's validation reads them (no conversion)."""
+    """A tensor's shape and dtype as jaxattn's validation reads them (no conversion, and
+    no values read: integer tensors such as lengths and tables stay on the device, where
+    reading them would wait for the GPU)."""
 
     __slots__ = ("shape", "dtype")
 
@@ -582,18 +585,7 @@ class TorchOp:
         self._backend = self._resolve(registry.current_platform())
 
     def _resolve(self, platform: str) -> str:
-        name = self._by_platform.get(platform)
-        if name is None:
-            if platform != registry.current_platform() and not _jax_has(platform):
-                raise ValueError(
-                    f"the tensors are on {'CUDA' if platform == 'gpu' else platform} but "
-                    f"this JAX has no {platform!r} devices (for CUDA tensors install "
-                    f"jax[cuda12] or jax[cuda13]); the bridge never copies to another "
-                    f"device")
-            with _jplatform.use(platform):
-                name = registry.resolve(self.op_name, self._requested, platform).name
-            self._by_platform[platform] = name
-        return name
+        return resolve_backend(self._by_platform, self.op_name, self._requested, platform)
 
     @property
     def backend(self) -> str:
@@ -645,6 +637,26 @@ class TorchOp:
     def forward_fp32_with_lse(self, q, k, v, **kwargs):
         """Inputs upcast to fp32 (a copy), fp32 ``(out, lse)``."""
         return self._run(q, k, v, fp32=True, **kwargs)
+
+
+def resolve_backend(cache: dict[str, str], op_name: str, requested: str | None,
+                    platform: str) -> str:
+    """The jaxattn backend of ``op_name`` (``requested``, or the platform's first) for
+    tensors on ``platform``, remembered in ``cache`` (one per platform). Raises where
+    this JAX has no devices of the tensors' platform: the bridge never copies to
+    another device."""
+    name = cache.get(platform)
+    if name is None:
+        if platform != registry.current_platform() and not _jax_has(platform):
+            raise ValueError(
+                f"the tensors are on {'CUDA' if platform == 'gpu' else platform} but "
+                f"this JAX has no {platform!r} devices (for CUDA tensors install "
+                f"jax[cuda12] or jax[cuda13]); the bridge never copies to another "
+                f"device")
+        with _jplatform.use(platform):
+            name = registry.resolve(op_name, requested, platform).name
+        cache[platform] = name
+    return name
 
 
 def _jax_has(platform: str) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 import torch
 
 from jaxattn import paged as jpaged
@@ -32,18 +31,6 @@ from jaxattn.schedule import bucket_length
 from torch_bridge import bridge
 
 __all__ = ["PagedOp"]
-
-
-class _IntMeta:
-    """An int tensor's shape and dtype for jaxattn's validation (its values stay on the
-    device: reading them would wait for the GPU)."""
-
-    __slots__ = ("shape", "dtype", "ndim")
-
-    def __init__(self, t: torch.Tensor):
-        self.shape = tuple(t.shape)
-        self.ndim = t.ndim
-        self.dtype = np.dtype(str(t.dtype).removeprefix("torch."))
 
 
 #: Traces of the jitted paged call: (backend, causal, scale, layout, platform, q shape).
@@ -69,12 +56,8 @@ class PagedOp:
         self._by_platform: dict[str, str] = {}
 
     def _resolve(self, platform: str) -> str:
-        name = self._by_platform.get(platform)
-        if name is None:
-            with _jplatform.use(platform):
-                name = registry.resolve("attention", self._requested, platform).name
-            self._by_platform[platform] = name
-        return name
+        return bridge.resolve_backend(self._by_platform, "attention", self._requested,
+                                      platform)
 
     @property
     def backend(self) -> str:
@@ -103,7 +86,7 @@ class PagedOp:
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         bridge._check_same_device(named)
         jpaged.validate(bridge._Meta(q), bridge._Meta(k_pages), bridge._Meta(v_pages),
-                        _IntMeta(block_table), _IntMeta(seq_lens), layout)
+                        bridge._Meta(block_table), bridge._Meta(seq_lens), layout)
         platform = bridge._platform(q)
         backend = self._resolve(platform)
         sq = q.shape[2]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from jaxattn import platform as _jplatform
@@ -65,18 +64,7 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
         if t.dtype not in bridge._DTYPES:
             raise TypeError(f"{name} has unsupported dtype {t.dtype}")
     jvarlen.validate(bridge._Meta(q), bridge._Meta(k), bridge._Meta(v),
-                     _CuMeta(cu_seqlens_q), _CuMeta(cu_seqlens_k), causal=causal)
-
-
-class _CuMeta:
-    """A cu_seqlens tensor's shape and dtype for jaxattn's validation (its values are
-    checked at run time: reading them here would wait for the GPU)."""
-
-    __slots__ = ("shape", "dtype")
-
-    def __init__(self, t: torch.Tensor):
-        self.shape = tuple(t.shape)
-        self.dtype = np.dtype(np.int32 if t.dtype == torch.int32 else np.int64)
+                     bridge._Meta(cu_seqlens_q), bridge._Meta(cu_seqlens_k), causal=causal)
 
 
 def _as_int(x) -> int:
