@@ -17,6 +17,7 @@ from mosaic_support import missing_interpret, needs_threads
 
 import jaxattn
 from jaxattn import cp, schedule
+from jaxattn.backends.mosaic import backend as mosaic_backend
 from jaxattn.invariance import bits_equal
 
 _why_interp = missing_interpret(("load", "Layout"))
@@ -243,27 +244,23 @@ def test_sharded_attention_on_8_cpu_devices_equals_one_device():
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
 
 
-class _SerialMosaic:
+class _SerialMosaic(mosaic_backend.MosaicBackend):
     """The Mosaic backend in interpret mode with every eager kernel call waited for
     before the next one starts: two interpreted Mosaic kernels running at once (JAX's
     asynchronous CPU dispatch overlaps independent eager calls) can hang JAX 0.10.2's
     Mosaic GPU interpreter. Seen once in a CI run of this test on 2026-12-03 (the
     eager key-gradient call waiting forever on XLA's CPU execution semaphore)."""
 
-    def __new__(cls, **kw):
-        from jaxattn.backends.mosaic import backend as mb
 
-        class Serial(mb.MosaicBackend):
-            pass
+def _waited(method):
+    def call(self, *a, **k):
+        return jax.block_until_ready(method(self, *a, **k))
+    return call
 
-        for name in ("delta", "key_gradients", "query_gradients", "split_states",
-                     "fold_states", "forward_with_lse", "backward", "backward_over_ranges"):
-            def wrap(method):
-                def call(self, *a, **k):
-                    return jax.block_until_ready(method(self, *a, **k))
-                return call
-            setattr(Serial, name, wrap(getattr(mb.MosaicBackend, name)))
-        return Serial(**kw)
+
+for _name in ("delta", "key_gradients", "query_gradients", "split_states", "fold_states",
+              "forward_with_lse", "backward", "backward_over_ranges"):
+    setattr(_SerialMosaic, _name, _waited(getattr(mosaic_backend.MosaicBackend, _name)))
 
 
 # CI time and reliability: -m slow (the hang above stopped one CI run; the test takes 40 s
