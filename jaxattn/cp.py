@@ -155,30 +155,70 @@ def _check_cp_args(cp_world_size, kv_chunk_size):
         raise ValueError(f"kv_chunk_size must be None or a positive int, got {kv_chunk_size!r}")
 
 
+def _pieces(a: int, e: int, n: int) -> list[tuple[int, int, bool]]:
+    """Keys ``[a, e)`` of ``n`` cut where a SPLIT of the one call (``[i * SPLIT, min((i +
+    1) * SPLIT, n))``) ends: ``(start, end, whole)``, ``whole`` for a run of complete
+    splits (the backend's ``split_states``), else a piece of one split."""
+    sp = schedule.SPLIT
+    out, x = [], a
+    while x < e:
+        split_end = min((x // sp + 1) * sp, n)
+        if x % sp == 0 and split_end <= e:
+            y = x
+            while y < e and min((y // sp + 1) * sp, n) <= e:
+                y = min((y // sp + 1) * sp, n)
+            out.append((x, y, True))
+        else:
+            y = min(e, split_end)
+            out.append((x, y, False))
+        x = y
+    return out
+
+
 def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_world_size,
                     kv_chunk_size):
     """(out fp32, lse) from the partial states of every (query shard, key range),
-    folded per query shard by ``be.fold_states`` in ascending global key order."""
+    folded per query shard by ``be.fold_states`` in ascending global key order.
+
+    Inside a range, complete splits are the backend's ``split_states``. Where a range
+    starts or ends inside a split and the backend carries the running state
+    (``carries_split_state``), the split's pieces are folded on from range to range in
+    ascending order (``split_segment``), as one kernel folds the split; otherwise each
+    piece is a state of its own, merged with the others."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
+    sp = schedule.SPLIT
     for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
         if qb == qa:
             continue
         qs = q[:, :, qa:qb]
-        # Ranges "arrive" in ring order starting at this shard's own; the merge sorts.
-        order = ranges[qi % len(ranges):] + ranges[:qi % len(ranges)]
-        states = []
-        for a, e in order:
+        per_range, carry = [], None
+        for a, e in ranges:
+            states = []
             if e == a:
                 states.append(PartialState.empty(qs.shape, a))
-                continue
-            ms = None if mask is None else mask[:, a:e]
-            off = (qo + qa) - (ko + a)
-            o_parts, l_parts = be.split_states(qs, k[:, :, a:e], v[:, :, a:e], ms, off,
-                                               causal=causal, scale=scale)
-            states += _range_states(o_parts, l_parts, a, e - a)
+            for x, y, whole in _pieces(a, e, skv) if be.carries_split_state else [(a, e, True)]:
+                ms = None if mask is None else mask[:, x:y]
+                off = (qo + qa) - (ko + x)
+                kx, vx = k[:, :, x:y], v[:, :, x:y]
+                if whole:
+                    o_parts, l_parts = be.split_states(qs, kx, vx, ms, off, causal=causal,
+                                                       scale=scale)
+                    states += _range_states(o_parts, l_parts, x, y - x)
+                    continue
+                finish = y == min((x // sp + 1) * sp, skv)
+                res = be.split_segment(qs, kx, vx, ms, off, carry, causal=causal,
+                                       scale=scale, finish=finish)
+                carry = None if finish else res
+                if finish:
+                    states.append(PartialState(res[0][0], res[1][0], (x // sp) * sp, y))
+            per_range.append(states)
+        # The states "arrive" in ring order starting at this shard's own range; the
+        # merge sorts them.
+        r = qi % len(per_range)
+        states = [st for group in per_range[r:] + per_range[:r] for st in group]
         merged = merge_partial_states(states, fold_fn=be.fold_states)
         outs.append(merged.out)
         lses.append(merged.lse)

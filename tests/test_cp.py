@@ -104,6 +104,38 @@ def test_cp_degrees_equal_single_call_in_bits(small_split, world, chunk):
         assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("s,world,chunk,causal", [(384, 2, None, True), (512, 2, 64, True),
+                                                  (384, 3, 64, False)])
+def test_cuts_inside_a_split_at_block_multiples_keep_bits(small_split, s, world, chunk,
+                                                          causal):
+    """Shards of 192 keys and chunks of 64 cut the splits of 128 keys: the running state
+    is carried across each cut, so forward and gradients are the single call's bits."""
+    q, k, v = rand_qkv(2, 4, 2, s, s, 64, jnp.bfloat16)
+    mask = jnp.asarray(np.arange(s) % 13 != 5)[None].repeat(2, 0)
+    k = k.at[:, :, 5::13].set(jnp.nan)  # masked keys: NaN must reach nothing
+    v = v.at[:, :, 5::13].set(jnp.nan)
+    do = rand(q.shape, jnp.bfloat16)
+    op = jaxattn.get_op("attention", backend="pallas")
+    kw = dict(key_padding_mask=mask, causal=causal)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: op.forward_with_lse(q, k, v, **kw), q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: cp.forward_with_lse(
+        q, k, v, cp_world_size=world, kv_chunk_size=chunk, backend="pallas", **kw), q, k, v)
+    assert not jnp.isnan(got[0]).any()
+    assert bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
+    d_lse = rand(ref[1].shape)
+    for a, b in zip(got_vjp((do, d_lse)), ref_vjp((do, d_lse)), strict=True):
+        assert bits_equal(a, b)
+
+
+def test_pieces_cut_ranges_at_the_splits_of_the_one_call(small_split):
+    # SPLIT = 128 here; 300 keys: splits [0, 128), [128, 256), [256, 300).
+    assert cp._pieces(0, 300, 300) == [(0, 300, True)]
+    assert cp._pieces(64, 300, 300) == [(64, 128, False), (128, 300, True)]
+    assert cp._pieces(0, 192, 300) == [(0, 128, True), (128, 192, False)]
+    assert cp._pieces(192, 200, 300) == [(192, 200, False)]
+    assert cp._pieces(200, 280, 300) == [(200, 256, False), (256, 280, False)]
+
+
 def test_unaligned_shards_are_within_tolerance(small_split):
     q, k, v = rand_qkv(1, 4, 2, 700, 700, 64, jnp.float32)
     got = cp.forward_fp32(q, k, v, cp_world_size=3, backend="pallas")

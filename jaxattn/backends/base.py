@@ -9,9 +9,11 @@ it serves, the same methods:
   transposes; kernels that read that layout in place override it);
 * ``backward``: the gradients from saved residuals ``(out, lse)``, without a recomputed
   forward (what the torch bridge's autograd runs);
-* ``split_states`` / ``fold_states`` / ``backward_over_ranges``: the per-SPLIT partial
-  states of a key range, their fold in ascending key order, and the backward over key
-  ranges in ascending order (what context parallelism on one device needs);
+* ``split_states`` / ``split_segment`` / ``fold_states`` / ``backward_over_ranges``: the
+  per-SPLIT partial states of a key range, a piece of a split continued from the
+  running state of the piece before it, their fold in ascending key order, and the
+  backward over key ranges in ascending order (what context parallelism on one device
+  needs);
 * ``delta`` / ``key_gradients`` / ``query_gradients``: the backward's pieces that a
   device of a mesh computes for its own keys and its own queries (the "cp_mesh" path);
 * ``paged_forward``: attention against a paged KV cache;
@@ -150,6 +152,21 @@ class Backend:
         ``causal_offsets [B]`` int: position of query 0 minus position of key 0. The lse
         is in the backend's own representation; only :meth:`fold_states` reads it."""
         raise NotImplementedError
+
+    #: Whether :meth:`split_segment` carries the kernels' running state across a cut
+    #: inside a SPLIT (else CP merges the normalised states of the two sides there).
+    carries_split_state: bool = False
+
+    def split_segment(self, q, k, v, key_padding_mask, causal_offsets, carry, *,
+                      causal: bool, scale: float, finish: bool):
+        """The keys ``k, v`` of one piece of a SPLIT (at most SPLIT keys: the split's
+        start, or the keys right after an earlier piece), folded on from the earlier
+        piece's running state ``carry`` (None at the split's start) as one kernel folds
+        the whole split. With ``finish``: the split's state ``(out [1, B, Hq, Sq, D],
+        lse [1, B, Hq, Sq])`` as :meth:`split_states` gives it; else the running state
+        (the backend's own pytree) for the next piece. Pieces cut at multiples of
+        BLOCK_N give the one call's bits. Only where :attr:`carries_split_state`."""
+        raise NotImplementedError(f"backend {self.name!r} carries no running state")
 
     def fold_states(self, outs, lses) -> OutLse:
         """Partial states stacked on the leading axis (ascending key ranges) folded left

@@ -79,6 +79,20 @@ class PallasBackend(Backend):
         return (jnp.moveaxis(o_parts, 2, 0).reshape(n, b, hq, sq, d),
                 jnp.moveaxis(lse_parts, 2, 0).reshape(n, b, hq, sq))
 
+    carries_split_state = True
+
+    def split_segment(self, q, k, v, key_padding_mask, causal_offsets, carry, *, causal,
+                      scale, finish):
+        b, hq, sq, d = q.shape
+        res = pt.split_segment(q, k, v, key_padding_mask, causal_offsets, carry,
+                               causal=bool(causal), scale=float(scale),
+                               interpret=interpret(), finish=finish)
+        if not finish:
+            return res
+        o_parts, lse_parts = res  # [B, Hkv, 1, g * Sq, D] -> [1, B, Hq, Sq, D]
+        return (jnp.moveaxis(o_parts, 2, 0).reshape(1, b, hq, sq, d),
+                jnp.moveaxis(lse_parts, 2, 0).reshape(1, b, hq, sq))
+
     def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
                              ranges, offsets, causal, scale):
         """dK, dV per key range from the final lse and delta; dQ accumulated over the

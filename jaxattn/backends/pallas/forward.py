@@ -232,9 +232,11 @@ def _block_bounds(row_ok, limit, *, causal: bool, kv_len, has_mask: bool):
 
 
 def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
-                 whole_blocks):
+                 whole_blocks, init=None, raw=False):
     """Online softmax over key blocks [lo, hi) of one split (blocks below ``mid`` are
-    seen whole by every row); returns the split's partial state.
+    seen whole by every row); returns the split's partial state, or with ``raw`` the
+    running ``(acc, m, l)`` itself. ``init``: the running state to continue (the keys
+    before ``lo`` of the same split, folded by an earlier call), else the empty state.
 
     ``whole_blocks=False`` sends every block through the masked step. Interpret mode
     uses it: XLA:CPU fuses the masking selects into its dot emitters and so changes a
@@ -264,9 +266,10 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
         return online_softmax_step(*carry, q, k, v, visible, scale=scale,
                                    precision=precision)
 
-    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
-            jnp.full((m_rows,), NEG_INF, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
+    if init is None:
+        init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+                jnp.full((m_rows,), NEG_INF, jnp.float32),
+                jnp.zeros((m_rows,), jnp.float32))
     # (A static length below BLOCK_N has no whole block; its loop is not even traced.)
     if whole_blocks and mask_ref is None and not (isinstance(kv_len, int) and kv_len < bn):
         mid = jnp.clip(mid, lo, hi)
@@ -274,7 +277,7 @@ def _fold_blocks(lo, mid, hi, q, kv: _KV, limit, *, causal, scale, precision,
     else:
         mid, carry = lo, init
     acc, m, l = jax.lax.fori_loop(mid, hi, masked, carry)
-    return finalize(acc, natural_max(m), l)
+    return (acc, m, l) if raw else finalize(acc, natural_max(m), l)
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, scale, q_len,
@@ -331,6 +334,36 @@ def _split_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, causal, sca
     plgpu.store(lse_ref.at[si, sl], lse, mask=row_ok)
 
 
+def _segment_kernel(q_ref, k_ref, v_ref, *refs, has_mask, has_offsets, has_carry, finish,
+                    causal, scale, q_len, kv_len, rows, block_m, precision, whole_blocks):
+    """One program per (row tile, batch, KV head): the keys of one piece of a split,
+    folded on from the running state ``(acc, m, l)`` of the split's earlier keys
+    (``has_carry``), written as the split's partial state (``finish``) or as the running
+    state for the next piece."""
+    mask_ref, off_ref, refs = _split_refs(refs, has_mask, has_offsets)
+    b, h = pl.program_id(1), pl.program_id(2)
+    kv = _kv_source(k_ref, v_ref, mask_ref, (), kv_len, None, b, h)
+    tile = pl.program_id(0)
+    row_ok, limit, q = _row_tile(q_ref, tile, block_m, rows, q_len,
+                                 _causal_offset(off_ref, q_len, kv_len, b))
+    full, hi = _block_bounds(row_ok, limit, causal=causal, kv_len=kv_len, has_mask=has_mask)
+    sl = pl.ds(tile * block_m, block_m)
+    init = None
+    if has_carry:
+        acc_ref, m_ref, l_ref, *refs = refs
+        init = (plgpu.load(acc_ref.at[sl, :], mask=row_ok[:, None], other=0.0),
+                plgpu.load(m_ref.at[sl], mask=row_ok, other=NEG_INF),
+                plgpu.load(l_ref.at[sl], mask=row_ok, other=0.0))
+    state = _fold_blocks(0, full, hi, q, kv, limit, causal=causal, scale=scale,
+                         precision=precision, whole_blocks=whole_blocks, init=init,
+                         raw=not finish)
+    for ref, x in zip(refs, state, strict=True):
+        if x.ndim == 2:
+            plgpu.store(ref.at[sl, :], x, mask=row_ok[:, None])
+        else:
+            plgpu.store(ref.at[sl], x, mask=row_ok)
+
+
 def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, lse_ref, *, rows, block_m, n_splits):
     tile = pl.program_id(0)
     row_ok = tile * block_m + jnp.arange(block_m, dtype=jnp.int32) < rows
@@ -376,6 +409,75 @@ def split_partials(q, k, v, key_padding_mask=None, causal_offsets=None, *, causa
                         scale=scale, interpret=interpret, path="split", config=config,
                         partials=True)
     return out[..., :d], lse
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "finish",
+                                             "config"))
+def split_segment(q, k, v, key_padding_mask=None, causal_offsets=None, carry=None, *,
+                  causal: bool, scale: float, interpret: bool, finish: bool,
+                  config: ForwardConfig | None = None):
+    """Keys ``k, v`` that lie inside one SPLIT (its start, or the keys after an earlier
+    piece of it), folded on from that earlier piece's running state ``carry`` exactly
+    as one kernel folds the whole split: with ``finish``, the split's partial state
+    ``(out [B, Hkv, 1, g*Sq, D], lse [B, Hkv, 1, g*Sq])`` as :func:`split_partials`
+    gives it; else the running state ``(acc [B, Hkv, g*Sq, D], m, l [B, Hkv, g*Sq])``
+    (fp32, m in the kernels' base) for the next piece.
+
+    Pieces cut at multiples of ``BLOCK_N`` fold the split's blocks in the one call's
+    order, so the finished state has the one call's bits (context parallelism across a
+    cut inside a split)."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    dp, q, k, v = _pad_qkv(q, k, v)
+    if skv > schedule.SPLIT:
+        raise ValueError(f"a split segment holds at most SPLIT = {schedule.SPLIT} keys, got "
+                         f"{skv}")
+    g = hq // hkv
+    rows = g * sq
+    cfg = config or forward_config(dp)
+    bm = min(cfg.block_m, max(16, next_pow2(rows)))
+    per_head = lambda blk: pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
+    row_spec = pl.BlockSpec((None, None, rows), lambda i, bi, hi: (bi, hi, 0))
+    in_specs = [per_head((rows, dp)), per_head((skv, dp)), per_head((skv, dp))]
+    args = [q.reshape(b, hkv, rows, dp), k, v]
+    has_mask = key_padding_mask is not None
+    if has_mask:
+        in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
+        args.append(key_padding_mask.astype(jnp.int32))
+    has_offsets = causal and causal_offsets is not None
+    if has_offsets:
+        in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
+        args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    if carry is not None:
+        acc, m, l = carry
+        in_specs += [per_head((rows, dp)), row_spec, row_spec]
+        args += [pad_head_dim(acc, dp), m, l]
+    state_shapes = [jax.ShapeDtypeStruct((b, hkv, rows, dp), jnp.float32),
+                    jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32)]
+    if not finish:
+        state_shapes.append(jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32))
+    warps, stages = ((cfg.decode_num_warps, cfg.decode_num_stages) if bm <= 32
+                     else (cfg.num_warps, cfg.num_stages))
+    state = pl.pallas_call(
+        functools.partial(
+            _segment_kernel, has_mask=has_mask, has_offsets=has_offsets,
+            has_carry=carry is not None, finish=finish, causal=causal, scale=scale,
+            q_len=sq, kv_len=skv, rows=rows, block_m=bm,
+            precision=precision_for(q.dtype),
+            whole_blocks=(not interpret) if cfg.whole_blocks is None else cfg.whole_blocks),
+        grid=(pl.cdiv(rows, bm), b, hkv),
+        in_specs=in_specs,
+        out_specs=[per_head((rows, dp))] + [row_spec] * (len(state_shapes) - 1),
+        out_shape=state_shapes,
+        compiler_params=_compiler_params(warps, stages),
+        interpret=interpret,
+        name="jaxattn_split_segment",
+    )(*args)
+    if finish:
+        out, lse = state
+        return out[:, :, None, :, :d], lse[:, :, None]
+    acc, m, l = state
+    return acc[..., :d], m, l
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "path",
