@@ -9,8 +9,9 @@ DESIGN.md section 5. Two ways to run attention over a sequence cut into shards:
   backend's ``split_states``: one per ``SPLIT`` of keys with the kernel backends), and
   :func:`merge_partial_states` folds them with the backend's ``fold_states`` in ascending
   global key order, whatever order they arrive in; the backward is the backend's
-  ``backward_over_ranges``. When every key range starts on a ``SPLIT`` boundary the bits
-  equal the single call's.
+  ``backward_over_ranges``. A range that starts or ends inside a ``SPLIT`` continues
+  the kernels' running state across the cut (``split_segment``), so when every range
+  starts on a multiple of ``BLOCK_N`` the bits equal the single call's.
 * :func:`sharded_attention` (a mesh, ``jax.shard_map``): q, k and v sharded along the
   sequence over a mesh axis. K and V are all-gathered, so every device computes its own
   query rows over all keys with the kernels of the backend :func:`jaxattn.attention`

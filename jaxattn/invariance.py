@@ -40,7 +40,7 @@ class CheckResult:
     """One row of the matrix: ``equal`` is the raw-bits verdict."""
 
     case: str
-    kind: str  # "forward" or "backward"
+    kind: str  # "forward", "backward", or "tolerance" (equal: within the row's bound)
     equal: bool
     detail: str = ""
     checked: bool = True  # False: the case does not apply to this problem (see detail)
@@ -241,10 +241,16 @@ def check_paged(op, p: Problem, page_sizes: Sequence[int], steps: Sequence[int],
                      f"contiguous", "forward", pairs)]
 
 
-def check_cp(op, p: Problem, degrees: Sequence[int]) -> list[CheckResult]:
-    """CP at each degree whose shards fall on SPLIT boundaries for this sequence length,
-    forward and backward, vs the single call (context parallelism simulated on one
-    device with the backend's partial states)."""
+def check_cp(op, p: Problem, degrees: Sequence[int],
+             chunk_sizes: Sequence[int | None] = (None, 64, 256, 1024),
+             tolerance_chunks: Sequence[int] = (1000,)) -> list[CheckResult]:
+    """CP at each degree whose shards are whole key blocks (``BLOCK_N``) for this
+    sequence length, with each ``kv_chunk_size`` of ``chunk_sizes`` that is a multiple of
+    ``BLOCK_N`` and cuts the shard (None: the whole shard), forward and backward, vs the
+    single call in bits (context parallelism simulated on one device with the backend's
+    partial states; a cut inside a SPLIT carries the kernels' running state). The
+    ``tolerance_chunks`` (not multiples of ``BLOCK_N``) are compared within 2 bf16 ulps
+    of the output's scale, forward only."""
     from jaxattn import cp, registry, schedule
 
     if op.backend not in registry.backend_names("cp_attention"):
@@ -253,25 +259,48 @@ def check_cp(op, p: Problem, degrees: Sequence[int]) -> list[CheckResult]:
                             checked=False) for kind in ("forward", "backward")]
     q, k, v = random_qkv(p)
     do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
-    aligned = [d for d in degrees if p.seq_len % (d * schedule.SPLIT) == 0]
+    bn = schedule.BLOCK_N
+    aligned = [d for d in degrees if p.seq_len % (d * bn) == 0]
     if not aligned:
         return [CheckResult("CP vs no CP", kind, True,
-                            f"no degree of {list(degrees)} is SPLIT-aligned at S={p.seq_len}; "
-                            f"not checked", checked=False) for kind in ("forward", "backward")]
+                            f"no degree of {list(degrees)} gives shards of whole "
+                            f"{bn}-key blocks at S={p.seq_len}; not checked", checked=False)
+                for kind in ("forward", "backward")]
 
     def run(fn):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(do.astype(out.dtype))
 
+    def cp_call(d, c):
+        return lambda q, k, v: cp.forward(q, k, v, cp_world_size=d, kv_chunk_size=c,
+                                          backend=op.backend)
+
     base, gbase = run(lambda q, k, v: op.forward(q, k, v))
-    fpairs, bpairs = [], []
+    fpairs, bpairs, cases = [], [], []
     for d in aligned:
-        out, g = run(lambda q, k, v, d=d: cp.forward(q, k, v, cp_world_size=d,
-                                                     backend=op.backend))
-        fpairs.append((out, base))
-        bpairs += list(zip(g, gbase, strict=True))
-    case = f"CP degrees {aligned} vs no CP"
-    return [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
+        shard = p.seq_len // d
+        for c in chunk_sizes:
+            if c is not None and (c % bn or c >= shard):
+                continue  # off the block grid, or the whole shard (chunk None)
+            out, g = run(cp_call(d, c))
+            fpairs.append((out, base))
+            bpairs += list(zip(g, gbase, strict=True))
+            cases.append(f"{d}" if c is None else f"{d}x{c}")
+    case = f"CP (degree x kv_chunk_size) {', '.join(cases)} vs no CP"
+    results = [_compare(case, "forward", fpairs), _compare(case, "backward", bpairs)]
+    scale = float(jnp.max(jnp.abs(base.astype(jnp.float32))))
+    for d in aligned:
+        for c in tolerance_chunks:
+            if c >= p.seq_len // d:
+                continue
+            out = cp_call(d, c)(q, k, v)
+            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - base.astype(jnp.float32))))
+            bound = 2 * 2.0 ** -8 * scale
+            results.append(CheckResult(
+                f"CP degree {d} x kv_chunk_size {c} (cuts off the block grid) vs no CP",
+                "tolerance", err <= bound and not bool(jnp.isnan(out).any()),
+                f"max |diff| {err:.3g} (bound {bound:.3g})"))
+    return results
 
 
 def check_varlen(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:

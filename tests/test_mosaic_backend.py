@@ -244,6 +244,43 @@ def test_interpret_backend_wrapper():
                                   np.asarray(lse).view(np.uint32))
 
 
+@pytest.mark.slow  # CI time (30 s): the H200 runs these cuts natively (tests/test_cp.py)
+@needs_threads
+@needs_interpret
+@pytest.mark.parametrize("sq,skv,world,chunk,causal", [(1, 250, 1, 64, True),
+                                                      (30, 250, 1, 64, True),
+                                                      (256, 256, 2, 64, False)])
+def test_interpret_cp_cuts_inside_a_split_keep_bits(sq, skv, world, chunk, causal):
+    """CP whose key ranges cut the splits (SPLIT shrunk to 128 keys, chunks of 64): the
+    Mosaic kernel carries its running state across each cut (``split_segment``), so the
+    forward equals the single call in bits: stacked decode rows, a chunk with
+    per-sequence offsets and a key mask, and a non-causal prefill."""
+    from jaxattn import cp, schedule
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    kw = dict(interpret=True, fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
+              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    try:
+        seed = int(np.random.default_rng().integers(2**16))
+        q, k, v = rand_qkv(1, 4, 2, sq, skv, 64, jnp.bfloat16, seed=seed)
+        mask = jnp.asarray(np.arange(skv) % 7 != 3)[None] if sq < skv else None
+        if mask is not None:  # dropped keys hold NaN: nothing may read them
+            k = jnp.where(mask[:, None, :, None], k, jnp.nan)
+        want = mosaic_backend.attention(q, k, v, mask, causal=causal, scale=0.125, **kw)
+        got = cp.forward_with_lse(q, k, v, causal=causal, scale=0.125, cp_world_size=world,
+                                  kv_chunk_size=chunk, key_padding_mask=mask,
+                                  backend=mosaic_backend.MosaicBackend(**kw))
+        assert not np.isnan(np.asarray(got[0], np.float32)).any()
+        for x, y in zip(got, want, strict=True):
+            assert bits_equal(x, y), f"seed {seed}"
+    finally:
+        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+        jax.clear_caches()
+
+
 @pytest.mark.slow  # CI time (32 s): the H200 runs CP on the Mosaic kernels natively; the
 # backward over a key range runs in test_interpret_btnh_backward_equals_bhsd
 @needs_threads

@@ -254,6 +254,28 @@ class MosaicBackend(Backend):
             causal_offsets=causal_offsets if causal else None, kernel_lse=True)
         return o_parts[..., :d], lse_parts
 
+    carries_split_state = True
+
+    def split_segment(self, q, k, v, key_padding_mask, causal_offsets, carry, *, causal,
+                      scale, finish):
+        """A piece of a SPLIT continued from the running state of the piece before it
+        (:func:`forward.split_segment`), in the states' form of :meth:`split_states`."""
+        if on_pallas(q.dtype):
+            return PALLAS.split_segment(q, k, v, key_padding_mask, causal_offsets, carry,
+                                        causal=causal, scale=scale, finish=finish)
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        _refuse_unsupported(q)
+        d = q.shape[-1]
+        dp = _padded_head_dim(d)
+        if carry is not None:
+            carry = (pad_head_dim(carry[0], dp), *carry[1:])
+        res = mosaic_fwd.split_segment(
+            *_pad_all(dp, q, k, v), carry, causal=bool(causal), scale=float(scale),
+            interpret=self.interpret, config=self.fwd_config,
+            key_padding_mask=key_padding_mask,
+            causal_offsets=causal_offsets if causal else None, finish=finish)
+        return (res[0][..., :d], *res[1:])
+
     def fold_states(self, outs, lses):
         """Folded by the Mosaic fold kernel, as the single call folds in its kernel
         (XLA's merge differed from it in the last bit on the H200). For the states of a

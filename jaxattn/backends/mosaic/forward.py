@@ -421,7 +421,8 @@ def _full_blocks(q0, hi, *, offset: int, whole: int, causal: bool):
 def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicConfig,
            gpu_operands: bool, interpret, position: int | None = None,
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
-           q_btnh: bool = False, kv_btnh: bool = False):
+           q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
+           raw_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -439,14 +440,19 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     split has nothing visible), for :func:`jaxattn.merge.fold` to fold: split-parallel
     decode. One compute warpgroup, no persistent grid. ``q_btnh`` / ``kv_btnh``: Q and
     O / K and V are ``[B, S, H, D]`` (JAX's layout; each tile a strided TMA box) instead
-    of ``[B, H, S, D]``; the lse stays ``[B, Hq, Sq]``.
+    of ``[B, H, S, D]``; the lse stays ``[B, Hq, Sq]``. With ``split_out`` only:
+    ``carry_in``: the kernel also takes the running state ``(acc [B, Hq, n_splits, sq,
+    D], m, l [B, Hq, n_splits, sq])`` fp32 of the split's keys before these (another
+    piece of the split, context parallelism) and folds on from it instead of from the
+    empty state; ``raw_out``: it writes the running state ``(acc, m, l)`` in that form
+    instead of the finalised ``(out, lse)``.
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
                     causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                     interpret=interpret, position=position, key_mask=key_mask,
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
-                    kv_btnh=kv_btnh).call()
+                    kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out).call()
 
 
 @dataclasses.dataclass
@@ -494,8 +500,12 @@ class _Forward:
 
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
-                 dyn_offsets, split_out, q_btnh=False, kv_btnh=False):
+                 dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
+                 raw_out=False):
         bn = self.bn = schedule.BLOCK_N
+        if (carry_in or raw_out) and not split_out:
+            raise ValueError("carry_in and raw_out are split_out's")
+        self.carry_in, self.raw_out = carry_in, raw_out
         if q_btnh and split_out:
             raise ValueError("split_out writes [B, Hq, n_splits, Sq, D] partial states: "
                              "q_btnh is not served there")
@@ -596,6 +606,8 @@ class _Forward:
             # split_out: the split's fp32 output, staged for its TMA store
             plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
             if self.split_out else None,
+            # carry_in / raw_out: the running state's m and l rows
+            plgpu.SMEM((2, bm), jnp.float32) if self.carry_in or self.raw_out else None,
         ]
 
     def layout(self, x, lay):
@@ -690,8 +702,8 @@ class _Forward:
         released it (the "consumed" barriers); with a key mask, each block's keep
         values with its V (they are read up to the softmax, V's slot is released after
         P V)."""
-        _, k_s, v_s, _, _, _, keep_s, _ = smem
-        k_bar, v_bar, k_free, v_free, _, _, _, m_bar = bars
+        _, k_s, v_s, _, _, _, keep_s, *_ = smem
+        k_bar, v_bar, k_free, v_free, _, _, _, m_bar, *_ = bars
         bn, stages = self.bn, self.stages
 
         def load(t, _):
@@ -725,7 +737,7 @@ class _Forward:
         """The producer's end: wait for the compute warpgroups' last release of every
         slot still in flight (of ``loads`` in all), so every barrier arrival is observed
         before the barriers are freed."""
-        _, _, k_free, v_free, _, _, _, _ = bars
+        _, _, k_free, v_free, *_ = bars
 
         def wait(n, _):
             slot = lax.rem(n, jnp.int32(self.stages))
@@ -791,8 +803,8 @@ class _Forward:
         accumulator, in place (``acc * alpha`` as the wgmma's initial accumulator) or
         into a fresh one added after; the next block's K is awaited while P V runs."""
         acc, m, l = carry
-        _, k_s, v_s, _, ones_s, _, keep_s, _ = it.smem
-        k_bar, v_bar, k_free, v_free, _, _, sched, _ = it.bars
+        _, k_s, v_s, _, ones_s, _, keep_s, *_ = it.smem
+        k_bar, v_bar, k_free, v_free, _, _, sched, *_ = it.bars
         bm, bn, d = self.bm, self.bn, self.d
         slot = self.slot_of(it, t)
         self.wait_keep(it, t)
@@ -856,19 +868,25 @@ class _Forward:
 
     # -- the SPLIT fold --------------------------------------------------------------
 
-    def split(self, it: _Item, n_steps, si, state):
-        """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (those from
-        ``mid`` on take the masked path), finalised (:func:`kernel_finalize`) and merged
-        into the running ``state`` (:func:`kernel_merge`; None: the first split)."""
+    def split(self, it: _Item, n_steps, si, state, init=None):
+        """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (or from
+        ``init``, the running state of the split's earlier keys: ``carry_in``; those
+        from ``mid`` on take the masked path), finalised (:func:`kernel_finalize`) and
+        merged into the running ``state`` (:func:`kernel_merge`; None: the first split);
+        with ``raw_out`` the running ``(acc, m, l)`` itself."""
         lo = si * self.per_split
         end = lax.min(lo + self.per_split, it.hi)
         mid = lax.max(lax.min(it.full, end), lo)
-        init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
-                self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
-                self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
+        if init is None:
+            init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32),
+                                plgpu.Layout.WGMMA),
+                    self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
+                    self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
         step = functools.partial(self.block_step, it, n_steps)
         carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
         acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
+        if self.raw_out:
+            return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
         # in that base until the output (KERNEL_LSE_BASE2).
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
@@ -882,7 +900,7 @@ class _Forward:
         the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
         the Q buffer already being loaded for this item, and ``after_q``, called once
         this item's Q is in (it starts the next item's load)."""
-        q_s, _, _, p_s, _, lse_s, _, _ = smem
+        q_s, _, _, p_s, _, lse_s, *_ = smem
         q_bar = bars[4]
         if qbuf is None:
             q_s, q_b = q_s.at[w], q_bar.at[w]
@@ -927,8 +945,9 @@ class _Forward:
         if self.split_out:
             # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
             # >= hi: then finalize gives (0, -inf)); the fold happens outside.
-            out, lse = self.split(it, n_steps, lax.axis_index("s"), None)
-            self.epilogue(it, o_ref, lse_ref, out, lse)
+            state = self.split(it, n_steps, lax.axis_index("s"), None,
+                               self.load_carry(it) if self.carry_in else None)
+            self.epilogue(it, o_ref, lse_ref, *state)
             return
         out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
                                  init)
@@ -954,14 +973,40 @@ class _Forward:
             pl.when(w == 0)(lambda: self.sync(it))
         self.epilogue(it, o_ref, lse_ref, out, lse)
 
+    def load_carry(self, it: _Item):
+        """``carry_in``: the running state of the split's earlier keys for the item's
+        rows, TMA-loaded into the fp32 staging tile and the rows buffer, read into
+        registers in the accumulator's and the rows' layouts."""
+        acc_in, m_in, l_in = self.dyn["carry"]
+        bar, o32_s, rows_s = it.bars[8].at[0], it.smem[7], it.smem[8]
+        at = (it.bi, it.h, lax.axis_index("s"), pl.ds(it.q0, self.bm))
+        for src, dst in ((acc_in, o32_s), (m_in, rows_s.at[0]), (l_in, rows_s.at[1])):
+            plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
+            plgpu.barrier_wait(bar)
+        if self.layout_hints:
+            return (plgpu.load(o32_s, (), layout=plgpu.Layout.WGMMA),
+                    plgpu.load(rows_s.at[0], (), layout=self.row_layout),
+                    plgpu.load(rows_s.at[1], (), layout=self.row_layout))
+        return o32_s[...], rows_s.at[0][...], rows_s.at[1][...]
+
     # -- the epilogue ----------------------------------------------------------------
 
-    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse):
+    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse, l=None):
         """Epilogue and lse: the output in the input dtype through the Q tile's SMEM (Q
         is no longer needed) and the lse in natural-log units, each stored by TMA; with
         ``split_out``, the split's fp32 partial state and its base-2 lse."""
         rows = pl.ds(it.q0, self.bm)
-        if self.split_out:
+        if self.raw_out:  # (acc, m, l): lse_ref is m's output, self.dyn["l_out"] l's
+            o32_s, rows_s = it.smem[7], it.smem[8]
+            o32_s[...] = out
+            rows_s.at[0][...] = lse
+            rows_s.at[1][...] = l
+            plgpu.commit_smem()
+            at = (it.bi, it.h, lax.axis_index("s"), rows)
+            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[at])
+            plgpu.copy_smem_to_gmem(rows_s.at[0], lse_ref.at[at])
+            plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
+        elif self.split_out:
             o32_s = it.smem[7]
             o32_s[...] = out
             it.lse_s[...] = lse
@@ -984,7 +1029,13 @@ class _Forward:
         """The CTA: ``compute_wgs`` consumer warpgroups and one producer warpgroup over
         the CTA's items (:meth:`items_of_cta`), sharing the ring's SMEM and barriers."""
         cfg, nwg, stages, bm = self.cfg, self.nwg, self.stages, self.bm
-        *rest, o_ref, lse_ref = rest
+        if self.raw_out:
+            *rest, o_ref, lse_ref, self.dyn["l_out"] = rest
+        else:
+            *rest, o_ref, lse_ref = rest
+        if self.carry_in:
+            *rest, acc_in, m_in, l_in = rest
+            self.dyn["carry"] = (acc_in, m_in, l_in)
         if self.greedy:
             *rest, self.dyn["sched"] = rest
         if self.dyn_offsets:
@@ -1002,6 +1053,7 @@ class _Forward:
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
             plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None,
             plgpu.Barrier(num_barriers=stages) if self.key_mask else None,  # keep loaded
+            plgpu.Barrier(num_barriers=1) if self.carry_in else None,  # carry loaded
         )
 
         def body(smem, bars):
@@ -1074,6 +1126,8 @@ class _Forward:
             n = self.n_splits_all
             out_type = (jax.ShapeDtypeStruct((b, hq, n, sq, d), jnp.float32),
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
+            if self.raw_out:
+                out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             grid, grid_names = (n, *grid), ("s", *grid_names)
         else:
             out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
@@ -1160,7 +1214,7 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
-             causal_offsets=None, partials=False, btnh=False):
+             causal_offsets=None, partials=False, btnh=False, carry=None, raw=False):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -1185,8 +1239,16 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
 
     ``btnh``: q, k, v and out are ``[B, S, H, D]`` (JAX's layout), read and written in
     place by the kernel's TMA boxes (the lse stays ``[B, Hq, Sq]``); decode stacks the
-    group's rows as above (a free reshape of ``[B, 1, Hq, D]``)."""
+    group's rows as above (a free reshape of ``[B, 1, Hq, D]``).
+
+    With ``partials`` only: ``carry`` (the running state ``(acc [n_splits, B, Hq, Sq,
+    D], m, l [n_splits, B, Hq, Sq])`` of each split's earlier keys, as ``raw`` gives it)
+    is placed in the kernel's rows (padding rows empty: ``(0, -inf, 0)``) for the
+    kernel to fold on from; ``raw``: the kernel writes the running state and ``unpad``
+    takes ``(acc, m, l)`` back to that form."""
     cfg = config or MosaicConfig()
+    if (carry is not None or raw) and not partials:
+        raise ValueError("carry and raw are partial states' options")
     if btnh and partials:
         raise ValueError("partials are [B, Hq, ...] states: btnh is not served there")
     sa = 1 if btnh else 2  # the sequence axis
@@ -1245,11 +1307,18 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
-                                 split_out=split, kv_btnh=btnh)
+                                 split_out=split, kv_btnh=btnh,
+                                 carry_in=carry is not None, raw_out=raw)
         # [B, Hq, 1, D] and [B, 1, Hq, D] are both [B, Hkv, group, D] in memory.
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
         offs = causal_offsets  # the one row's position
         out_dtype = q.dtype
+
+        def place(x, fill):  # [n, B, Hq, 1, ...] -> [B, Hkv, n, 64, ...]
+            x = x.reshape(x.shape[0], b, hkv, group, *x.shape[4:])
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, bn - group))
+                        + ((0, 0),) * (x.ndim - 4), constant_values=fill)
+            return jnp.moveaxis(x, 0, 2)
 
         def unpad(out, lse):
             if partials:  # [B, Hkv, n_splits, 64, ...] -> [n_splits, B, Hq, 1, ...]
@@ -1271,10 +1340,17 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  key_mask=key_mask, dyn_offsets=True, split_out=partials,
-                                 q_btnh=btnh, kv_btnh=btnh)
+                                 q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
+                                 raw_out=raw)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
+
+        def place(x, fill):  # [n, B, Hq, Sq, ...] -> [B, Hq, n, sq_pad, ...] at lead
+            x = jnp.moveaxis(x, 0, 2)
+            return jax.vmap(lambda y, at: lax.dynamic_update_slice(
+                jnp.full((*y.shape[:2], sq_pad, *y.shape[3:]), fill, y.dtype), y,
+                (0, 0, at) + (0,) * (y.ndim - 3)))(x, lead)
 
         def unpad(out, lse):
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
@@ -1294,9 +1370,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                                  interpret=interpret, key_mask=key_mask, split_out=partials,
-                                 q_btnh=btnh, kv_btnh=btnh)
+                                 q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
+                                 raw_out=raw)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
+
+        def place(x, fill):  # [n, B, Hq, Sq, ...] -> [B, Hq, n, sq_pad, ...] at lead
+            x = jnp.moveaxis(x, 0, 2)
+            return jnp.pad(x, ((0, 0),) * 3 + ((lead, sq_pad - sq - lead),)
+                           + ((0, 0),) * (x.ndim - 4), constant_values=fill)
 
         def unpad(out, lse):
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
@@ -1319,6 +1401,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         extra = (keep.astype(jnp.float32), flags)
     if dyn:
         extra = (*extra, offs)
+    if carry is not None:
+        acc, m, l = carry
+        extra = (*extra, place(acc, 0.0), place(m, NEG_INF), place(l, 0.0))
+    if raw:
+        rows_of = unpad
+
+        def unpad(acc, m, l):
+            return (*rows_of(acc, m), rows_of(acc, l)[1])
     return call, (q, k_in, v, ones, *extra), unpad
 
 
@@ -1360,6 +1450,29 @@ def split_partials(q, k, v, *, causal: bool = False, scale: float | None = None,
                                  causal_offsets=causal_offsets, partials=True)
     out, lse = unpad(*call(*args))
     return out, (lse if kernel_lse else natural_lse(lse))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
+                                             "finish"))
+def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | None = None,
+                  interpret=False, config: MosaicConfig | None = None,
+                  key_padding_mask=None, causal_offsets=None, finish: bool = True):
+    """Keys ``k, v`` inside one SPLIT (its start, or the keys right after an earlier
+    piece of it) folded on from that piece's running state ``carry`` (None: the split's
+    start), as the kernel folds the whole split: with ``finish``, the split's state as
+    :func:`split_partials` (``kernel_lse=True``) gives it, ``(out [1, B, Hq, Sq, D],
+    lse [1, B, Hq, Sq])``; else the running state ``(acc [1, B, Hq, Sq, D], m, l [1,
+    B, Hq, Sq])`` fp32 (m in the kernels' base) for the next piece. Pieces cut at
+    multiples of ``BLOCK_N`` give the single call's bits (context parallelism across a
+    cut inside a split)."""
+    if k.shape[2] > schedule.SPLIT:
+        raise ValueError(f"a split segment holds at most SPLIT = {schedule.SPLIT} keys, "
+                         f"got {k.shape[2]}")
+    call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                                 config=config, key_padding_mask=key_padding_mask,
+                                 causal_offsets=causal_offsets, partials=True, carry=carry,
+                                 raw=not finish)
+    return unpad(*call(*args))
 
 
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool):
