@@ -6,9 +6,10 @@
 # env: versions and nvidia-smi; tests: the pytest suite on the GPU (GPU-marked tests
 # included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py", and
 # PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
-# matrix + accuracy at GPU sizes; operator: the check_operator CLI at Qwen3-8B shapes
+# matrix + accuracy at GPU sizes (CHECK_ROWS picks rows, e.g. "cp,paged"); operator: the check_operator CLI at Qwen3-8B shapes
 # (B=8, S=4096); bench: benchmarks/attention_bench.py at the issue's shapes; bridge: the
-# torch bridge's overhead (benchmarks/bridge_bench.py); varlen: packed sequences and left
+# torch bridge's overhead (benchmarks/bridge_bench.py); profile: where a bridge call's host
+# time goes (benchmarks/bridge_profile.py, PROFILE_ARGS); varlen: packed sequences and left
 # padding beside a padded batch and cuDNN (benchmarks/varlen_bench.py); hf: HF transformers decode and
 # training steps beside sdpa (benchmarks/hf_bench.py); peers: the invariance matrix of
 # every peer (benchmarks/peer_invariance.py); sweep: the published speed sweep (Qwen3-8B
@@ -62,7 +63,8 @@ if has check; then
 print(",".join(b for b in usable_backends() if b != "triton"))')}
   timeout ${CHECK_TIMEOUT:-900} $PY -m jaxattn.check --backends=$CHECK_BACKENDS \
       --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
-      --chunk_sizes=64,100,1000 --json_out="$OUT/check.json" 2>&1 | tee "$OUT/check.txt" | tail -30
+      --chunk_sizes=64,100,1000 ${CHECK_ROWS:+--rows="$CHECK_ROWS"} --json_out="$OUT/check.json" \
+      2>&1 | tee "$OUT/check.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has operator; then
@@ -80,6 +82,12 @@ fi
 if has bridge; then
   $PY -m benchmarks.bridge_bench --out_dir="$OUT/bridge" 2>&1 | tee "$OUT/bridge.txt" | tail -8
   status=$((status | ${PIPESTATUS[0]}))
+fi
+if has profile; then
+  # Where a bridge call's host time goes (benchmarks/bridge_profile.py).
+  timeout ${PROFILE_TIMEOUT:-300} $PY -m benchmarks.bridge_profile ${PROFILE_ARGS:-} 2>&1 \
+      | grep -v '^[IW][0-9]' > "$OUT/profile.txt"
+  grep 'us/call' "$OUT/profile.txt" | tail -60
 fi
 if has varlen; then
   # Packed sequences and left padding beside the padded batch and cuDNN (varlen_bench.py).
