@@ -433,6 +433,8 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
                                      config=mosaic_fwd.MosaicConfig(split_decode=True)
                                      ).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
+    # The fold reads the split kernel's tile-major states in place (no split-major copy).
+    assert "stablehlo.transpose" not in text
     # The default (split_decode=None) splits where B * Hkv is below
     # SPLIT_DECODE_BELOW_CTAS (16 here) and folds in the kernel from there on.
     for b, n in ((2, 2), (-(-mosaic_fwd.SPLIT_DECODE_BELOW_CTAS // 8), 1)):

@@ -1326,9 +1326,12 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
             if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
-                out, lse = fold_partials(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0),
-                                         interpret=interpret, config=cfg)
-                out = out.astype(out_dtype)
+                n = out.shape[2]
+                out, lse = fold_tiles(out.reshape(b * hkv, n, bn, d),
+                                      lse.reshape(b * hkv, n, bn), interpret=interpret,
+                                      config=cfg)
+                out = out.reshape(b, hkv, bn, d).astype(out_dtype)
+                lse = lse.reshape(b, hkv, bn)
             return (out[:, :, :group].reshape((b, 1, hq, d) if btnh else (b, hq, 1, d)),
                     lse[:, :, :group].reshape(b, hq, 1))
     elif dyn:
@@ -1475,11 +1478,14 @@ def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | N
     return unpad(*call(*args))
 
 
-def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool):
+def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
+                tile_major: bool = False):
     """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
     in order (two SMEM slots, the next state's TMA load in flight while this one is
     merged), the running state in registers, merged by :func:`kernel_merge` (the
-    forward's merge), the lse converted to natural-log units at the store."""
+    forward's merge), the lse converted to natural-log units at the store. The states
+    are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64, n, 64,
+    D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read in place)."""
     bm = schedule.BLOCK_N
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -1490,10 +1496,9 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool):
         def body(o_s, l_s, res_s, rl_s, o_bar, l_bar, free):
             def issue(i):
                 slot = lax.rem(i, jnp.int32(2))
-                plgpu.copy_gmem_to_smem(o_ref.at[i, pl.ds(r0, bm)], o_s.at[slot],
-                                        o_bar.at[slot])
-                plgpu.copy_gmem_to_smem(l_ref.at[i, pl.ds(r0, bm)], l_s.at[slot],
-                                        l_bar.at[slot])
+                at = (lax.axis_index("t"), i) if tile_major else (i, pl.ds(r0, bm))
+                plgpu.copy_gmem_to_smem(o_ref.at[at], o_s.at[slot], o_bar.at[slot])
+                plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
 
             def step(i, state):
                 slot = lax.rem(i, jnp.int32(2))
@@ -1595,6 +1600,21 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
 
 
 fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config"))
+
+
+def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
+    """:func:`fold_partials` of states laid out tile-major, as the split decode writes
+    them: ``outs [T, n, 64, D]``, ``lses [T, n, 64]`` (kernel base) -> ``(out [T, 64, D],
+    lse [T, 64])``, read in place (no split-major copy of the states). The same
+    operations per row: the same bits."""
+    t, n, bm, d = outs.shape
+    if bm != schedule.BLOCK_N or lses.shape != outs.shape[:-1] or d not in HEAD_DIMS:
+        raise ValueError(f"outs must be [T, n, {schedule.BLOCK_N}, D in {HEAD_DIMS}] and "
+                         f"lses [T, n, {schedule.BLOCK_N}], got {outs.shape}, {lses.shape}")
+    approx = (config or MosaicConfig()).approx_math
+    out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
+                           tile_major=True)(outs, lses)
+    return out.reshape(t, bm, d), lse.reshape(t, bm)
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
