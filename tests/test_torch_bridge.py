@@ -55,6 +55,24 @@ def test_zero_copy_both_ways():
         assert back.dtype == dtype and back.device.type == t.device.type
 
 
+def test_forward_without_gradients_exports_only_the_output(monkeypatch):
+    """``forward`` outside autograd returns ``out`` alone and crosses back from JAX once
+    (no lse export); its bits are ``forward_with_lse``'s."""
+    q, k, v = _t(1, 4, 3, 64), _t(1, 2, 70, 64), _t(1, 2, 70, 64, seed=5)
+    op = torch_bridge.get_op("attention", backend=BACKEND)
+    out_lse = op.forward_with_lse(q, k, v)
+    exports = []
+    real = bridge._to_torch
+    monkeypatch.setattr(bridge, "_to_torch", lambda x, p: exports.append(x.shape) or real(x, p))
+    with torch.no_grad():
+        out = op(q, k, v)
+    assert exports == [(1, 4, 4, 64)]  # the bucketed output (Sq = 3 padded to 4), no lse
+    assert torch.equal(out.view(torch.int16), out_lse[0].view(torch.int16))
+    exports.clear()
+    op.forward_with_lse(q, k, v)
+    assert len(exports) == 2
+
+
 def test_non_contiguous_inputs_are_copied_and_correct():
     t = _t(2, 64, 4, 32).transpose(1, 2)  # [2, 4, 64, 32] view
     assert not t.is_contiguous()

