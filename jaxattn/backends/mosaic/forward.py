@@ -422,7 +422,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            gpu_operands: bool, interpret, position: int | None = None,
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
-           raw_out: bool = False):
+           raw_out: bool = False, state_rows: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -445,14 +445,19 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     D], m, l [B, Hq, n_splits, sq])`` fp32 of the split's keys before these (another
     piece of the split, context parallelism) and folds on from it instead of from the
     empty state; ``raw_out``: it writes the running state ``(acc, m, l)`` in that form
-    instead of the finalised ``(out, lse)``.
+    instead of the finalised ``(out, lse)``; ``state_rows`` (one tile of rows, ``sq ==
+    64``): only the tile's first ``state_rows`` rows (a multiple of 8) of ``out`` are
+    written, ``out [B, Hq, n_splits, state_rows, D]`` (the split decode's stacked rows: a
+    GQA group of 4 writes 8 rows of fp32 output state per split, not 64; the lse stays
+    whole: a TMA copy moves a multiple of 128 bytes).
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
                     causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                     interpret=interpret, position=position, key_mask=key_mask,
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
-                    kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out).call()
+                    kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
+                    state_rows=state_rows).call()
 
 
 @dataclasses.dataclass
@@ -501,8 +506,13 @@ class _Forward:
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
-                 raw_out=False):
+                 raw_out=False, state_rows=None):
         bn = self.bn = schedule.BLOCK_N
+        if state_rows is not None and (not split_out or carry_in or raw_out or sq != bn
+                                       or state_rows % 8 or not 8 <= state_rows <= bn):
+            raise ValueError(f"state_rows (a multiple of 8 up to {bn}) is for split_out "
+                             f"states of one tile of {bn} rows, got {state_rows} at sq={sq}")
+        self.state_rows = state_rows
         if (carry_in or raw_out) and not split_out:
             raise ValueError("carry_in and raw_out are split_out's")
         self.carry_in, self.raw_out = carry_in, raw_out
@@ -1007,13 +1017,18 @@ class _Forward:
             plgpu.copy_smem_to_gmem(rows_s.at[0], lse_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
         elif self.split_out:
-            o32_s = it.smem[7]
+            o32_s, lse_s = it.smem[7], it.lse_s
             o32_s[...] = out
-            it.lse_s[...] = lse
+            lse_s[...] = lse
             plgpu.commit_smem()
             si = lax.axis_index("s")
-            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, rows])
-            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, si, rows])
+            o_rows = rows
+            if self.state_rows is not None:  # the tile's first rows of out only (the
+                # lse row stays whole: a TMA copy moves a multiple of 128 bytes)
+                o_rows = pl.ds(0, self.state_rows)
+                o32_s = o32_s.at[o_rows]
+            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, o_rows])
+            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
         else:
             it.q_s[...] = out.astype(self.dtype)
             it.lse_s[...] = natural_lse(lse)
@@ -1124,7 +1139,8 @@ class _Forward:
                       ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"))
         if self.split_out:
             n = self.n_splits_all
-            out_type = (jax.ShapeDtypeStruct((b, hq, n, sq, d), jnp.float32),
+            r = sq if self.state_rows is None else self.state_rows
+            out_type = (jax.ShapeDtypeStruct((b, hq, n, r, d), jnp.float32),
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
@@ -1303,12 +1319,16 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         if split and not partials and d <= 128:
             cfg = dataclasses.replace(cfg, stages=cfg.split_decode_stages)
+        # The split decode writes only the group's rows of each split's state (rounded
+        # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
+        state_rows = -(-group // 8) * 8 if split and not partials else None
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
                                  split_out=split, kv_btnh=btnh,
-                                 carry_in=carry is not None, raw_out=raw)
+                                 carry_in=carry is not None, raw_out=raw,
+                                 state_rows=state_rows)
         # [B, Hq, 1, D] and [B, 1, Hq, D] are both [B, Hkv, group, D] in memory.
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
         offs = causal_offsets  # the one row's position
@@ -1325,13 +1345,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 n = out.shape[2]
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
-            if split:  # [B, Hkv, n_splits, 64, ...]: fold the splits in key order
-                n = out.shape[2]
-                out, lse = fold_tiles(out.reshape(b * hkv, n, bn, d),
+            if split:  # [B, Hkv, n_splits, R, ...]: fold the splits in key order
+                n, r = out.shape[2], out.shape[3]
+                out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
                                       lse.reshape(b * hkv, n, bn), interpret=interpret,
                                       config=cfg)
-                out = out.reshape(b, hkv, bn, d).astype(out_dtype)
-                lse = lse.reshape(b, hkv, bn)
+                out = out.reshape(b, hkv, r, d).astype(out_dtype)
+                lse = lse.reshape(b, hkv, r)
             return (out[:, :, :group].reshape((b, 1, hq, d) if btnh else (b, hq, 1, d)),
                     lse[:, :, :group].reshape(b, hq, 1))
     elif dyn:
@@ -1479,13 +1499,15 @@ def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | N
 
 
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
-                tile_major: bool = False):
+                tile_major: bool = False, state_rows: int = schedule.BLOCK_N):
     """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
     in order (two SMEM slots, the next state's TMA load in flight while this one is
     merged), the running state in registers, merged by :func:`kernel_merge` (the
     forward's merge), the lse converted to natural-log units at the store. The states
-    are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64, n, 64,
-    D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read in place)."""
+    are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64, n,
+    state_rows, D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read in
+    place; a tile's output rows past ``state_rows`` are not read and come out
+    unspecified)."""
     bm = schedule.BLOCK_N
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -1496,7 +1518,12 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
         def body(o_s, l_s, res_s, rl_s, o_bar, l_bar, free):
             def issue(i):
                 slot = lax.rem(i, jnp.int32(2))
-                at = (lax.axis_index("t"), i) if tile_major else (i, pl.ds(r0, bm))
+                if tile_major:  # out: the tile's first state_rows rows (the others unused)
+                    at, dst = (lax.axis_index("t"), i), pl.ds(0, state_rows)
+                    plgpu.copy_gmem_to_smem(o_ref.at[at], o_s.at[slot, dst], o_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
+                    return
+                at = (i, pl.ds(r0, bm))
                 plgpu.copy_gmem_to_smem(o_ref.at[at], o_s.at[slot], o_bar.at[slot])
                 plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
 
@@ -1604,17 +1631,20 @@ fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config
 
 def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
     """:func:`fold_partials` of states laid out tile-major, as the split decode writes
-    them: ``outs [T, n, 64, D]``, ``lses [T, n, 64]`` (kernel base) -> ``(out [T, 64, D],
-    lse [T, 64])``, read in place (no split-major copy of the states). The same
-    operations per row: the same bits."""
-    t, n, bm, d = outs.shape
-    if bm != schedule.BLOCK_N or lses.shape != outs.shape[:-1] or d not in HEAD_DIMS:
-        raise ValueError(f"outs must be [T, n, {schedule.BLOCK_N}, D in {HEAD_DIMS}] and "
-                         f"lses [T, n, {schedule.BLOCK_N}], got {outs.shape}, {lses.shape}")
+    them: ``outs [T, n, R, D]`` (each 64-row tile's first R rows, R a multiple of 8 up to
+    64), ``lses [T, n, 64]`` (kernel base) -> ``(out [T, R, D], lse [T, R])``, read in
+    place (no split-major copy of the states). The same operations per row: the same
+    bits."""
+    t, n, r, d = outs.shape
+    bm = schedule.BLOCK_N
+    if (r % 8 or not 8 <= r <= bm or lses.shape != (t, n, bm) or d not in HEAD_DIMS):
+        raise ValueError(f"outs must be [T, n, R (8 to {bm}, a multiple of 8), D in "
+                         f"{HEAD_DIMS}] and lses [T, n, {bm}], got {outs.shape}, "
+                         f"{lses.shape}")
     approx = (config or MosaicConfig()).approx_math
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
-                           tile_major=True)(outs, lses)
-    return out.reshape(t, bm, d), lse.reshape(t, bm)
+                           tile_major=True, state_rows=r)(outs, lses)
+    return out.reshape(t, bm, d)[:, :r], lse.reshape(t, bm)[:, :r]
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
