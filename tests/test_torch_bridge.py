@@ -231,6 +231,36 @@ def test_cuda_streams_torch_producer_on_a_side_stream():
 
 
 @pytest.mark.gpu
+def test_cuda_streams_non_contiguous_inputs_are_copied_before_jax_reads(monkeypatch):
+    """A non-contiguous input is made contiguous by torch on its stream, and JAX's stream
+    must wait for that copy. The copy is delayed here by a spin kernel queued right
+    before it, into a block the caching allocator hands back full of NaN: a bridge that
+    ordered JAX's stream before the copy (as one did, found by 300 decode steps of
+    sliced tensors under load) reads NaN."""
+    assert DEV == "cuda"
+    op = torch_bridge.get_op("attention")
+    q, k, v = _t(1, 32, 64, 128), _t(1, 8, 4096, 128, seed=2), _t(1, 8, 4096, 128, seed=4)
+    expect = op(q, k, v)
+    kt = k.transpose(2, 3).contiguous().transpose(2, 3)  # K's values, K^T's strides
+    assert not kt.is_contiguous() and torch.equal(kt, k)
+    del kt
+    real = torch.Tensor.contiguous
+
+    def slow_contiguous(self, *args, **kwargs):
+        if not self.is_contiguous():
+            torch.cuda._sleep(100_000_000)  # tens of ms of spinning before the copy
+        return real(self, *args, **kwargs)
+
+    for _ in range(3):
+        kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+        torch.full_like(k, float("nan"))  # freed at once: the copy's block, NaN-filled
+        monkeypatch.setattr(torch.Tensor, "contiguous", slow_contiguous)
+        got = op(q, kt, v)
+        monkeypatch.undo()
+        assert not torch.isnan(got).any() and torch.equal(got, expect)
+
+
+@pytest.mark.gpu
 def test_cuda_streams_jax_producer_read_by_torch():
     x = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.float32)
     y = (x @ x) @ x  # long enough to be in flight at the hand-off

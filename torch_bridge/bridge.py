@@ -131,9 +131,13 @@ class _Importer:
         return x if self._fast else jax.dlpack.from_dlpack(t)
 
     def all(self, *ts):
+        # Contiguous copies first: they are torch work on torch's stream that JAX reads,
+        # so the event below must come after them (recorded before them, JAX's kernels
+        # could read a copy's memory before the copy wrote it).
+        ts = [None if t is None else t.detach().contiguous() for t in ts]
         present = [t for t in ts if t is not None]
         if not present:
-            return list(ts)
+            return ts
         jdev, stream, dl_type, ext, event = self.target(present[0].device)
         if event is not None:  # JAX's stream waits for everything torch queued so far
             event.record(torch.cuda.current_stream(present[0].device))
@@ -143,9 +147,6 @@ class _Importer:
             if t is None:
                 out.append(None)
                 continue
-            t = t.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
             if self._fast:
                 out.append(self._import_fast(t, stream, jdev, dl_type))
             elif self._fast is None:
