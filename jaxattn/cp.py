@@ -209,6 +209,9 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
                                                        scale=scale)
                     states += _range_states(o_parts, l_parts, x, y - x)
                     continue
+                if (x % sp != 0) != (carry is not None):  # pieces come in key order
+                    raise AssertionError(f"piece [{x}, {y}) of a split and the running "
+                                         f"state of its earlier keys disagree")
                 finish = y == min((x // sp + 1) * sp, skv)
                 res = be.split_segment(qs, kx, vx, ms, off, carry, causal=causal,
                                        scale=scale, finish=finish)
