@@ -6,6 +6,8 @@ it natively."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,6 +246,26 @@ def test_interpret_backend_wrapper():
                                   np.asarray(lse).view(np.uint32))
 
 
+@contextlib.contextmanager
+def _mosaic_at_split_128():
+    """The Mosaic kernels in interpret mode (one warpgroup of 64 rows) with SPLIT shrunk
+    to 128 keys, so CP shards and cuts fit interpret-mode shapes; yields the kernels'
+    keyword arguments and restores SPLIT afterwards."""
+    from jaxattn import schedule
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    from jaxattn.backends.mosaic import forward as mosaic_fwd
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    try:
+        yield dict(interpret=True,
+                   fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
+                   bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
+    finally:
+        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+        jax.clear_caches()
+
+
 @pytest.mark.slow  # CI time (30 s): the H200 runs these cuts natively (tests/test_cp.py)
 @needs_threads
 @needs_interpret
@@ -255,15 +277,8 @@ def test_interpret_cp_cuts_inside_a_split_keep_bits(sq, skv, world, chunk, causa
     Mosaic kernel carries its running state across each cut (``split_segment``), so the
     forward equals the single call in bits: stacked decode rows, a chunk with
     per-sequence offsets and a key mask, and a non-causal prefill."""
-    from jaxattn import cp, schedule
-    from jaxattn.backends.mosaic import backward as mosaic_bwd
-    from jaxattn.backends.mosaic import forward as mosaic_fwd
-    kw = dict(interpret=True, fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
-              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
-    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
-    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
-    jax.clear_caches()
-    try:
+    from jaxattn import cp
+    with _mosaic_at_split_128() as kw:
         seed = int(np.random.default_rng().integers(2**16))
         q, k, v = rand_qkv(1, 4, 2, sq, skv, 64, jnp.bfloat16, seed=seed)
         mask = jnp.asarray(np.arange(skv) % 7 != 3)[None] if sq < skv else None
@@ -276,9 +291,6 @@ def test_interpret_cp_cuts_inside_a_split_keep_bits(sq, skv, world, chunk, causa
         assert not np.isnan(np.asarray(got[0], np.float32)).any()
         for x, y in zip(got, want, strict=True):
             assert bits_equal(x, y), f"seed {seed}"
-    finally:
-        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
-        jax.clear_caches()
 
 
 @pytest.mark.slow  # CI time (32 s): the H200 runs CP on the Mosaic kernels natively; the
@@ -290,15 +302,8 @@ def test_interpret_cp_equals_single_call():
     SPLIT-aligned at S=256): the forward's per-split partial states merged in global
     order, and the backward with dK/dV per key range and dQ continued across them, equal
     the single call's forward and gradients in bits."""
-    from jaxattn import cp, schedule
-    from jaxattn.backends.mosaic import backward as mosaic_bwd
-    from jaxattn.backends.mosaic import forward as mosaic_fwd
-    kw = dict(interpret=True, fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
-              bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
-    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
-    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
-    jax.clear_caches()
-    try:
+    from jaxattn import cp
+    with _mosaic_at_split_128() as kw:
         seed = int(np.random.default_rng().integers(2**16))
         q, k, v = rand_qkv(1, 1, 1, 256, 256, 64, jnp.bfloat16, seed=seed)
         w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
@@ -329,9 +334,6 @@ def test_interpret_cp_equals_single_call():
             np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
                                           np.asarray(h).view(np.uint16),
                                           err_msg=f"d{name} (seed {seed})")
-    finally:
-        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
-        jax.clear_caches()
 
 
 

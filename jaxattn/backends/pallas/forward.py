@@ -411,6 +411,32 @@ def split_partials(q, k, v, key_padding_mask=None, causal_offsets=None, *, causa
     return out[..., :d], lse
 
 
+def _mask_offset_inputs(key_padding_mask, causal_offsets, *, causal: bool, b: int,
+                        skv: int):
+    """The kernels' optional inputs after q, k, v: ``(in_specs, args, has_mask,
+    has_offsets)`` for the key mask (``[B, Skv]`` as int32) and the per-sequence causal
+    offsets (``[B]`` int32, causal only), on a ``(tile, batch, KV head)`` grid."""
+    in_specs, args = [], []
+    has_mask = key_padding_mask is not None
+    if has_mask:
+        in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
+        args.append(key_padding_mask.astype(jnp.int32))
+    has_offsets = causal and causal_offsets is not None
+    if has_offsets:
+        in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
+        args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    return in_specs, args, has_mask, has_offsets
+
+
+def _split_launch(cfg: ForwardConfig, rows: int) -> tuple[int, int, int]:
+    """``(block_m, warps, stages)`` of the split-parallel path's programs for ``rows``
+    query rows per KV head (small tiles for decode rows)."""
+    bm = min(cfg.block_m, max(16, next_pow2(rows)))
+    if bm <= 32:
+        return bm, cfg.decode_num_warps, cfg.decode_num_stages
+    return bm, cfg.num_warps, cfg.num_stages
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "finish",
                                              "config"))
 def split_segment(q, k, v, key_padding_mask=None, causal_offsets=None, carry=None, *,
@@ -435,19 +461,13 @@ def split_segment(q, k, v, key_padding_mask=None, causal_offsets=None, carry=Non
     g = hq // hkv
     rows = g * sq
     cfg = config or forward_config(dp)
-    bm = min(cfg.block_m, max(16, next_pow2(rows)))
+    bm, warps, stages = _split_launch(cfg, rows)
     per_head = lambda blk: pl.BlockSpec((None, None, *blk), lambda i, bi, hi: (bi, hi, 0, 0))
     row_spec = pl.BlockSpec((None, None, rows), lambda i, bi, hi: (bi, hi, 0))
-    in_specs = [per_head((rows, dp)), per_head((skv, dp)), per_head((skv, dp))]
-    args = [q.reshape(b, hkv, rows, dp), k, v]
-    has_mask = key_padding_mask is not None
-    if has_mask:
-        in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
-        args.append(key_padding_mask.astype(jnp.int32))
-    has_offsets = causal and causal_offsets is not None
-    if has_offsets:
-        in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
-        args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    extra_specs, extra_args, has_mask, has_offsets = _mask_offset_inputs(
+        key_padding_mask, causal_offsets, causal=causal, b=b, skv=skv)
+    in_specs = [per_head((rows, dp)), per_head((skv, dp)), per_head((skv, dp)), *extra_specs]
+    args = [q.reshape(b, hkv, rows, dp), k, v, *extra_args]
     if carry is not None:
         acc, m, l = carry
         in_specs += [per_head((rows, dp)), row_spec, row_spec]
@@ -456,8 +476,6 @@ def split_segment(q, k, v, key_padding_mask=None, causal_offsets=None, carry=Non
                     jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32)]
     if not finish:
         state_shapes.append(jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32))
-    warps, stages = ((cfg.decode_num_warps, cfg.decode_num_stages) if bm <= 32
-                     else (cfg.num_warps, cfg.num_stages))
     state = pl.pallas_call(
         functools.partial(
             _segment_kernel, has_mask=has_mask, has_offsets=has_offsets,
@@ -567,7 +585,6 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
         return (jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, sq), NEG_INF, jnp.float32))
     cfg = config or forward_config(d)
     precision = precision_for(q.dtype)
-    has_mask = key_padding_mask is not None
     qf = q.reshape(b, hkv, rows, d)
     if path is None:
         use_split = (n_splits > 1 and
@@ -582,14 +599,10 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
     else:
         whole = pl.BlockSpec(k.shape, lambda i, bi, hi: (0, 0, 0, 0))
         in_specs = [per_head((rows, d)), whole, whole]
-    args = [qf, k, v]
-    if has_mask:
-        in_specs.append(pl.BlockSpec((None, skv), lambda i, bi, hi: (bi, 0)))
-        args.append(key_padding_mask.astype(jnp.int32))
-    has_offsets = causal and causal_offsets is not None
-    if has_offsets:
-        in_specs.append(pl.BlockSpec((b,), lambda i, bi, hi: (0,)))
-        args.append(jnp.asarray(causal_offsets, jnp.int32).reshape(b))
+    extra_specs, extra_args, has_mask, has_offsets = _mask_offset_inputs(
+        key_padding_mask, causal_offsets, causal=causal, b=b, skv=skv)
+    in_specs += extra_specs
+    args = [qf, k, v, *extra_args]
     if paged is not None:
         table, lens = paged
         in_specs += [pl.BlockSpec(table.shape, lambda i, bi, hi: (0, 0)),
@@ -629,10 +642,8 @@ def _forward(q, k, v, key_padding_mask, causal_offsets, *, causal, scale, interp
         )(*args)
         return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
 
-    bm = min(cfg.block_m, max(16, next_pow2(rows)))
+    bm, warps, stages = _split_launch(cfg, rows)
     tiles = pl.cdiv(rows, bm)
-    warps, stages = ((cfg.decode_num_warps, cfg.decode_num_stages) if bm <= 32
-                     else (cfg.num_warps, cfg.num_stages))
     parts_spec = pl.BlockSpec((None, None, n_splits, rows, d),
                               lambda i, bi, hi: (bi, hi, 0, 0, 0))
     parts_lse_spec = pl.BlockSpec((None, None, n_splits, rows),
