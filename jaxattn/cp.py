@@ -156,21 +156,24 @@ def _check_cp_args(cp_world_size, kv_chunk_size):
         raise ValueError(f"kv_chunk_size must be None or a positive int, got {kv_chunk_size!r}")
 
 
+def _split_end(x: int, n: int) -> int:
+    """Where the SPLIT of the one call over ``n`` keys that holds key ``x`` ends."""
+    return min((x // schedule.SPLIT + 1) * schedule.SPLIT, n)
+
+
 def _pieces(a: int, e: int, n: int) -> list[tuple[int, int, bool]]:
     """Keys ``[a, e)`` of ``n`` cut where a SPLIT of the one call (``[i * SPLIT, min((i +
     1) * SPLIT, n))``) ends: ``(start, end, whole)``, ``whole`` for a run of complete
     splits (the backend's ``split_states``), else a piece of one split."""
-    sp = schedule.SPLIT
     out, x = [], a
     while x < e:
-        split_end = min((x // sp + 1) * sp, n)
-        if x % sp == 0 and split_end <= e:
+        if x % schedule.SPLIT == 0 and _split_end(x, n) <= e:
             y = x
-            while y < e and min((y // sp + 1) * sp, n) <= e:
-                y = min((y // sp + 1) * sp, n)
+            while y < e and _split_end(y, n) <= e:
+                y = _split_end(y, n)
             out.append((x, y, True))
         else:
-            y = min(e, split_end)
+            y = min(e, _split_end(x, n))
             out.append((x, y, False))
         x = y
     return out
@@ -212,7 +215,7 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
                 if (x % sp != 0) != (carry is not None):  # pieces come in key order
                     raise AssertionError(f"piece [{x}, {y}) of a split and the running "
                                          f"state of its earlier keys disagree")
-                finish = y == min((x // sp + 1) * sp, skv)
+                finish = y == _split_end(x, skv)
                 res = be.split_segment(qs, kx, vx, ms, off, carry, causal=causal,
                                        scale=scale, finish=finish)
                 carry = None if finish else res
