@@ -7,6 +7,7 @@
 # included; PYTEST_ARGS picks files, e.g. "tests/test_pallas.py tests/test_cp.py", and
 # PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
 # matrix + accuracy at GPU sizes (CHECK_ROWS picks rows, e.g. "cp,paged"); operator: the check_operator CLI at Qwen3-8B shapes
+# paged: benchmarks/paged_bench.py (PAGED_ARGS), contiguous and paged decode per backend
 # (B=8, S=4096); bench: benchmarks/attention_bench.py at the shapes; bridge: the
 # torch bridge's overhead (benchmarks/bridge_bench.py); profile: where a bridge call's host
 # time goes (benchmarks/bridge_profile.py, PROFILE_ARGS); varlen: packed sequences and left
@@ -77,6 +78,13 @@ fi
 if has bench; then
   $PY -m benchmarks.attention_bench --out_dir="$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench.txt" | tail -30
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if has paged; then
+  # Paged decode: each backend contiguous and paged (page sizes, layouts), GB/s of K and V.
+  timeout ${PAGED_TIMEOUT:-300} $PY -m benchmarks.paged_bench --out_dir="$OUT/paged" \
+      ${PAGED_ARGS:-} 2>&1 | grep -v 'Unable to initialize backend' \
+      | tee "$OUT/paged.txt" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has bridge; then

@@ -129,3 +129,96 @@ def test_head_dims_the_kernels_are_not_compiled_for():
     p = dataclasses.replace(P, batch=2, seq_len=100, head_dim=80)
     res = invariance.check_paged(op, p, [64], steps=[0, 99])
     assert all(r.equal for r in res), res
+
+
+# ------------------------------------------------------------ the Mosaic kernel, in place
+
+def _ragged_cache(layout, ps, lens, k, v, seed=0):
+    """K/V written into a shuffled paged cache of ``ps``-key pages, only each sequence's
+    first ``lens[b]`` keys; every other slot and page NaN."""
+    b, max_pages = len(lens), -(-k.shape[2] // ps)
+    num_pages = b * max_pages + 3
+    table = jnp.asarray(np.random.default_rng(seed).permutation(num_pages)[:b * max_pages]
+                        .reshape(b, max_pages).astype(np.int32))
+    hkv, d = k.shape[1], k.shape[3]
+    shape = (num_pages, ps, hkv, d) if layout == "NHD" else (num_pages, hkv, ps, d)
+    kp, vp = jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
+    for i in range(b):
+        kp, vp, _ = paged.write(kp, vp, table[i:i + 1], jnp.zeros((1,), jnp.int32),
+                                k[i:i + 1, :, :lens[i]], v[i:i + 1, :, :lens[i]],
+                                layout=layout)
+    return kp, vp, table
+
+
+def test_mosaic_reads_pages_in_place_without_a_gather():
+    """The Mosaic backend's paged call, lowered for CUDA on this machine: its kernel reads
+    the pages (no XLA gather of the cache, no copy of it) for page sizes of a multiple of
+    64 keys and of 8, 16, 32, both layouts; other page sizes gather first."""
+    from jaxattn.backends.mosaic import backend as mb
+    if mb.unavailable_reason() is not None and "sm90" not in mb.unavailable_reason():
+        pytest.skip(mb.unavailable_reason())
+    be = mb.MosaicBackend()
+    q = jax.ShapeDtypeStruct((4, 32, 1, 128), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for ps, layout, in_place in [(16, "NHD", True), (128, "HND", True), (8, "HND", True),
+                                 (48, "HND", False)]:
+        shape = (300, ps, 8, 128) if layout == "NHD" else (300, 8, ps, 128)
+        kp = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        table = jax.ShapeDtypeStruct((4, 4096 // ps + 1), jnp.int32)
+        text = jax.jit(lambda q, kp, vp, t, n, layout=layout: be.paged_forward(
+            q, kp, vp, t, n, causal=True, scale=0.1, layout=layout)).trace(
+            q, kp, kp, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        assert "custom_call @mosaic_gpu" in text, (ps, layout)
+        assert ("gather" not in text) == in_place, (ps, layout)
+
+
+# Interpret mode runs about a second per kernel here: one page size in the default run
+# (CI time), the others with -m slow; the H200 runs every one natively (below).
+@pytest.mark.parametrize("ps,layout", [(16, "NHD"), pytest.param(8, "HND", marks=pytest.mark.slow),
+                                       pytest.param(64, "HND", marks=pytest.mark.slow),
+                                       pytest.param(128, "NHD", marks=pytest.mark.slow)])
+def test_mosaic_paged_in_place_equals_contiguous(ps, layout):
+    """Mosaic interpret mode (or the GPU): ragged lengths across a block edge, NaN in
+    every unused slot and page, decode and a chunk of 3 queries: each row's bits are
+    those of its sequence's contiguous call, and nothing is NaN."""
+    from jaxattn.backends.mosaic import forward as mf
+    from mosaic_support import missing_interpret
+    on_gpu = jax.default_backend() != "cpu"
+    why = None if on_gpu else missing_interpret(("load", "Layout"))
+    if why is not None:
+        pytest.skip(why)
+    if on_gpu:
+        from jaxattn.backends.mosaic import backend as mb
+        if mb.unavailable_reason() is not None:
+            pytest.skip(mb.unavailable_reason())
+    kw = dict(interpret=not on_gpu,
+              config=None if on_gpu else mf.MosaicConfig(compute_wgs=1, block_m=64))
+    lens = np.array([130, 37])
+    q, k, v = rand_qkv(2, 2, 1, 3, 130, 64, jnp.bfloat16,
+                       seed=int(np.random.default_rng().integers(2**16)))
+    kp, vp, table = _ragged_cache(layout, ps, lens, k, v)
+    for sq in (1, 3):
+        out, lse = mf.paged_forward(q[:, :, :sq], kp, vp, table, jnp.asarray(lens, jnp.int32),
+                                    scale=0.125, layout=layout, **kw)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+        for b, n in enumerate(lens):
+            o, l = mf.forward(q[b:b + 1, :, :sq], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                              causal=True, scale=0.125, **kw)
+            assert bits_equal(out[b:b + 1], o) and bits_equal(lse[b:b + 1], l), (sq, b)
+
+
+@pytest.mark.gpu
+def test_mosaic_paged_in_place_every_page_size_on_gpu():
+    """On the GPU, the registry's default (mosaic on sm90) at Qwen3-8B heads over more
+    than one SPLIT (the split decode's path too): every page size it reads in place and
+    one it gathers (48), both layouts, decode steps on both sides of block and split
+    edges and a chunk, NaN in unused slots and pages: the contiguous prefill rows' bits
+    (the matrix's paged row)."""
+    op = jaxattn.get_op("attention")
+    p = invariance.Problem(batch=2, num_q_heads=32, num_kv_heads=8, seq_len=1100,
+                           head_dim=128)
+    res = invariance.check_paged(op, p, [8, 16, 32, 48, 64, 128, 256],
+                                 steps=[0, 63, 64, 1023, 1024, 1099])
+    assert all(r.equal for r in res), res
+    for ps, layout in [(16, "NHD"), (64, "HND"), (256, "NHD")]:
+        test_mosaic_paged_in_place_equals_contiguous(ps, layout)  # ragged, both paths

@@ -21,9 +21,11 @@ ValueError by the op otherwise):
   key: 0 and lse = -inf), causal or not, with or without a key padding mask;
 * an NVIDIA GPU of compute capability 9.0 (wgmma and TMA as sm90a has them).
 
-Paged KV (:mod:`jaxattn.paged`): the pages are gathered into contiguous K and V and the
-forward runs with per-sequence causal offsets (``seq_lens - Sq``) and the keys past each
-sequence's length dropped, so a row's bits are those of its contiguous call. CP
+Paged KV (:mod:`jaxattn.paged`): causal calls at a native head dim read the pages in
+place (pages of a multiple of 64 keys, or of 8, 16 or 32); otherwise the pages are
+gathered into contiguous K and V and the forward runs with the keys past each sequence's
+length dropped. Both with per-sequence causal offsets (``seq_lens - Sq``), so a row's
+bits are those of its contiguous call. CP
 (:mod:`jaxattn.cp`): the kernel's per-SPLIT partial states, folded by the Mosaic fold
 kernel, and the backward over key ranges.
 
@@ -381,13 +383,26 @@ class MosaicBackend(Backend):
 
     def paged_forward(self, q, k_pages, v_pages, block_table, seq_lens, *, causal, scale,
                       layout="HND"):
-        """fp32: the Pallas kernels (pages read in place). bf16/fp16: the pages gathered
-        into contiguous K and V (a copy) and the forward with the keys past each
-        sequence's length dropped and per-sequence causal offsets ``seq_lens - Sq``
-        (each row's bits are those of its contiguous call)."""
+        """fp32: the Pallas kernels (pages read in place). bf16/fp16, causal, a native
+        head dim (64, 128, 256) and pages of a multiple of 64 keys or of 8, 16 or 32:
+        the Mosaic kernel reads the pages in place (:func:`forward.paged_forward`: one
+        TMA box per page slice, a key block assembled from several small pages). Else
+        (non-causal, other page sizes, a padded head dim) the pages are gathered into
+        contiguous K and V (a copy) and the forward runs with the keys past each
+        sequence's length dropped. Either way with per-sequence causal offsets
+        ``seq_lens - Sq``: each row's bits are those of its contiguous call."""
         if on_pallas(q.dtype):
             return PALLAS.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                         causal=causal, scale=scale, layout=layout)
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        page_size = k_pages.shape[1 if layout == "NHD" else 2]
+        if (causal and q.shape[-1] in NATIVE_HEAD_DIMS
+                and mosaic_fwd.reads_pages_in_place(page_size)
+                and 0 not in (*q.shape[:3], k_pages.shape[0], block_table.shape[1])):
+            _refuse_unsupported(q)
+            return mosaic_fwd.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
+                                            scale=float(scale), interpret=self.interpret,
+                                            config=self.fwd_config, layout=layout)
         return super().paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                      causal=causal, scale=scale, layout=layout)
 

@@ -422,7 +422,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            gpu_operands: bool, interpret, position: int | None = None,
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
-           raw_out: bool = False, state_rows: int | None = None):
+           raw_out: bool = False, state_rows: int | None = None,
+           page_size: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -450,6 +451,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     written, ``out [B, Hq, n_splits, state_rows, D]`` (the split decode's stacked rows: a
     GQA group of 4 writes 8 rows of fp32 output state per split, not 64; the lse stays
     whole: a TMA copy moves a multiple of 128 bytes).
+    ``page_size``: K and V are a paged cache's pages, ``[num_pages, Hkv, page_size, D]``
+    (``[num_pages, page_size, Hkv, D]`` with ``kv_btnh``), read in place: the kernel also
+    takes ``table`` (int32 ``[B, pages]``, sequence b's logical page p at physical page
+    ``table[b, p]``, whole ``BLOCK_N`` blocks' worth) and ``lens`` (int32 ``[B]``). Key
+    block t of sequence b is one TMA box of one page (``page_size`` a multiple of
+    ``BLOCK_N``) or ``BLOCK_N // page_size`` boxes of as many pages (``page_size`` a
+    multiple of 8 dividing ``BLOCK_N``), the same keys in the same SMEM rows as a
+    contiguous block; V's rows at or past ``lens[b]`` are zeroed in SMEM before P V
+    (unused slots may hold anything, NaN included). Causal, with ``dyn_offsets``.
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -457,7 +467,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     interpret=interpret, position=position, key_mask=key_mask,
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
-                    state_rows=state_rows).call()
+                    state_rows=state_rows, page_size=page_size).call()
 
 
 @dataclasses.dataclass
@@ -506,8 +516,19 @@ class _Forward:
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
-                 raw_out=False, state_rows=None):
+                 raw_out=False, state_rows=None, page_size=None):
         bn = self.bn = schedule.BLOCK_N
+        if page_size is not None:
+            if not (page_size % bn == 0 or (bn % page_size == 0 and page_size % 8 == 0)):
+                raise ValueError(f"page_size must be a multiple of {bn} or a multiple of 8 "
+                                 f"dividing {bn}, got {page_size}")
+            if not (causal and dyn_offsets) or key_mask:
+                raise ValueError("paged K/V is served causal, with per-sequence offsets and "
+                                 "no key mask")
+        self.page_size = page_size
+        #: TMA copies per key block (K and V each): a paged block of small pages is
+        #: assembled from several.
+        self.copies = 1 if page_size is None or page_size >= bn else bn // page_size
         if state_rows is not None and (not split_out or carry_in or raw_out or sq != bn
                                        or state_rows % 8 or not 8 <= state_rows <= bn):
             raise ValueError(f"state_rows (a multiple of 8 up to {bn}) is for split_out "
@@ -719,29 +740,71 @@ class _Forward:
         def load(t, _):
             n = base + t
             slot = lax.rem(n, jnp.int32(stages))
-            k0 = t * bn
-            src = (tile_of(k_ref, bi, kvh, pl.ds(k0, bn), self.kv_btnh)
-                   if self.gpu_operands else k_ref.at[bi, kvh, :, pl.ds(k0, bn)])
+            parts = self.block_parts(bi, t)
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(src, k_s.at[slot], k_bar.at[slot])
+            for seq, rows, at in parts:
+                if self.gpu_operands:
+                    src = tile_of(k_ref, seq, kvh, rows, self.kv_btnh)
+                    dst = k_s.at[slot] if at is None else k_s.at[slot, at]
+                else:  # K^T
+                    src = k_ref.at[seq, kvh, :, rows]
+                    dst = k_s.at[slot] if at is None else k_s.at[slot, :, at]
+                plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(tile_of(v_ref, bi, kvh, pl.ds(k0, bn),
-                                                 self.kv_btnh), v_s.at[slot],
-                                    v_bar.at[slot])
+            for seq, rows, at in parts:
+                plgpu.copy_gmem_to_smem(tile_of(v_ref, seq, kvh, rows, self.kv_btnh),
+                                        v_s.at[slot] if at is None else v_s.at[slot, at],
+                                        v_bar.at[slot])
             if self.key_mask:
-                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(k0, bn)], keep_s.at[slot],
+                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(t * bn, bn)], keep_s.at[slot],
                                         m_bar.at[slot])
             return None
 
         lax.fori_loop(self.split_lo(), hi, load, None)
+
+    def block_parts(self, bi, t):
+        """Key block ``t`` of sequence ``bi`` as TMA copies ``(index, rows, at)``: rows
+        ``rows`` of the K/V array's entry ``index`` (a sequence, or a page of the paged
+        cache) into the slot's rows ``at`` (None: the whole slot)."""
+        bn, ps = self.bn, self.page_size
+        if ps is None:
+            return [(bi, pl.ds(t * bn, bn), None)]
+        table = self.dyn["table"]
+        if ps >= bn:  # one page holds the block
+            k0 = t * bn
+            return [(table[bi, lax.div(k0, jnp.int32(ps))],
+                     pl.ds(lax.rem(k0, jnp.int32(ps)), bn), None)]
+        per = self.copies  # the block's pages, in key order
+        return [(table[bi, t * per + j], pl.ds(0, ps), pl.ds(j * ps, ps))
+                for j in range(per)]
+
+    def zero_tail(self, it: _Item, t, v_t):
+        """Paged: V's rows of block ``t`` at or past the sequence's length set to zero in
+        the slot (their probabilities are 0, but 0 * NaN is not), as a contiguous call's
+        padding keys are zeros. Only blocks that reach past the length: the last one, and
+        any a tile's padding rows visit."""
+        bn, d = self.bn, self.d
+        valid = self.dyn["lens"][it.bi] - t * bn
+
+        @pl.when(valid < bn)
+        def _():
+            if self.layout_hints:
+                x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA)
+                rows = plgpu.broadcasted_iota(jnp.int32, (bn, d), 0,
+                                              layout=plgpu.Layout.WGMMA)
+            else:
+                x = v_t[...]
+                rows = lax.broadcasted_iota(jnp.int32, (bn, d), 0)
+            v_t[...] = jnp.where(rows < valid, x, jnp.zeros_like(x))
+            plgpu.commit_smem()
 
     def drain(self, bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
@@ -853,6 +916,8 @@ class _Forward:
         plgpu.barrier_wait(v_bar.at[slot])
         if self.pingpong:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+        if self.page_size is not None:
+            self.zero_tail(it, t, v_s.at[slot])
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1053,14 +1118,17 @@ class _Forward:
             self.dyn["carry"] = (acc_in, m_in, l_in)
         if self.greedy:
             *rest, self.dyn["sched"] = rest
+        if self.page_size is not None:
+            *rest, self.dyn["table"], self.dyn["lens"] = rest
         if self.dyn_offsets:
             *rest, self.dyn["offs"] = rest
         keep_ref, flags_ref = rest if self.key_mask else (None, None)
         count, item_at = self.items_of_cta()
         scratch_refs = self.scratch((2,) if cfg.prefetch_q else ())
         barriers = (
-            plgpu.Barrier(num_barriers=stages),  # K slot loaded
-            plgpu.Barrier(num_barriers=stages),  # V slot loaded
+            # K / V slot loaded (by ``copies`` TMA copies: a paged block of small pages)
+            plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot consumed
             plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot consumed
             # Q tile loaded, per compute warpgroup (and Q buffer)
@@ -1230,7 +1298,8 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
 
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
-             causal_offsets=None, partials=False, btnh=False, carry=None, raw=False):
+             causal_offsets=None, partials=False, btnh=False, carry=None, raw=False,
+             pages=None):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -1261,17 +1330,48 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     D], m, l [n_splits, B, Hq, Sq])`` of each split's earlier keys, as ``raw`` gives it)
     is placed in the kernel's rows (padding rows empty: ``(0, -inf, 0)``) for the
     kernel to fold on from; ``raw``: the kernel writes the running state and ``unpad``
-    takes ``(acc, m, l)`` back to that form."""
+    takes ``(acc, m, l)`` back to that form.
+
+    ``pages``: ``(block_table [B, max_pages] int, seq_lens [B] int, layout)``; ``k, v``
+    are then a paged cache's pages (``layout`` "HND": ``[num_pages, Hkv, page_size,
+    D]``, "NHD": ``[num_pages, page_size, Hkv, D]``), read in place by the kernel
+    (``_build``'s ``page_size``), causal with offsets ``seq_lens - Sq``: the rows of
+    each sequence's contiguous call."""
     cfg = config or MosaicConfig()
     if (carry is not None or raw) and not partials:
         raise ValueError("carry and raw are partial states' options")
     if btnh and partials:
         raise ValueError("partials are [B, Hq, ...] states: btnh is not served there")
     sa = 1 if btnh else 2  # the sequence axis
+    bn = schedule.BLOCK_N
     if partials:
-        cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=schedule.BLOCK_N,
-                                  persistent=0, prefetch_q=False)
-    check_inputs(*((as_bhsd(x) for x in (q, k, v)) if btnh else (q, k, v)))
+        cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn, persistent=0,
+                                  prefetch_q=False)
+    page_size = kv_btnh = None
+    if pages is not None:
+        if not causal or btnh or partials or key_padding_mask is not None:
+            raise ValueError("paged K/V is served causal, [B, Hq, Sq, D], without partial "
+                             "states or a key padding mask")
+        table, lens, layout = pages
+        kv_btnh = layout == "NHD"
+        num_pages, page_size = k.shape[0], k.shape[1 if kv_btnh else 2]
+        hkv_p = k.shape[2 if kv_btnh else 1]
+        # Whole key blocks of logical pages; entries past a sequence's pages are never
+        # used for a visible key, and are clamped to a real page.
+        per_block = max(bn // page_size, 1)
+        n_table = -(-table.shape[1] // per_block) * per_block
+        table = jnp.clip(jnp.pad(jnp.asarray(table, jnp.int32),
+                                 ((0, 0), (0, n_table - table.shape[1]))), 0, num_pages - 1)
+        lens = jnp.asarray(lens, jnp.int32)
+        skv_pages = -(-(n_table * page_size) // bn) * bn
+        shape = (q.shape[0], hkv_p, skv_pages, q.shape[3])
+        check_inputs(q, *(jax.ShapeDtypeStruct(shape, x.dtype) for x in (k, v)))
+        if k.shape != v.shape:
+            raise ValueError(f"k and v pages must have one shape, got {k.shape}, {v.shape}")
+        causal_offsets = lens - q.shape[2]
+    else:
+        check_inputs(*((as_bhsd(x) for x in (q, k, v)) if btnh else (q, k, v)))
+        kv_btnh = btnh
     dyn = causal and causal_offsets is not None
     if dyn:
         causal_offsets = jnp.asarray(causal_offsets)
@@ -1291,7 +1391,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     # padding with dropped keys gets (the same code on every block; on the H200 a
     # kernel bounding the keys at Skv gave rows that differed from it in the last
     # bits, and ran 3 to 9% slower: docs/mosaic.md, retired options).
-    synth = (not causal or dyn) and k.shape[sa] % schedule.BLOCK_N != 0
+    synth = pages is None and (not causal or dyn) and k.shape[sa] % bn != 0
     if synth and key_padding_mask is None:
         key_padding_mask = jnp.ones((k.shape[0], k.shape[sa]), jnp.bool_)
     key_mask = key_padding_mask is not None
@@ -1302,12 +1402,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     if btnh:
         b, sq, hq, d = q.shape
         _, skv, hkv, _ = k.shape
+    elif pages is not None:
+        b, hq, sq, d = q.shape
+        hkv, skv = hkv_p, skv_pages
     else:
         b, hq, sq, d = q.shape
         _, hkv, skv, _ = k.shape
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    bn = schedule.BLOCK_N
     skv_pad = -(-skv // bn) * bn
     skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
     if sq == 1 and group <= bn and cfg.stack_decode:
@@ -1326,9 +1428,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
-                                 split_out=split, kv_btnh=btnh,
+                                 split_out=split, kv_btnh=kv_btnh,
                                  carry_in=carry is not None, raw_out=raw,
-                                 state_rows=state_rows)
+                                 state_rows=state_rows, page_size=page_size)
         # [B, Hq, 1, D] and [B, 1, Hq, D] are both [B, Hkv, group, D] in memory.
         q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
         offs = causal_offsets  # the one row's position
@@ -1363,8 +1465,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  key_mask=key_mask, dyn_offsets=True, split_out=partials,
-                                 q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
-                                 raw_out=raw)
+                                 q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
+                                 raw_out=raw, page_size=page_size)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
@@ -1414,9 +1516,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     if skv_pad != skv:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
     ones = jnp.ones((bn, ones_cols), q.dtype)
-    # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose).
+    # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
+    # the pages: [num_pages, Hkv, D, page_size]).
     k_in = (k if gpu_operands else
-            jnp.transpose(k, (0, 2, 3, 1)) if btnh else jnp.swapaxes(k, 2, 3))
+            jnp.transpose(k, (0, 2, 3, 1)) if kv_btnh else jnp.swapaxes(k, 2, 3))
     extra = ()
     if key_mask:
         keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
@@ -1424,6 +1527,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         extra = (keep.astype(jnp.float32), flags)
     if dyn:
         extra = (*extra, offs)
+    if pages is not None:
+        extra = (*extra, table, lens)
     if carry is not None:
         acc, m, l = carry
         extra = (*extra, place(acc, 0.0), place(m, NEG_INF), place(l, 0.0))
@@ -1452,6 +1557,41 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
                                  causal_offsets=causal_offsets, btnh=btnh)
+    return unpad(*call(*args))
+
+
+#: Page sizes the kernel reads in place: multiples of ``BLOCK_N`` (a block is a slice
+#: of one page) and multiples of 8 that divide it (a block is assembled from several
+#: pages by one TMA copy each; the SMEM tile's swizzle atom is 8 rows).
+def reads_pages_in_place(page_size: int) -> bool:
+    """Whether :func:`paged_forward` reads pages of ``page_size`` keys in place."""
+    bn = schedule.BLOCK_N
+    return page_size > 0 and (page_size % bn == 0 or (bn % page_size == 0
+                                                      and page_size % 8 == 0))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "layout"))
+def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, scale: float | None = None,
+                  interpret=False, config: MosaicConfig | None = None,
+                  layout: str = "HND"):
+    """Causal attention of the last ``Sq`` tokens of each sequence against its paged KV,
+    read in place (no gather): ``k_pages, v_pages [num_pages, Hkv, page_size, D]``
+    (``layout="HND"``) or ``[num_pages, page_size, Hkv, D]`` (``"NHD"``), ``block_table
+    [B, max_pages]`` int, ``seq_lens [B]`` int, ``page_size`` as
+    :func:`reads_pages_in_place` says. Returns ``(out [B, Hq, Sq, D], lse [B, Hq, Sq])``:
+    each row's bits are those of :func:`forward` on the sequence's contiguous keys with
+    ``causal_offsets = seq_lens - Sq`` (the same blocks of keys, in the same order, into
+    the same SMEM rows; the keys past a sequence's length are never visible and their
+    V rows are zeroed in SMEM)."""
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
+    page_size = k_pages.shape[1 if layout == "NHD" else 2]
+    if not reads_pages_in_place(page_size):
+        raise ValueError(f"pages of {page_size} keys are not read in place (a multiple of "
+                         f"{schedule.BLOCK_N}, or a multiple of 8 dividing it)")
+    call, args, unpad = _prepare(q, k_pages, v_pages, causal=True, scale=scale,
+                                 interpret=interpret, config=config,
+                                 pages=(block_table, seq_lens, layout))
     return unpad(*call(*args))
 
 
