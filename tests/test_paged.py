@@ -181,8 +181,9 @@ def test_mosaic_paged_in_place_equals_contiguous(ps, layout):
     """Mosaic interpret mode (or the GPU): ragged lengths across a block edge, NaN in
     every unused slot and page, decode and a chunk of 3 queries: each row's bits are
     those of its sequence's contiguous call, and nothing is NaN."""
-    from jaxattn.backends.mosaic import forward as mf
     from mosaic_support import missing_interpret
+
+    from jaxattn.backends.mosaic import forward as mf
     on_gpu = jax.default_backend() != "cpu"
     why = None if on_gpu else missing_interpret(("load", "Layout"))
     if why is not None:
