@@ -14,10 +14,12 @@ Each backend serves the path through its ``paged_forward``
 into a contiguous copy), one ``BLOCK_N`` block of 64 keys at a time, the same keys in
 the same order as contiguous KV whatever the page size and layout (a block is one
 page's slice where the page size is a multiple of 64, else each row is read from its
-own page), so the result equals contiguous KV in bits for any page table. The triton,
-mosaic (bf16/fp16) and reference backends gather the pages into contiguous K and V first
-(a copy) and run their forward with per-sequence causal offsets; the triton and mosaic
-results equal their contiguous calls in bits. A backend without a paged path
+own page), so the result equals contiguous KV in bits for any page table. The mosaic kernels
+(bf16/fp16) read causal calls' pages in place too, where the page size is 8, 16, 32 or a
+multiple of 64 (a block is one TMA box of one page, or one box per page). The triton and
+reference backends, and mosaic's other calls, gather the pages into contiguous K and V
+first (a copy) and run their forward with per-sequence causal offsets; the triton and
+mosaic results equal their contiguous calls in bits. A backend without a paged path
 raises (no silent fallback to another backend).
 """
 

@@ -54,7 +54,10 @@ SLOW_ON_CPU = {"triton": {
     "test_tail_padding_vs_unpadded",
     "test_flags_and_padding_that_hide_no_key_keep_bits_in_one_block",
     "test_packed_varlen_vs_alone", "test_row_alone_vs_in_batch",
-    "test_decode_past_one_split_with_padding_mask", "test_chunked_prefill_vs_full"}}
+    "test_decode_past_one_split_with_padding_mask", "test_chunked_prefill_vs_full",
+    # The Triton interpreter on a CPU is deterministic: run to run there shows nothing
+    # the GPU battery does not (37 s of CI).
+    "test_run_to_run"}}
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
 

@@ -418,12 +418,14 @@ def test_cpu_tensors_run_on_jax_cpu_on_any_host():
             op(q.cuda(), k.cuda(), v.cuda())
 
 
+@pytest.mark.parametrize("backend", [BACKEND] + (["mosaic"] if ON_GPU else []))
 @pytest.mark.parametrize("layout,sq", [("NHD", 1), ("HND", 5)])
-def test_paged_op_runs_on_the_cache_tensors_with_the_jax_bits(layout, sq):
+def test_paged_op_runs_on_the_cache_tensors_with_the_jax_bits(layout, sq, backend):
     """``get_op("paged_attention")`` on torch cache tensors (pages of 16 keys, four to a
     block; NaN in every unused page and slot; int32 table and lengths): the bits of
     ``jaxattn.paged.attention`` on the same arrays; decode (NHD) and a chunk of 5 queries
-    padded to its bucket of 8 (HND); the cache is read without a copy."""
+    padded to its bucket of 8 (HND); the cache is read without a copy (on the GPU also
+    by the Mosaic kernels, which read these pages in place)."""
     from jaxattn import paged
     gen = torch.Generator().manual_seed(7)
     b, hq, hkv, d, ps, max_pages = 2, 4, 2, 64, 16, 6
@@ -439,10 +441,10 @@ def test_paged_op_runs_on_the_cache_tensors_with_the_jax_bits(layout, sq):
                             _j(k_new.to(DEV)), _j(v_new.to(DEV)), layout=layout)
     kc, vc = bridge.to_torch(kj), bridge.to_torch(vj)  # the "engine's" cache tensors
     q = torch.randn(b, hq, sq, d, generator=gen).to(torch.bfloat16).to(DEV)
-    op = torch_bridge.get_op("paged_attention", backend=BACKEND)
+    op = torch_bridge.get_op("paged_attention", backend=backend)
     out, lse = op.forward_with_lse(q, kc, vc, table, lens, layout=layout)
     want, want_lse = paged.attention(_j(q), kj, vj, _j(table), _j(lens), return_lse=True,
-                                     backend=BACKEND, layout=layout)
+                                     backend=backend, layout=layout)
     assert out.shape == q.shape and not torch.isnan(out.float()).any()
     assert _same(out, want) and _same(lse, want_lse)
     # Zero-copy import of the cache: JAX reads the torch buffer itself.

@@ -8,7 +8,8 @@ rollout engine's own cache tensors.
 are ``[num_pages, Hkv, page_size, D]`` (``layout="HND"``) or ``[num_pages, page_size,
 Hkv, D]`` (``"NHD"``, vLLM's and FlashInfer's); ``block_table [B, max_pages]`` and
 ``seq_lens [B]`` int32. Everything crosses by DLPack without a copy (the cache is read
-in place by the Pallas kernels; the ``mosaic`` backend gathers it, as in JAX), and the
+in place by the kernels, as in JAX: see :mod:`jaxattn.paged` for the page sizes the
+``mosaic`` backend gathers instead), and the
 result has the bits of :func:`jaxattn.paged.attention` on the same arrays. Forward only
 (rollout). Compiles: the cache, the table and the lengths keep their shapes between
 steps (the lengths are run-time values), and ``Sq`` is padded to its bucket
