@@ -737,13 +737,10 @@ class _Forward:
         k_bar, v_bar, k_free, v_free, _, _, _, m_bar, *_ = bars
         bn, stages = self.bn, self.stages
 
-        def load(t, pages):
+        def load(t, _):
             n = base + t
             slot = lax.rem(n, jnp.int32(stages))
-            parts = self.block_parts(bi, t, pages)
-            # Paged: the next block's page ids are read now, one block ahead, so the
-            # table's latency overlaps this block's waits instead of delaying its copies.
-            nxt = self.block_pages(bi, lax.min(t + 1, hi - 1))
+            parts = self.block_parts(bi, t)
 
             @pl.when(n >= stages)
             def _():
@@ -769,33 +766,25 @@ class _Forward:
             if self.key_mask:
                 plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(t * bn, bn)], keep_s.at[slot],
                                         m_bar.at[slot])
-            return nxt
+            return None
 
-        lo = self.split_lo()
-        lax.fori_loop(lo, hi, load, self.block_pages(bi, lax.min(lo, lax.max(hi - 1, 0))))
+        lax.fori_loop(self.split_lo(), hi, load, None)
 
-    def block_pages(self, bi, t):
-        """Paged: the physical pages of key block ``t`` of sequence ``bi``, in key order
-        (one, or ``copies`` small pages); otherwise ``()``."""
-        bn, ps = self.bn, self.page_size
-        if ps is None:
-            return ()
-        table = self.dyn["table"]
-        if ps >= bn:  # one page holds the block
-            return (table[bi, lax.div(t * bn, jnp.int32(ps))],)
-        return tuple(table[bi, t * self.copies + j] for j in range(self.copies))
-
-    def block_parts(self, bi, t, pages):
+    def block_parts(self, bi, t):
         """Key block ``t`` of sequence ``bi`` as TMA copies ``(index, rows, at)``: rows
-        ``rows`` of the K/V array's entry ``index`` (the sequence, or a page of the paged
-        cache: ``pages``, :meth:`block_pages`) into the slot's rows ``at`` (None: the
-        whole slot)."""
+        ``rows`` of the K/V array's entry ``index`` (a sequence, or a page of the paged
+        cache) into the slot's rows ``at`` (None: the whole slot)."""
         bn, ps = self.bn, self.page_size
         if ps is None:
             return [(bi, pl.ds(t * bn, bn), None)]
-        if ps >= bn:  # a slice of one page
-            return [(pages[0], pl.ds(lax.rem(t * bn, jnp.int32(ps)), bn), None)]
-        return [(page, pl.ds(0, ps), pl.ds(j * ps, ps)) for j, page in enumerate(pages)]
+        table = self.dyn["table"]
+        if ps >= bn:  # one page holds the block
+            k0 = t * bn
+            return [(table[bi, lax.div(k0, jnp.int32(ps))],
+                     pl.ds(lax.rem(k0, jnp.int32(ps)), bn), None)]
+        per = self.copies  # the block's pages, in key order
+        return [(table[bi, t * per + j], pl.ds(0, ps), pl.ds(j * ps, ps))
+                for j in range(per)]
 
     def zero_tail(self, it: _Item, t, v_t):
         """Paged: V's rows of block ``t`` at or past the sequence's length set to zero in
