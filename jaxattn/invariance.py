@@ -453,7 +453,7 @@ def run_matrix(backend: str, p: Problem, *, chunk_sizes: Sequence[int],
         "chunked": lambda: check_chunked_prefill(op, p, chunk_sizes),
         "decode": lambda: check_decode(op, p, decode_steps),
         "padding": lambda: check_padding(op, p, pad_lengths),
-        "paged": lambda: check_paged(op, p, [1, 16, 32, 64, 128, 256], decode_steps or
+        "paged": lambda: check_paged(op, p, [1, 8, 16, 32, 64, 128, 256], decode_steps or
                                      list(range(0, p.seq_len, max(1, p.seq_len // 8)))),
         "cp": lambda: check_cp(op, p, [1, 2, 4, 8]),
         "varlen": lambda: check_varlen(op, p, [p.seq_len, 1, 0, 37]),
