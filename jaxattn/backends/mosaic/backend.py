@@ -395,7 +395,8 @@ class MosaicBackend(Backend):
             return PALLAS.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                         causal=causal, scale=scale, layout=layout)
         from jaxattn.backends.mosaic import forward as mosaic_fwd
-        page_size = k_pages.shape[1 if layout == "NHD" else 2]
+        from jaxattn.paged import page_dims
+        page_size = page_dims(k_pages, layout)[2]
         if (causal and q.shape[-1] in NATIVE_HEAD_DIMS
                 and mosaic_fwd.reads_pages_in_place(page_size)
                 and 0 not in (*q.shape[:3], k_pages.shape[0], block_table.shape[1])):

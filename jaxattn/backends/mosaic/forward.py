@@ -519,7 +519,7 @@ class _Forward:
                  raw_out=False, state_rows=None, page_size=None):
         bn = self.bn = schedule.BLOCK_N
         if page_size is not None:
-            if not (page_size % bn == 0 or (bn % page_size == 0 and page_size % 8 == 0)):
+            if not reads_pages_in_place(page_size):
                 raise ValueError(f"page_size must be a multiple of {bn} or a multiple of 8 "
                                  f"dividing {bn}, got {page_size}")
             if not (causal and dyn_offsets) or key_mask:
@@ -1352,10 +1352,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         if not causal or btnh or partials or key_padding_mask is not None:
             raise ValueError("paged K/V is served causal, [B, Hq, Sq, D], without partial "
                              "states or a key padding mask")
+        from jaxattn.paged import page_dims
         table, lens, layout = pages
         kv_btnh = layout == "NHD"
-        num_pages, page_size = k.shape[0], k.shape[1 if kv_btnh else 2]
-        hkv_p = k.shape[2 if kv_btnh else 1]
+        num_pages, hkv_p, page_size, _ = page_dims(k, layout)
         # Whole key blocks of logical pages; entries past a sequence's pages are never
         # used for a visible key, and are clamped to a real page.
         per_block = max(bn // page_size, 1)
@@ -1560,11 +1560,11 @@ def forward(q, k, v, *, causal: bool = False, scale: float | None = None,
     return unpad(*call(*args))
 
 
-#: Page sizes the kernel reads in place: multiples of ``BLOCK_N`` (a block is a slice
-#: of one page) and multiples of 8 that divide it (a block is assembled from several
-#: pages by one TMA copy each; the SMEM tile's swizzle atom is 8 rows).
 def reads_pages_in_place(page_size: int) -> bool:
-    """Whether :func:`paged_forward` reads pages of ``page_size`` keys in place."""
+    """Whether :func:`paged_forward` reads pages of ``page_size`` keys in place:
+    multiples of ``BLOCK_N`` (a block is a slice of one page) and multiples of 8 that
+    divide it (a block is assembled from several pages by one TMA copy each; the SMEM
+    tile's swizzle atom is 8 rows)."""
     bn = schedule.BLOCK_N
     return page_size > 0 and (page_size % bn == 0 or (bn % page_size == 0
                                                       and page_size % 8 == 0))
@@ -1583,9 +1583,8 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, scale: float | 
     ``causal_offsets = seq_lens - Sq`` (the same blocks of keys, in the same order, into
     the same SMEM rows; the keys past a sequence's length are never visible and their
     V rows are zeroed in SMEM)."""
-    if layout not in ("HND", "NHD"):
-        raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
-    page_size = k_pages.shape[1 if layout == "NHD" else 2]
+    from jaxattn.paged import page_dims
+    page_size = page_dims(k_pages, layout)[2]  # (raises for another layout)
     if not reads_pages_in_place(page_size):
         raise ValueError(f"pages of {page_size} keys are not read in place (a multiple of "
                          f"{schedule.BLOCK_N}, or a multiple of 8 dividing it)")
