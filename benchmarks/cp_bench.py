@@ -13,8 +13,8 @@ For each degree n of ``--degrees`` (the first n devices) and each S of ``--seq_l
   bounds the lengths checked, since one device must hold the whole problem);
 - speed: forward and forward+backward tokens/s (B * S / time), median of ``--iters``,
   beside the single ``jaxattn.attention`` call and ``jaxattn.cp.forward_with_lse`` on one
-  device (CP simulated at degree ``--sim_degree``) timed in the same run (``--degrees=1``:
-  a one-device mesh);
+  device (CP simulated at the degrees ``--sim_degrees``, its forward's bits checked
+  against the single call) timed in the same run (``--degrees=1``: a one-device mesh);
 - bytes: what the forward and backward all-gathers receive per device (docs/cp.md's
   table), and the all-gather bandwidth measured on the same devices with a buffer of the
   forward's size, so the time the collectives need is known beside the total.
@@ -26,6 +26,7 @@ unset, before JAX starts, and records them.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -61,8 +62,8 @@ flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes (8 virtual CPU devices).")
 flags.DEFINE_string("backend", None, "Backend of both sides (default: the platform's, as "
                     "jaxattn.attention picks; --smoke: pallas, whose CPU bits are promised).")
-flags.DEFINE_integer("sim_degree", 8, "cp_world_size of the one-device cp.forward timed "
-                     "beside (0: not timed).")
+flags.DEFINE_list("sim_degrees", ["8"], "cp_world_size values of the one-device cp.forward "
+                  "timed beside (empty: not timed).")
 
 
 def gather_bytes(b, hq, hkv, s, d, itemsize, n) -> dict:
@@ -125,15 +126,21 @@ def run_point(devices, n, s, p) -> dict:
     t1_fb = report.median_seconds(single_fb, (q1, k1, v1, do1), p["iters"])
     row.update({"single_fwd_ms": t1_f * 1e3, "single_fwdbwd_ms": t1_fb * 1e3,
                 "fwd_vs_single": t1_f / t_f * n, "fwdbwd_vs_single": t1_fb / t_fb * n})
-    if p.get("sim_degree"):
-        sim = lambda q, k, v: cp.forward_with_lse(q, k, v, cp_world_size=p["sim_degree"],
-                                                  backend=p["backend"])
+    row["sim"] = []
+    for w in p.get("sim_degrees", ()):
+        sim = functools.partial(cp.forward_with_lse, cp_world_size=w, backend=p["backend"])
         sim_f = jax.jit(sim)
-        sim_fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: sim(q, k, v)[0],
-                                                     q, k, v)[1](do))
-        row["sim_fwd_ms"] = report.median_seconds(sim_f, (q1, k1, v1), p["iters"]) * 1e3
-        row["sim_fwdbwd_ms"] = report.median_seconds(sim_fb, (q1, k1, v1, do1),
-                                                     p["iters"]) * 1e3
+        sim_fb = jax.jit(lambda q, k, v, do, sim=sim: jax.vjp(
+            lambda q, k, v: sim(q, k, v)[0], q, k, v)[1](do))
+        t_sf = report.median_seconds(sim_f, (q1, k1, v1), p["iters"])
+        t_sfb = report.median_seconds(sim_fb, (q1, k1, v1, do1), p["iters"])
+        one_sim = {"degree": w, "fwd_ms": t_sf * 1e3, "fwdbwd_ms": t_sfb * 1e3,
+                   "fwd_vs_single": t1_f / t_sf, "fwdbwd_vs_single": t1_fb / t_sfb}
+        if s <= p["check_bits_max_s"]:
+            out, lse = sim_f(q1, k1, v1)
+            ref_out, ref_lse = single_f(q1, k1, v1)
+            one_sim["fwd_bits_equal"] = _bits_equal(out, ref_out) and _bits_equal(lse, ref_lse)
+        row["sim"].append(one_sim)
     if s <= p["check_bits_max_s"]:
         ref_out, ref_lse = single_f(q1, k1, v1)
         ref_g = single_fb(q1, k1, v1, do1)
@@ -152,7 +159,8 @@ def to_markdown(rows, meta) -> str:
              "Per-device efficiency against the single call: single time / (CP time * n).",
              "",
              "| n | S | backend | fwd ms | single fwd ms | fwd eff. | fwd+bwd ms | "
-             "single fwd+bwd ms | fwd+bwd eff. | cp.forward (1 device) fwd / fwd+bwd ms | "
+             "single fwd+bwd ms | fwd+bwd eff. | cp.forward (1 device) fwd / fwd+bwd ms "
+             "(vs single) | "
              "fwd gather MB | bwd gather MB | fwd bits | bwd bits |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -161,8 +169,11 @@ def to_markdown(rows, meta) -> str:
             continue
         bits = lambda key, r=r: {True: "equal", False: "**differ**"}.get(r.get(key),
                                                                        "not checked")
-        sim = (f"{r['sim_fwd_ms']:.2f} / {r['sim_fwdbwd_ms']:.2f}" if "sim_fwd_ms" in r
-               else "-")
+        sim = "; ".join(
+            f"n={x['degree']}: {x['fwd_ms']:.2f} ({x['fwd_vs_single']:.2f}) / "
+            f"{x['fwdbwd_ms']:.2f} ({x['fwdbwd_vs_single']:.2f})"
+            + {True: ", fwd bits equal", False: ", fwd bits **differ**"}.get(
+                x.get("fwd_bits_equal"), "") for x in r.get("sim", ())) or "-"
         lines.append(f"| {r['n']} | {r['S']} | {r['backend']} | {r['fwd_ms']:.2f} | "
                      f"{r['single_fwd_ms']:.2f} | {r['fwd_vs_single']:.3f} | "
                      f"{r['fwdbwd_ms']:.2f} | {r['single_fwdbwd_ms']:.2f} | "
@@ -177,7 +188,7 @@ def main(argv):
     devices = jax.devices()
     if FLAGS.smoke:
         p = dict(b=1, hq=4, hkv=2, d=64, dtype=jnp.bfloat16, load_balance=True,
-                 iters=1, check_bits_max_s=1 << 30, sim_degree=0,
+                 iters=1, check_bits_max_s=1 << 30, sim_degrees=(),
                  backend=FLAGS.backend or "pallas")
         seq_lens = [512]
         gather_size = 1 << 20
@@ -185,7 +196,8 @@ def main(argv):
         p = dict(b=FLAGS.batch, hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads,
                  d=FLAGS.head_dim, dtype=jnp.bfloat16, load_balance=FLAGS.load_balance,
                  iters=FLAGS.iters, check_bits_max_s=FLAGS.check_bits_max_s,
-                 sim_degree=FLAGS.sim_degree, backend=FLAGS.backend)
+                 sim_degrees=[int(w) for w in FLAGS.sim_degrees],
+                 backend=FLAGS.backend)
         seq_lens = [int(s) for s in FLAGS.seq_lens]
         gather_size = 1 << 30
     degrees = [int(x) for x in FLAGS.degrees] or [x for x in (2, 4, 8) if x <= len(devices)]

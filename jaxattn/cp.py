@@ -5,13 +5,15 @@ DESIGN.md section 5. Two ways to run attention over a sequence cut into shards:
 * :func:`forward` / :func:`forward_with_lse` / :func:`forward_fp32` /
   :func:`forward_fp32_with_lse` (the seed contract, one device): queries and keys are cut
   into ``cp_world_size`` shards, each shard's keys into ranges of ``kv_chunk_size``;
-  every (query shard, key range) pair yields :class:`PartialState` objects (the
-  backend's ``split_states``: one per ``SPLIT`` of keys with the kernel backends), and
-  :func:`merge_partial_states` folds them with the backend's ``fold_states`` in ascending
-  global key order, whatever order they arrive in; the backward is the backend's
-  ``backward_over_ranges``. A range that starts or ends inside a ``SPLIT`` continues
-  the kernels' running state across the cut (``split_segment``), so when every range
-  starts on a multiple of ``BLOCK_N`` the bits equal the single call's.
+  each query shard folds its key ranges in ascending global key order onto one running
+  fp32 state ``(out, lse)``, as the one call's kernel folds its splits (the backend's
+  ``fold_on``: one launch per range, the state carried between launches); the backward
+  is the backend's ``backward_over_ranges``. A range that starts or ends inside a
+  ``SPLIT`` continues the kernels' running online-softmax state across the cut
+  (``split_segment``), so when every range starts on a multiple of ``BLOCK_N`` the bits
+  equal the single call's. :class:`PartialState` and :func:`merge_partial_states` are
+  the order-free merge of normalised states (ascending global key order, whatever
+  order they arrive in), for states computed elsewhere.
 * :func:`sharded_attention` (a mesh, ``jax.shard_map``): q, k and v sharded along the
   sequence over a mesh axis. K and V are all-gathered, so every device computes its own
   query rows over all keys with the kernels of the backend :func:`jaxattn.attention`
@@ -132,21 +134,6 @@ def _ranges(n: int, world: int, chunk: int | None) -> list[tuple[int, int]]:
     return out
 
 
-def _range_states(o_parts, lse_parts, start: int, n_keys: int) -> list[PartialState]:
-    """The PartialStates of a backend's ``split_states`` over keys ``[start, start +
-    n_keys)``: one per SPLIT of those keys, or one for the whole range (a backend
-    without splits, the reference)."""
-    n = o_parts.shape[0]
-    sp = schedule.SPLIT
-    if n == 1:
-        return [PartialState(o_parts[0], lse_parts[0], start, start + n_keys)]
-    if n != schedule.num_splits(n_keys):
-        raise ValueError(f"a backend returned {n} states for {n_keys} keys (one per SPLIT of "
-                         f"{sp}, or one, expected)")
-    return [PartialState(o_parts[i], lse_parts[i], start + i * sp,
-                         start + min((i + 1) * sp, n_keys)) for i in range(n)]
-
-
 def _check_cp_args(cp_world_size, kv_chunk_size):
     if isinstance(cp_world_size, bool) or not isinstance(cp_world_size, (int, np.integer)) \
             or cp_world_size < 1:
@@ -180,37 +167,41 @@ def _pieces(a: int, e: int, n: int) -> list[tuple[int, int, bool]]:
 
 
 def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_world_size,
-                    kv_chunk_size):
-    """(out fp32, lse) from the partial states of every (query shard, key range),
-    folded per query shard by ``be.fold_states`` in ascending global key order.
+                    kv_chunk_size, static_offset=None):
+    """(out fp32, lse) of every query shard over its key ranges, folded per query shard
+    in ascending global key order, as the one call folds its splits.
 
-    Inside a range, complete splits are the backend's ``split_states``. Where a range
-    starts or ends inside a split and the backend carries the running state
-    (``carries_split_state``), the split's pieces are folded on from range to range in
-    ascending order (``split_segment``), as one kernel folds the split; otherwise each
-    piece is a state of its own, merged with the others."""
+    A run of whole splits inside a range is folded onto the shard's running state by
+    ``be.fold_on`` (one launch: the Mosaic kernel loads the state and stores the folded
+    one). Where a range starts or ends inside a split and the backend carries the running
+    state (``carries_split_state``), the split's pieces are folded on from range to range
+    in ascending order (``split_segment``), as one kernel folds the split, and the
+    finished split is merged into the shard's state (``be.merge_into``); otherwise each
+    piece is folded as a state of its own. ``static_offset``: the position of query 0
+    minus that of key 0 when every sequence's is the same and known when tracing (the
+    default offsets); causal key runs that no row of a shard sees are then not launched
+    (folding their empty states would give the same bits back)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
     sp = schedule.SPLIT
-    for qi, (qa, qb) in enumerate(_ranges(sq, cp_world_size, None)):
+    for qa, qb in _ranges(sq, cp_world_size, None):
         if qb == qa:
             continue
         qs = q[:, :, qa:qb]
-        per_range, carry = [], None
+        state, carry = None, None
         for a, e in ranges:
-            states = []
-            if e == a:
-                states.append(PartialState.empty(qs.shape, a))
             for x, y, whole in _pieces(a, e, skv) if be.carries_split_state else [(a, e, True)]:
+                if (carry is None and causal and static_offset is not None
+                        and qb - 1 + static_offset < x):
+                    continue  # no row of the shard sees a key of [x, y) (nor later keys)
                 ms = None if mask is None else mask[:, x:y]
                 off = (qo + qa) - (ko + x)
                 kx, vx = k[:, :, x:y], v[:, :, x:y]
                 if whole:
-                    o_parts, l_parts = be.split_states(qs, kx, vx, ms, off, causal=causal,
-                                                       scale=scale)
-                    states += _range_states(o_parts, l_parts, x, y - x)
+                    state = be.fold_on(state, qs, kx, vx, ms, off, causal=causal,
+                                       scale=scale)
                     continue
                 if (x % sp != 0) != (carry is not None):  # pieces come in key order
                     raise AssertionError(f"piece [{x}, {y}) of a split and the running "
@@ -220,35 +211,37 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
                                        scale=scale, finish=finish)
                 carry = None if finish else res
                 if finish:
-                    states.append(PartialState(res[0][0], res[1][0], (x // sp) * sp, y))
-            per_range.append(states)
-        # The states "arrive" in ring order starting at this shard's own range; the
-        # merge sorts them.
-        r = qi % len(per_range)
-        states = [st for group in per_range[r:] + per_range[:r] for st in group]
-        merged = merge_partial_states(states, fold_fn=be.fold_states)
-        outs.append(merged.out)
-        lses.append(merged.lse)
+                    state = be.merge_into(state, *res)
+        if state is None:  # no key visible to any row
+            out = jnp.zeros(qs.shape, jnp.float32)
+            lse = jnp.full(qs.shape[:3], -jnp.inf, jnp.float32)
+        else:
+            out, lse = be.finish_state(state)
+        outs.append(out)
+        lses.append(lse)
     if not outs:
         return jnp.zeros(q.shape, jnp.float32), jnp.zeros((b, hq, 0), jnp.float32)
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size, kv_chunk_size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size, kv_chunk_size,
+                  static_offset):
     out, lse = _forward_states(be, q, k, v, mask, qo, ko, causal=causal, scale=scale,
-                               cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size)
+                               cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size,
+                               static_offset=static_offset)
     return out.astype(q.dtype), lse
 
 
 def _cp_attention_fwd(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size,
-                      kv_chunk_size):
+                      kv_chunk_size, static_offset):
     out, lse = _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size,
-                             kv_chunk_size)
+                             kv_chunk_size, static_offset)
     return (out, lse), (q, k, v, mask, qo, ko, out, lse)
 
 
-def _cp_attention_bwd(be, causal, scale, cp_world_size, kv_chunk_size, res, cts):
+def _cp_attention_bwd(be, causal, scale, cp_world_size, kv_chunk_size, static_offset, res,
+                      cts):
     """The backend's backward over the key ranges in ascending global order (dK and dV
     per range, dQ continued from range to range), from the global lse."""
     q, k, v, mask, qo, ko, out, lse = res
@@ -279,9 +272,12 @@ def _cp(q, k, v, *, causal, scale, key_padding_mask, query_position_offsets,
     ko = _offsets(key_position_offsets, 0, dims.batch, "key_position_offsets")
     if fp32:
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    # The default offsets are the same for every sequence and known now.
+    static_offset = (dims.kv_len - dims.q_len if query_position_offsets is None
+                     and key_position_offsets is None else None)
     return _cp_attention(q, k, v, key_padding_mask, qo, ko, be.serving(q.dtype), bool(causal),
                          resolve_scale(scale, dims.head_dim), int(cp_world_size),
-                         kv_chunk_size)
+                         kv_chunk_size, static_offset)
 
 
 def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,

@@ -168,10 +168,40 @@ class Backend:
         BLOCK_N give the one call's bits. Only where :attr:`carries_split_state`."""
         raise NotImplementedError(f"backend {self.name!r} carries no running state")
 
-    def fold_states(self, outs, lses) -> OutLse:
+    def fold_states(self, outs, lses, *, natural: bool = True) -> OutLse:
         """Partial states stacked on the leading axis (ascending key ranges) folded left
-        to right into one ``(out fp32, lse natural log)``."""
+        to right into one ``(out fp32, lse natural log)``; ``natural=False``: the lse in
+        the states' own form (the same here: these states' lse is natural-log)."""
+        del natural
         return merge.fold(outs, lses)
+
+    def fold_on(self, state, q, k, v, key_padding_mask, causal_offsets, *, causal: bool,
+                scale: float):
+        """The keys ``k, v`` (a run of whole SPLITs of the one call, from a SPLIT
+        boundary) folded onto ``state``, the fold of the one call's earlier splits (``(out
+        [B, Hq, Sq, D] fp32, lse [B, Hq, Sq])`` in the states' form of
+        :meth:`split_states`; None: none), split after split as the one call folds them.
+        Returns the folded state in that form (:meth:`finish_state` gives ``(out, lse)``
+        with the natural-log lse). The default folds :meth:`split_states` onto it with
+        :meth:`merge_into`; a backend may do it in one kernel."""
+        outs, lses = self.split_states(q, k, v, key_padding_mask, causal_offsets,
+                                       causal=causal, scale=scale)
+        return self.merge_into(state, outs, lses)
+
+    def merge_into(self, state, outs, lses):
+        """The states ``outs [n, ...], lses [n, ...]`` (ascending key ranges, in
+        :meth:`split_states`' form) folded onto ``state`` (that form; None: the empty
+        state), left to right by :meth:`fold_states` (an empty state's merge gives the
+        other state's bits back)."""
+        if state is not None:
+            outs = jnp.concatenate([state[0][None], outs])
+            lses = jnp.concatenate([state[1][None], lses])
+        return self.fold_states(outs, lses, natural=False)
+
+    def finish_state(self, state) -> OutLse:
+        """A folded state of :meth:`fold_on` / :meth:`merge_into` as ``(out fp32, lse
+        natural log)``."""
+        return state
 
     def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
                              ranges: Sequence[tuple[int, int]], offsets, causal: bool,

@@ -278,16 +278,46 @@ class MosaicBackend(Backend):
             causal_offsets=causal_offsets if causal else None, finish=finish)
         return (res[0][..., :d], *res[1:])
 
-    def fold_states(self, outs, lses):
+    def fold_states(self, outs, lses, *, natural=True):
         """Folded by the Mosaic fold kernel, as the single call folds in its kernel
         (XLA's merge differed from it in the last bit on the H200). For the states of a
-        bf16/fp16 call; an fp32 call's states are the Pallas kernels' (:meth:`serving`)."""
+        bf16/fp16 call; an fp32 call's states are the Pallas kernels' (:meth:`serving`).
+        ``natural=False``: the lse stays in the kernels' base (the states' form)."""
         from jaxattn.backends.mosaic import forward as mosaic_fwd
         d = outs.shape[-1]
         dp = _padded_head_dim(d)
         out, lse = mosaic_fwd.fold_partials(pad_head_dim(outs, dp), lses,
-                                            interpret=self.interpret, config=self.fwd_config)
+                                            interpret=self.interpret, config=self.fwd_config,
+                                            natural=natural)
         return out[..., :d], lse
+
+    def fold_on(self, state, q, k, v, key_padding_mask, causal_offsets, *, causal, scale):
+        """In one launch of the forward kernel (:func:`forward.fold_on`: the state
+        loaded into the fold's registers, the folded state stored in fp32) where its
+        fp32 output tile fits beside the kernel's buffers (D up to 128); otherwise
+        :meth:`split_states` folded by the fold kernel."""
+        if on_pallas(q.dtype):
+            return PALLAS.fold_on(state, q, k, v, key_padding_mask, causal_offsets,
+                                  causal=causal, scale=scale)
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        _refuse_unsupported(q)
+        d = q.shape[-1]
+        dp = _padded_head_dim(d)
+        if dp > 128:
+            return super().fold_on(state, q, k, v, key_padding_mask, causal_offsets,
+                                   causal=causal, scale=scale)
+        if state is not None:
+            state = (pad_head_dim(state[0], dp), state[1])
+        out, lse = mosaic_fwd.fold_on(
+            *_pad_all(dp, q, k, v), state, causal=bool(causal), scale=float(scale),
+            interpret=self.interpret, config=self.fwd_config,
+            key_padding_mask=key_padding_mask,
+            causal_offsets=causal_offsets if causal else None)
+        return out[..., :d], lse
+
+    def finish_state(self, state):
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        return state[0], mosaic_fwd.natural_lse(state[1])
 
     def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
                              ranges, offsets, causal, scale):

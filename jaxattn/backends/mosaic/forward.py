@@ -423,7 +423,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
            raw_out: bool = False, state_rows: int | None = None,
-           page_size: int | None = None):
+           page_size: int | None = None, state_io: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -460,6 +460,12 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     multiple of 8 dividing ``BLOCK_N``), the same keys in the same SMEM rows as a
     contiguous block; V's rows at or past ``lens[b]`` are zeroed in SMEM before P V
     (unused slots may hold anything, NaN included). Causal, with ``dyn_offsets``.
+    ``state_io`` (not with ``split_out`` or ``position``): the kernel also takes a folded
+    state ``(out [B, Hq, sq, D], lse [B, Hq, sq])`` fp32 (the lse in the kernels' base,
+    ``(0, -inf)``: empty) and folds its splits on from it instead of from the empty
+    state, and writes the folded state in that form instead of the output and the
+    natural-log lse (context parallelism: the key ranges of one call folded one launch
+    after another, as the one call's kernel folds them).
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -467,7 +473,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     interpret=interpret, position=position, key_mask=key_mask,
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
-                    state_rows=state_rows, page_size=page_size).call()
+                    state_rows=state_rows, page_size=page_size, state_io=state_io).call()
 
 
 @dataclasses.dataclass
@@ -516,7 +522,7 @@ class _Forward:
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
-                 raw_out=False, state_rows=None, page_size=None):
+                 raw_out=False, state_rows=None, page_size=None, state_io=False):
         bn = self.bn = schedule.BLOCK_N
         if page_size is not None:
             if not reads_pages_in_place(page_size):
@@ -537,6 +543,10 @@ class _Forward:
         if (carry_in or raw_out) and not split_out:
             raise ValueError("carry_in and raw_out are split_out's")
         self.carry_in, self.raw_out = carry_in, raw_out
+        if state_io and (split_out or position is not None or q_btnh):
+            raise ValueError("state_io folds a [B, Hq, Sq, D] call's splits in the kernel: "
+                             "not with split_out, stacked decode rows or q_btnh")
+        self.state_io = state_io
         if q_btnh and split_out:
             raise ValueError("split_out writes [B, Hq, n_splits, Sq, D] partial states: "
                              "q_btnh is not served there")
@@ -639,6 +649,9 @@ class _Forward:
             if self.split_out else None,
             # carry_in / raw_out: the running state's m and l rows
             plgpu.SMEM((2, bm), jnp.float32) if self.carry_in or self.raw_out else None,
+            # state_io: each warpgroup's fp32 folded output, loaded and stored by TMA
+            plgpu.SMEM((nwg, bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
+            if self.state_io else None,
         ]
 
     def layout(self, x, lay):
@@ -998,6 +1011,8 @@ class _Forward:
         if qbuf is None:
             plgpu.copy_gmem_to_smem(
                 tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
+        if self.state_io:
+            self.issue_state(it)
         plgpu.barrier_wait(q_b)
         if after_q is not None:
             after_q()
@@ -1024,6 +1039,8 @@ class _Forward:
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
+        if self.state_io:
+            init = self.wait_state(it)
         out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
                                  init)
 
@@ -1047,6 +1064,26 @@ class _Forward:
         if self.pingpong:
             pl.when(w == 0)(lambda: self.sync(it))
         self.epilogue(it, o_ref, lse_ref, out, lse)
+
+    def issue_state(self, it: _Item):
+        """``state_io``: start the TMA loads of the item's rows of the folded state (its
+        output into the warpgroup's fp32 tile, its lse into the lse row buffer)."""
+        o_in, l_in = self.dyn["state"]
+        bars, rows = it.bars[9], pl.ds(it.q0, self.bm)
+        plgpu.copy_gmem_to_smem(o_in.at[it.bi, it.h, rows], it.smem[9].at[it.w],
+                                bars.at[2 * it.w])
+        plgpu.copy_gmem_to_smem(l_in.at[it.bi, it.h, rows], it.lse_s, bars.at[2 * it.w + 1])
+
+    def wait_state(self, it: _Item):
+        """``state_io``: the loaded folded state in the accumulator's and the rows'
+        layouts (the fold's initial state)."""
+        bars, o_s = it.bars[9], it.smem[9].at[it.w]
+        plgpu.barrier_wait(bars.at[2 * it.w])
+        plgpu.barrier_wait(bars.at[2 * it.w + 1])
+        if self.layout_hints:
+            return (plgpu.load(o_s, (), layout=plgpu.Layout.WGMMA),
+                    plgpu.load(it.lse_s, (), layout=self.row_layout))
+        return o_s[...], it.lse_s[...]
 
     def load_carry(self, it: _Item):
         """``carry_in``: the running state of the split's earlier keys for the item's
@@ -1094,6 +1131,13 @@ class _Forward:
                 o32_s = o32_s.at[o_rows]
             plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, o_rows])
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
+        elif self.state_io:  # the folded state, fp32, the lse in the kernels' base
+            o32_s = it.smem[9].at[it.w]
+            o32_s[...] = out
+            it.lse_s[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, rows])
+            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
         else:
             it.q_s[...] = out.astype(self.dtype)
             it.lse_s[...] = natural_lse(lse)
@@ -1118,6 +1162,9 @@ class _Forward:
             self.dyn["carry"] = (acc_in, m_in, l_in)
         if self.greedy:
             *rest, self.dyn["sched"] = rest
+        if self.state_io:
+            *rest, o_in, l_in = rest
+            self.dyn["state"] = (o_in, l_in)
         if self.page_size is not None:
             *rest, self.dyn["table"], self.dyn["lens"] = rest
         if self.dyn_offsets:
@@ -1137,6 +1184,8 @@ class _Forward:
             plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None,
             plgpu.Barrier(num_barriers=stages) if self.key_mask else None,  # keep loaded
             plgpu.Barrier(num_barriers=1) if self.carry_in else None,  # carry loaded
+            # state_io: per compute warpgroup, its state's output and lse loaded
+            plgpu.Barrier(num_barriers=2 * nwg) if self.state_io else None,
         )
 
         def body(smem, bars):
@@ -1215,7 +1264,8 @@ class _Forward:
             grid, grid_names = (n, *grid), ("s", *grid_names)
         else:
             out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
-                                             else (b, hq, sq, d), self.dtype),
+                                             else (b, hq, sq, d),
+                                             jnp.float32 if self.state_io else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
         call = plgpu.kernel(
             self.kernel,
@@ -1299,7 +1349,7 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
              causal_offsets=None, partials=False, btnh=False, carry=None, raw=False,
-             pages=None):
+             pages=None, state=None):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -1336,8 +1386,18 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     are then a paged cache's pages (``layout`` "HND": ``[num_pages, Hkv, page_size,
     D]``, "NHD": ``[num_pages, page_size, Hkv, D]``), read in place by the kernel
     (``_build``'s ``page_size``), causal with offsets ``seq_lens - Sq``: the rows of
-    each sequence's contiguous call."""
+    each sequence's contiguous call.
+
+    ``state``: a folded state ``(out [B, Hq, Sq, D], lse [B, Hq, Sq])`` fp32 (the lse in
+    the kernels' base) that the kernel folds its splits on from (``_build``'s
+    ``state_io``); ``unpad`` then returns the folded state in that form. One query row
+    is not stacked (launch choices never change a row's bits)."""
     cfg = config or MosaicConfig()
+    if state is not None:
+        if partials or btnh or pages is not None:
+            raise ValueError("a folded state is served with [B, Hq, Sq, D] contiguous K/V, "
+                             "without partial states")
+        cfg = dataclasses.replace(cfg, stack_decode=False)
     if (carry is not None or raw) and not partials:
         raise ValueError("carry and raw are partial states' options")
     if btnh and partials:
@@ -1466,7 +1526,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  gpu_operands=gpu_operands, interpret=interpret,
                                  key_mask=key_mask, dyn_offsets=True, split_out=partials,
                                  q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
-                                 raw_out=raw, page_size=page_size)
+                                 raw_out=raw, page_size=page_size,
+                                 state_io=state is not None)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
@@ -1496,7 +1557,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                                  interpret=interpret, key_mask=key_mask, split_out=partials,
                                  q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
-                                 raw_out=raw)
+                                 raw_out=raw, state_io=state is not None)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -1529,6 +1590,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         extra = (*extra, offs)
     if pages is not None:
         extra = (*extra, table, lens)
+    if state is not None:
+        extra = (*extra, place(state[0][None], 0.0)[:, :, 0],
+                 place(state[1][None], NEG_INF)[:, :, 0])
     if carry is not None:
         acc, m, l = carry
         extra = (*extra, place(acc, 0.0), place(m, NEG_INF), place(l, 0.0))
@@ -1637,8 +1701,37 @@ def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | N
     return unpad(*call(*args))
 
 
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = None,
+            interpret=False, config: MosaicConfig | None = None, key_padding_mask=None,
+            causal_offsets=None):
+    """The keys ``k, v`` folded onto ``state``, SPLIT after SPLIT in the kernel, as
+    :func:`forward` folds a call's splits: ``state`` is ``(out [B, Hq, Sq, D], lse [B,
+    Hq, Sq])`` fp32, the lse in the kernels' base (:data:`KERNEL_LSE_BASE2`), the fold of
+    the keys before these (None: none); returns the folded state in that form. With
+    ``k`` starting on a SPLIT boundary of a longer call and every earlier SPLIT folded
+    into ``state`` (here or by :func:`fold_partials`), the result cast to the input dtype
+    and its lse in natural-log units (:func:`natural_lse`) are that call's in bits (one
+    launch per key range of context parallelism, the state carried between launches in
+    fp32). Other arguments as :func:`forward`'s."""
+    b, hq, sq, d = q.shape
+    if state is None:
+        state = (jnp.zeros((b, hq, sq, d), jnp.float32),
+                 jnp.full((b, hq, sq), NEG_INF, jnp.float32))
+    o_in, l_in = state
+    if (o_in.shape, l_in.shape) != ((b, hq, sq, d), (b, hq, sq)) or \
+            (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
+        raise ValueError(f"state must be (out {(b, hq, sq, d)}, lse {(b, hq, sq)}) float32, "
+                         f"got {o_in.dtype} {o_in.shape}, {l_in.dtype} {l_in.shape}")
+    call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
+                                 config=config, key_padding_mask=key_padding_mask,
+                                 causal_offsets=causal_offsets, state=state)
+    return unpad(*call(*args))
+
+
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
-                tile_major: bool = False, state_rows: int = schedule.BLOCK_N):
+                tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
+                natural: bool = True):
     """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
     in order (two SMEM slots, the next state's TMA load in flight while this one is
     merged), the running state in registers, merged by :func:`kernel_merge` (the
@@ -1700,7 +1793,7 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
 
             lax.fori_loop(max(n - 2, 0), n, drain, None)
             res_s[...] = out
-            rl_s[...] = natural_lse(lse)
+            rl_s[...] = natural_lse(lse) if natural else lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm)])
             plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
@@ -1729,7 +1822,8 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     )
 
 
-def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
+def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = None,
+                  natural: bool = True):
     """Fold partial states stacked on the leading axis (ascending key ranges), as
     :func:`jaxattn.merge.fold` does, in a Mosaic GPU kernel with the forward's own
     merge (:func:`kernel_merge`, in the kernels' base). On the H200 XLA's compilation
@@ -1742,7 +1836,8 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     the kernels' base (``split_partials(..., kernel_lse=True)``). Returns ``(out [...,
     D], lse [...])`` fp32, the lse in natural-log units; ``(0, -inf)`` when every state
     is empty. ``config``: the forward's (its ``approx_math``, an arithmetic choice the
-    fold must share with the forward whose states it folds).
+    fold must share with the forward whose states it folds). ``natural=False``: the lse
+    stays in the kernels' base (a state :func:`fold_on` folds on from).
     """
     if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
         raise ValueError(f"outs must be [n, ..., D] and lses [n, ...] alike, got "
@@ -1761,11 +1856,12 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     o = jnp.pad(outs.reshape(n, r, d), ((0, 0), (0, rows - r), (0, 0)))
     lse = jnp.pad(lses.reshape(n, r), ((0, 0), (0, rows - r)), constant_values=NEG_INF)
     approx = (config or MosaicConfig()).approx_math
-    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), approx)(o, lse)
+    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), approx,
+                           natural=natural)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
-fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config"))
+fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config", "natural"))
 
 
 def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
