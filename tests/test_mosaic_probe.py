@@ -343,7 +343,8 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 @needs_interpret
 def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
     """Each SPLIT's partial state, folded outside the kernel by the Mosaic fold kernel
-    (lse in the kernels' base) and cast, gives the forward's bits; folded by
+    (lse in the kernels' base) and cast, gives the forward's bits, as do the keys in two
+    launches with the fold's state carried between them (``fold_on``, CP); folded by
     jaxattn.merge.fold (natural-log lse) it is within an fp32 ulp or two. Past one
     SPLIT, causal with a per-sequence offset and a key mask, and non-causal (the seed
     of context parallelism). SPLIT is shrunk to 128 keys (CI time: 30 s at 1024); the
@@ -377,6 +378,19 @@ def _split_partials_fold_to_forward(mosaic_fwd, fold):
                                       err_msg=f"{kw['causal']} (seed {seed})")
         np.testing.assert_array_equal(bits(fl), bits(lse),
                                       err_msg=f"{kw['causal']} lse (seed {seed})")
+        # CP's launches: the first SPLIT, then the rest folded on from its state.
+        sp = schedule.SPLIT
+        cut = {x: kw[x][:, sp:] if x == "key_padding_mask" else kw[x] - sp
+               if x == "causal_offsets" else kw[x] for x in kw}
+        first = {x: kw[x][:, :sp] if x == "key_padding_mask" else kw[x] for x in kw}
+        st = mosaic_fwd.fold_on(q, k[:, :, :sp], v[:, :, :sp], interpret=True, config=cfg,
+                                **first)
+        so, sl = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+                                    config=cfg, **cut)
+        np.testing.assert_array_equal(bits(so.astype(q.dtype)), bits(out),
+                                      err_msg=f"fold_on {kw['causal']} (seed {seed})")
+        np.testing.assert_array_equal(bits(mosaic_fwd.natural_lse(sl)), bits(lse),
+                                      err_msg=f"fold_on {kw['causal']} lse (seed {seed})")
         outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
                                                    **kw)
         np.testing.assert_array_equal(bits(outs_n), bits(outs))
@@ -434,6 +448,24 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
         mosaic_fwd.fold_partials(jnp.zeros((2, 3, 64), jnp.bfloat16), jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match="alike"):
         mosaic_fwd.fold_partials(jnp.zeros((2, 3, 64)), jnp.zeros((2, 4)))
+
+
+@needs_api
+@pytest.mark.parametrize("d", [64, 128])
+def test_fold_on_lowers_for_cuda_in_the_forward_kernel(mosaic_fwd, d):
+    """CP's state-carrying launch (``fold_on``: the fold's state loaded into the
+    registers, the folded state stored in fp32) lowers for CUDA as one forward kernel
+    with the single call's launch (two compute warpgroups, the persistent grid): its
+    SMEM plan fits, and no fold kernel or split states are added."""
+    q = jax.ShapeDtypeStruct((1, 8, 1024, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 1024, d), jnp.bfloat16)
+    o = jax.ShapeDtypeStruct((1, 8, 1024, d), jnp.float32)
+    lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
+    offs = jax.ShapeDtypeStruct((1,), jnp.int32)
+    text = jax.jit(lambda q, k, o, lse, offs: mosaic_fwd.fold_on(
+        q, k, k, (o, lse), causal=True, causal_offsets=offs)).trace(
+        q, k, o, lse, offs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @needs_api
