@@ -168,59 +168,66 @@ def _pieces(a: int, e: int, n: int) -> list[tuple[int, int, bool]]:
 
 def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_world_size,
                     kv_chunk_size, static_offset=None):
-    """(out fp32, lse) of every query shard over its key ranges, folded per query shard
-    in ascending global key order, as the one call folds its splits.
+    """(out in q's dtype, lse) of every query shard over its key ranges, folded per query
+    shard in ascending global key order, as the one call folds its splits.
 
     A run of whole splits inside a range is folded onto the shard's running state by
     ``be.fold_on`` (one launch: the Mosaic kernel loads the state and stores the folded
-    one). Where a range starts or ends inside a split and the backend carries the running
-    state (``carries_split_state``), the split's pieces are folded on from range to range
-    in ascending order (``split_segment``), as one kernel folds the split, and the
-    finished split is merged into the shard's state (``be.merge_into``); otherwise each
-    piece is folded as a state of its own. ``static_offset``: the position of query 0
-    minus that of key 0 when every sequence's is the same and known when tracing (the
+    one; the shard's first launch loads none, its last stores the output as the single
+    call does). Where a range starts or ends inside a split and the backend carries the
+    running state (``carries_split_state``), the split's pieces are folded on from range
+    to range in ascending order (``split_segment``), as one kernel folds the split, and
+    the finished split is merged into the shard's state (``be.merge_into``); otherwise
+    each piece is folded as a state of its own. ``static_offset``: the position of query
+    0 minus that of key 0 when every sequence's is the same and known when tracing (the
     default offsets); causal key runs that no row of a shard sees are then not launched
     (folding their empty states would give the same bits back)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
-    sp = schedule.SPLIT
     for qa, qb in _ranges(sq, cp_world_size, None):
         if qb == qa:
             continue
         qs = q[:, :, qa:qb]
-        state, carry = None, None
+        plan, open_split = [], False  # the pieces launched, in key order
         for a, e in ranges:
             for x, y, whole in _pieces(a, e, skv) if be.carries_split_state else [(a, e, True)]:
-                if (carry is None and causal and static_offset is not None
+                if (not open_split and causal and static_offset is not None
                         and qb - 1 + static_offset < x):
                     continue  # no row of the shard sees a key of [x, y) (nor later keys)
-                ms = None if mask is None else mask[:, x:y]
-                off = (qo + qa) - (ko + x)
-                kx, vx = k[:, :, x:y], v[:, :, x:y]
-                if whole:
-                    state = be.fold_on(state, qs, kx, vx, ms, off, causal=causal,
-                                       scale=scale)
-                    continue
-                if (x % sp != 0) != (carry is not None):  # pieces come in key order
-                    raise AssertionError(f"piece [{x}, {y}) of a split and the running "
-                                         f"state of its earlier keys disagree")
-                finish = y == _split_end(x, skv)
-                res = be.split_segment(qs, kx, vx, ms, off, carry, causal=causal,
-                                       scale=scale, finish=finish)
-                carry = None if finish else res
-                if finish:
-                    state = be.merge_into(state, *res)
-        if state is None:  # no key visible to any row
-            out = jnp.zeros(qs.shape, jnp.float32)
-            lse = jnp.full(qs.shape[:3], -jnp.inf, jnp.float32)
-        else:
-            out, lse = be.finish_state(state)
-        outs.append(out)
-        lses.append(lse)
+                plan.append((x, y, whole))
+                if not whole:
+                    open_split = y != _split_end(x, skv)
+        state, carry, result = None, None, None
+        for i, (x, y, whole) in enumerate(plan):
+            ms = None if mask is None else mask[:, x:y]
+            off = (qo + qa) - (ko + x)
+            kx, vx = k[:, :, x:y], v[:, :, x:y]
+            if whole:
+                last = i == len(plan) - 1
+                res = be.fold_on(state, qs, kx, vx, ms, off, causal=causal, scale=scale,
+                                 finish=last)
+                result, state = (res, None) if last else (None, res)
+                continue
+            if (x % schedule.SPLIT != 0) != (carry is not None):  # pieces in key order
+                raise AssertionError(f"piece [{x}, {y}) of a split and the running "
+                                     f"state of its earlier keys disagree")
+            finish = y == _split_end(x, skv)
+            res = be.split_segment(qs, kx, vx, ms, off, carry, causal=causal,
+                                   scale=scale, finish=finish)
+            carry = None if finish else res
+            if finish:
+                state = be.merge_into(state, *res)
+        if result is None and state is None:  # no key visible to any row
+            result = (jnp.zeros(qs.shape, q.dtype),
+                      jnp.full(qs.shape[:3], -jnp.inf, jnp.float32))
+        elif result is None:
+            result = be.finish_state(state, q.dtype)
+        outs.append(result[0])
+        lses.append(result[1])
     if not outs:
-        return jnp.zeros(q.shape, jnp.float32), jnp.zeros((b, hq, 0), jnp.float32)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, hq, 0), jnp.float32)
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
@@ -230,7 +237,7 @@ def _cp_attention(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size, kv_ch
     out, lse = _forward_states(be, q, k, v, mask, qo, ko, causal=causal, scale=scale,
                                cp_world_size=cp_world_size, kv_chunk_size=kv_chunk_size,
                                static_offset=static_offset)
-    return out.astype(q.dtype), lse
+    return out, lse
 
 
 def _cp_attention_fwd(q, k, v, mask, qo, ko, be, causal, scale, cp_world_size,

@@ -391,6 +391,17 @@ def _split_partials_fold_to_forward(mosaic_fwd, fold):
                                       err_msg=f"fold_on {kw['causal']} (seed {seed})")
         np.testing.assert_array_equal(bits(mosaic_fwd.natural_lse(sl)), bits(lse),
                                       err_msg=f"fold_on {kw['causal']} lse (seed {seed})")
+        # keys no row sees (no split visited) hand the state back unchanged
+        blind = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+                                   config=cfg, causal=True,
+                                   causal_offsets=jnp.array([-q.shape[2]], jnp.int32))
+        for x, y in zip(blind, st, strict=True):
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"blind (seed {seed})")
+        # the last launch stores the output and lse as the single call does
+        fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+                                 config=cfg, finish=True, **cut)
+        for x, y in zip(fin, (out, lse), strict=True):
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"finish (seed {seed})")
         outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
                                                    **kw)
         np.testing.assert_array_equal(bits(outs_n), bits(outs))
@@ -454,18 +465,21 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fold_on_lowers_for_cuda_in_the_forward_kernel(mosaic_fwd, d):
     """CP's state-carrying launch (``fold_on``: the fold's state loaded into the
-    registers, the folded state stored in fp32) lowers for CUDA as one forward kernel
-    with the single call's launch (two compute warpgroups, the persistent grid): its
-    SMEM plan fits, and no fold kernel or split states are added."""
+    registers, the folded state stored in fp32; the first launch loads none, the last
+    stores the output) lowers for CUDA as one forward kernel with the single call's
+    launch (two compute warpgroups, the persistent grid): its SMEM plan fits, and no fold
+    kernel or split states are added."""
     q = jax.ShapeDtypeStruct((1, 8, 1024, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 1024, d), jnp.bfloat16)
     o = jax.ShapeDtypeStruct((1, 8, 1024, d), jnp.float32)
     lse = jax.ShapeDtypeStruct((1, 8, 1024), jnp.float32)
     offs = jax.ShapeDtypeStruct((1,), jnp.int32)
-    text = jax.jit(lambda q, k, o, lse, offs: mosaic_fwd.fold_on(
-        q, k, k, (o, lse), causal=True, causal_offsets=offs)).trace(
-        q, k, o, lse, offs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    for state, finish in (((o, lse), False), (None, False), ((o, lse), True)):
+        args = (q, k, offs) + (state or ())
+        text = jax.jit(lambda q, k, offs, *st, finish=finish: mosaic_fwd.fold_on(
+            q, k, k, st or None, causal=True, causal_offsets=offs, finish=finish)).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1, (state is None, finish)
 
 
 @needs_api

@@ -176,17 +176,19 @@ class Backend:
         return merge.fold(outs, lses)
 
     def fold_on(self, state, q, k, v, key_padding_mask, causal_offsets, *, causal: bool,
-                scale: float):
+                scale: float, finish: bool = False):
         """The keys ``k, v`` (a run of whole SPLITs of the one call, from a SPLIT
         boundary) folded onto ``state``, the fold of the one call's earlier splits (``(out
         [B, Hq, Sq, D] fp32, lse [B, Hq, Sq])`` in the states' form of
         :meth:`split_states`; None: none), split after split as the one call folds them.
-        Returns the folded state in that form (:meth:`finish_state` gives ``(out, lse)``
-        with the natural-log lse). The default folds :meth:`split_states` onto it with
-        :meth:`merge_into`; a backend may do it in one kernel."""
+        Returns the folded state in that form, or with ``finish`` what
+        :meth:`finish_state` gives of it (the last keys of the call). The default folds
+        :meth:`split_states` onto it with :meth:`merge_into`; a backend may do it in one
+        kernel."""
         outs, lses = self.split_states(q, k, v, key_padding_mask, causal_offsets,
                                        causal=causal, scale=scale)
-        return self.merge_into(state, outs, lses)
+        state = self.merge_into(state, outs, lses)
+        return self.finish_state(state, q.dtype) if finish else state
 
     def merge_into(self, state, outs, lses):
         """The states ``outs [n, ...], lses [n, ...]`` (ascending key ranges, in
@@ -198,10 +200,10 @@ class Backend:
             lses = jnp.concatenate([state[1][None], lses])
         return self.fold_states(outs, lses, natural=False)
 
-    def finish_state(self, state) -> OutLse:
-        """A folded state of :meth:`fold_on` / :meth:`merge_into` as ``(out fp32, lse
-        natural log)``."""
-        return state
+    def finish_state(self, state, dtype) -> OutLse:
+        """A folded state of :meth:`fold_on` / :meth:`merge_into` as the call's result:
+        ``(out in dtype, lse natural log)``."""
+        return state[0].astype(dtype), state[1]
 
     def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
                              ranges: Sequence[tuple[int, int]], offsets, causal: bool,

@@ -291,33 +291,37 @@ class MosaicBackend(Backend):
                                             natural=natural)
         return out[..., :d], lse
 
-    def fold_on(self, state, q, k, v, key_padding_mask, causal_offsets, *, causal, scale):
+    def fold_on(self, state, q, k, v, key_padding_mask, causal_offsets, *, causal, scale,
+                finish=False):
         """In one launch of the forward kernel (:func:`forward.fold_on`: the state
-        loaded into the fold's registers, the folded state stored in fp32) where its
-        fp32 output tile fits beside the kernel's buffers (D up to 128); otherwise
+        loaded into the fold's registers, the folded state stored in fp32, or with
+        ``finish`` the output and lse as the single call stores them) where its fp32
+        tile fits beside the kernel's buffers (D up to 128); otherwise
         :meth:`split_states` folded by the fold kernel."""
         if on_pallas(q.dtype):
             return PALLAS.fold_on(state, q, k, v, key_padding_mask, causal_offsets,
-                                  causal=causal, scale=scale)
+                                  causal=causal, scale=scale, finish=finish)
         from jaxattn.backends.mosaic import forward as mosaic_fwd
         _refuse_unsupported(q)
         d = q.shape[-1]
         dp = _padded_head_dim(d)
         if dp > 128:
             return super().fold_on(state, q, k, v, key_padding_mask, causal_offsets,
-                                   causal=causal, scale=scale)
+                                   causal=causal, scale=scale, finish=finish)
         if state is not None:
             state = (pad_head_dim(state[0], dp), state[1])
         out, lse = mosaic_fwd.fold_on(
             *_pad_all(dp, q, k, v), state, causal=bool(causal), scale=float(scale),
             interpret=self.interpret, config=self.fwd_config,
             key_padding_mask=key_padding_mask,
-            causal_offsets=causal_offsets if causal else None)
+            causal_offsets=causal_offsets if causal else None, finish=finish)
         return out[..., :d], lse
 
-    def finish_state(self, state):
+    def finish_state(self, state, dtype):
+        """The cast and the lse's one product (:func:`forward.natural_lse`), as the
+        kernel's epilogue does them."""
         from jaxattn.backends.mosaic import forward as mosaic_fwd
-        return state[0], mosaic_fwd.natural_lse(state[1])
+        return state[0].astype(dtype), mosaic_fwd.natural_lse(state[1])
 
     def backward_over_ranges(self, q, k, v, key_padding_mask, out, lse, d_out, d_lse, *,
                              ranges, offsets, causal, scale):

@@ -423,7 +423,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            key_mask: bool = False, dyn_offsets: bool = False, split_out: bool = False,
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
            raw_out: bool = False, state_rows: int | None = None,
-           page_size: int | None = None, state_io: bool = False):
+           page_size: int | None = None, state_in: bool = False,
+           state_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -460,12 +461,12 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     multiple of 8 dividing ``BLOCK_N``), the same keys in the same SMEM rows as a
     contiguous block; V's rows at or past ``lens[b]`` are zeroed in SMEM before P V
     (unused slots may hold anything, NaN included). Causal, with ``dyn_offsets``.
-    ``state_io`` (not with ``split_out`` or ``position``): the kernel also takes a folded
+    ``state_in`` (not with ``split_out`` or ``position``): the kernel also takes a folded
     state ``(out [B, Hq, sq, D], lse [B, Hq, sq])`` fp32 (the lse in the kernels' base,
     ``(0, -inf)``: empty) and folds its splits on from it instead of from the empty
-    state, and writes the folded state in that form instead of the output and the
-    natural-log lse (context parallelism: the key ranges of one call folded one launch
-    after another, as the one call's kernel folds them).
+    state; ``state_out``: it writes the folded state in that form instead of the output
+    and the natural-log lse (context parallelism: the key ranges of one call folded one
+    launch after another, as the one call's kernel folds them).
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -473,7 +474,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     interpret=interpret, position=position, key_mask=key_mask,
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
-                    state_rows=state_rows, page_size=page_size, state_io=state_io).call()
+                    state_rows=state_rows, page_size=page_size, state_in=state_in,
+                    state_out=state_out).call()
 
 
 @dataclasses.dataclass
@@ -522,7 +524,8 @@ class _Forward:
     def __init__(self, *, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale,
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
-                 raw_out=False, state_rows=None, page_size=None, state_io=False):
+                 raw_out=False, state_rows=None, page_size=None, state_in=False,
+                 state_out=False):
         bn = self.bn = schedule.BLOCK_N
         if page_size is not None:
             if not reads_pages_in_place(page_size):
@@ -543,10 +546,10 @@ class _Forward:
         if (carry_in or raw_out) and not split_out:
             raise ValueError("carry_in and raw_out are split_out's")
         self.carry_in, self.raw_out = carry_in, raw_out
-        if state_io and (split_out or position is not None or q_btnh):
-            raise ValueError("state_io folds a [B, Hq, Sq, D] call's splits in the kernel: "
-                             "not with split_out, stacked decode rows or q_btnh")
-        self.state_io = state_io
+        if (state_in or state_out) and (split_out or position is not None or q_btnh):
+            raise ValueError("state_in / state_out fold a [B, Hq, Sq, D] call's splits in "
+                             "the kernel: not with split_out, stacked decode rows or q_btnh")
+        self.state_in, self.state_out = state_in, state_out
         if q_btnh and split_out:
             raise ValueError("split_out writes [B, Hq, n_splits, Sq, D] partial states: "
                              "q_btnh is not served there")
@@ -649,9 +652,10 @@ class _Forward:
             if self.split_out else None,
             # carry_in / raw_out: the running state's m and l rows
             plgpu.SMEM((2, bm), jnp.float32) if self.carry_in or self.raw_out else None,
-            # state_io: each warpgroup's fp32 folded output, loaded and stored by TMA
+            # state_in / state_out: each warpgroup's fp32 folded output, loaded / stored
+            # by TMA
             plgpu.SMEM((nwg, bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
-            if self.state_io else None,
+            if self.state_in or self.state_out else None,
         ]
 
     def layout(self, x, lay):
@@ -978,7 +982,11 @@ class _Forward:
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
         # in that base until the output (KERNEL_LSE_BASE2).
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
-        return part if state is None else kernel_merge(*state, *part)
+        if state is None:
+            return part
+        if self.state_in:  # the item's first split merges into the loaded state
+            state = self.first_state(it, si == 0, state)
+        return kernel_merge(*state, *part)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None):
@@ -1011,7 +1019,7 @@ class _Forward:
         if qbuf is None:
             plgpu.copy_gmem_to_smem(
                 tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
-        if self.state_io:
+        if self.state_in:
             self.issue_state(it)
         plgpu.barrier_wait(q_b)
         if after_q is not None:
@@ -1039,10 +1047,10 @@ class _Forward:
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
-        if self.state_io:
-            init = self.wait_state(it)
         out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
                                  init)
+        if self.state_in:  # no split visited: the loaded state is the result
+            out, lse = self.first_state(it, n_splits == 0, (out, lse))
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
@@ -1066,7 +1074,7 @@ class _Forward:
         self.epilogue(it, o_ref, lse_ref, out, lse)
 
     def issue_state(self, it: _Item):
-        """``state_io``: start the TMA loads of the item's rows of the folded state (its
+        """``state_in``: start the TMA loads of the item's rows of the folded state (its
         output into the warpgroup's fp32 tile, its lse into the lse row buffer)."""
         o_in, l_in = self.dyn["state"]
         bars, rows = it.bars[9], pl.ds(it.q0, self.bm)
@@ -1074,12 +1082,23 @@ class _Forward:
                                 bars.at[2 * it.w])
         plgpu.copy_gmem_to_smem(l_in.at[it.bi, it.h, rows], it.lse_s, bars.at[2 * it.w + 1])
 
-    def wait_state(self, it: _Item):
-        """``state_io``: the loaded folded state in the accumulator's and the rows'
-        layouts (the fold's initial state)."""
-        bars, o_s = it.bars[9], it.smem[9].at[it.w]
-        plgpu.barrier_wait(bars.at[2 * it.w])
-        plgpu.barrier_wait(bars.at[2 * it.w + 1])
+    def first_state(self, it: _Item, first, state):
+        """``state_in``: where ``first`` (the item's first split, or no split at all),
+        the loaded folded state (waited for here, once per item: its load ran behind
+        the first split's blocks) in the accumulator's and the rows' layouts, else
+        ``state``; an exact selection."""
+        bars = it.bars[9]
+
+        @pl.when(first)
+        def _():
+            plgpu.barrier_wait(bars.at[2 * it.w])
+            plgpu.barrier_wait(bars.at[2 * it.w + 1])
+
+        loaded = self.read_state(it)
+        return tuple(jnp.where(first, x, y) for x, y in zip(loaded, state, strict=True))
+
+    def read_state(self, it: _Item):
+        o_s = it.smem[9].at[it.w]
         if self.layout_hints:
             return (plgpu.load(o_s, (), layout=plgpu.Layout.WGMMA),
                     plgpu.load(it.lse_s, (), layout=self.row_layout))
@@ -1131,7 +1150,7 @@ class _Forward:
                 o32_s = o32_s.at[o_rows]
             plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, o_rows])
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
-        elif self.state_io:  # the folded state, fp32, the lse in the kernels' base
+        elif self.state_out:  # the folded state, fp32, the lse in the kernels' base
             o32_s = it.smem[9].at[it.w]
             o32_s[...] = out
             it.lse_s[...] = lse
@@ -1162,7 +1181,7 @@ class _Forward:
             self.dyn["carry"] = (acc_in, m_in, l_in)
         if self.greedy:
             *rest, self.dyn["sched"] = rest
-        if self.state_io:
+        if self.state_in:
             *rest, o_in, l_in = rest
             self.dyn["state"] = (o_in, l_in)
         if self.page_size is not None:
@@ -1184,8 +1203,8 @@ class _Forward:
             plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None,
             plgpu.Barrier(num_barriers=stages) if self.key_mask else None,  # keep loaded
             plgpu.Barrier(num_barriers=1) if self.carry_in else None,  # carry loaded
-            # state_io: per compute warpgroup, its state's output and lse loaded
-            plgpu.Barrier(num_barriers=2 * nwg) if self.state_io else None,
+            # state_in: per compute warpgroup, its state's output and lse loaded
+            plgpu.Barrier(num_barriers=2 * nwg) if self.state_in else None,
         )
 
         def body(smem, bars):
@@ -1265,7 +1284,7 @@ class _Forward:
         else:
             out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
                                              else (b, hq, sq, d),
-                                             jnp.float32 if self.state_io else self.dtype),
+                                             jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
         call = plgpu.kernel(
             self.kernel,
@@ -1349,7 +1368,7 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
 
 def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None,
              causal_offsets=None, partials=False, btnh=False, carry=None, raw=False,
-             pages=None, state=None):
+             pages=None, state=None, state_out=False):
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
@@ -1390,10 +1409,11 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
 
     ``state``: a folded state ``(out [B, Hq, Sq, D], lse [B, Hq, Sq])`` fp32 (the lse in
     the kernels' base) that the kernel folds its splits on from (``_build``'s
-    ``state_io``); ``unpad`` then returns the folded state in that form. One query row
-    is not stacked (launch choices never change a row's bits)."""
+    ``state_in``); ``state_out``: the kernel writes the folded state in that form and
+    ``unpad`` returns it (``_build``'s ``state_out``). One query row is then not stacked
+    (launch choices never change a row's bits)."""
     cfg = config or MosaicConfig()
-    if state is not None:
+    if state is not None or state_out:
         if partials or btnh or pages is not None:
             raise ValueError("a folded state is served with [B, Hq, Sq, D] contiguous K/V, "
                              "without partial states")
@@ -1527,7 +1547,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  key_mask=key_mask, dyn_offsets=True, split_out=partials,
                                  q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
                                  raw_out=raw, page_size=page_size,
-                                 state_io=state is not None)
+                                 state_in=state is not None, state_out=state_out)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
@@ -1557,7 +1577,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                                  interpret=interpret, key_mask=key_mask, split_out=partials,
                                  q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
-                                 raw_out=raw, state_io=state is not None)
+                                 raw_out=raw, state_in=state is not None,
+                                 state_out=state_out)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -1701,31 +1722,34 @@ def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | N
     return unpad(*call(*args))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
+                                             "finish"))
 def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = None,
             interpret=False, config: MosaicConfig | None = None, key_padding_mask=None,
-            causal_offsets=None):
+            causal_offsets=None, finish: bool = False):
     """The keys ``k, v`` folded onto ``state``, SPLIT after SPLIT in the kernel, as
     :func:`forward` folds a call's splits: ``state`` is ``(out [B, Hq, Sq, D], lse [B,
     Hq, Sq])`` fp32, the lse in the kernels' base (:data:`KERNEL_LSE_BASE2`), the fold of
-    the keys before these (None: none); returns the folded state in that form. With
-    ``k`` starting on a SPLIT boundary of a longer call and every earlier SPLIT folded
-    into ``state`` (here or by :func:`fold_partials`), the result cast to the input dtype
-    and its lse in natural-log units (:func:`natural_lse`) are that call's in bits (one
+    the keys before these (None: none, and nothing is loaded); returns the folded state
+    in that form, or with ``finish`` what :func:`forward` returns from it (the output in
+    the input dtype, the natural-log lse). With ``k`` starting on a SPLIT boundary of a
+    longer call and every earlier SPLIT folded into ``state`` (here or by
+    :func:`fold_partials`), the finished result (or the state cast to the input dtype,
+    its lse in natural-log units by :func:`natural_lse`) is that call's in bits: one
     launch per key range of context parallelism, the state carried between launches in
-    fp32). Other arguments as :func:`forward`'s."""
+    fp32. Other arguments as :func:`forward`'s."""
     b, hq, sq, d = q.shape
-    if state is None:
-        state = (jnp.zeros((b, hq, sq, d), jnp.float32),
-                 jnp.full((b, hq, sq), NEG_INF, jnp.float32))
-    o_in, l_in = state
-    if (o_in.shape, l_in.shape) != ((b, hq, sq, d), (b, hq, sq)) or \
-            (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
-        raise ValueError(f"state must be (out {(b, hq, sq, d)}, lse {(b, hq, sq)}) float32, "
-                         f"got {o_in.dtype} {o_in.shape}, {l_in.dtype} {l_in.shape}")
+    if state is not None:
+        o_in, l_in = state
+        if (o_in.shape, l_in.shape) != ((b, hq, sq, d), (b, hq, sq)) or \
+                (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
+            raise ValueError(f"state must be (out {(b, hq, sq, d)}, lse {(b, hq, sq)}) "
+                             f"float32, got {o_in.dtype} {o_in.shape}, {l_in.dtype} "
+                             f"{l_in.shape}")
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
-                                 causal_offsets=causal_offsets, state=state)
+                                 causal_offsets=causal_offsets, state=state,
+                                 state_out=not finish)
     return unpad(*call(*args))
 
 
