@@ -206,6 +206,8 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
             kx, vx = k[:, :, x:y], v[:, :, x:y]
             if whole:
                 last = i == len(plan) - 1
+                if static_offset is not None:  # the same for every sequence
+                    off = static_offset + qa - x
                 res = be.fold_on(state, qs, kx, vx, ms, off, causal=causal, scale=scale,
                                  finish=last)
                 result, state = (res, None) if last else (None, res)

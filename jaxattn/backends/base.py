@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import layout, merge
 from jaxattn.validation import Dims
@@ -182,9 +183,12 @@ class Backend:
         [B, Hq, Sq, D] fp32, lse [B, Hq, Sq])`` in the states' form of
         :meth:`split_states`; None: none), split after split as the one call folds them.
         Returns the folded state in that form, or with ``finish`` what
-        :meth:`finish_state` gives of it (the last keys of the call). The default folds
-        :meth:`split_states` onto it with :meth:`merge_into`; a backend may do it in one
-        kernel."""
+        :meth:`finish_state` gives of it (the last keys of the call).
+        ``causal_offsets`` may be a Python int: one offset for every sequence, known when
+        tracing (a kernel may specialise on it). The default folds :meth:`split_states`
+        onto it with :meth:`merge_into`; a backend may do it in one kernel."""
+        if isinstance(causal_offsets, (int, np.integer)):
+            causal_offsets = jnp.full((q.shape[0],), int(causal_offsets), jnp.int32)
         outs, lses = self.split_states(q, k, v, key_padding_mask, causal_offsets,
                                        causal=causal, scale=scale)
         state = self.merge_into(state, outs, lses)

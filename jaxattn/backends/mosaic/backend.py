@@ -310,11 +310,13 @@ class MosaicBackend(Backend):
                                    causal=causal, scale=scale, finish=finish)
         if state is not None:
             state = (pad_head_dim(state[0], dp), state[1])
+        static = causal and isinstance(causal_offsets, (int, np.integer))
         out, lse = mosaic_fwd.fold_on(
             *_pad_all(dp, q, k, v), state, causal=bool(causal), scale=float(scale),
             interpret=self.interpret, config=self.fwd_config,
             key_padding_mask=key_padding_mask,
-            causal_offsets=causal_offsets if causal else None, finish=finish)
+            causal_offsets=causal_offsets if causal and not static else None,
+            offset=int(causal_offsets) if static else None, finish=finish)
         return out[..., :d], lse
 
     def finish_state(self, state, dtype):

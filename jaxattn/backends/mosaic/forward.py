@@ -280,16 +280,18 @@ def check_inputs(q, k, v):
         raise ValueError(f"B, Sq and Skv must be positive, got q {q.shape}, k {k.shape}")
 
 
-def padding(sq: int, skv: int, causal: bool, rows: int) -> tuple[int, int, int]:
+def padding(sq: int, skv: int, causal: bool, rows: int,
+            offset: int | None = None) -> tuple[int, int, int]:
     """``(lead, padded_sq, padded_skv)``: the query rows are placed at ``lead`` in
     ``padded_sq`` rows (a multiple of the CTA's ``rows``) and the keys padded to whole
     blocks. Causal: ``lead = (Skv - Sq) mod BLOCK_N`` puts every warpgroup tile at a
     multiple of ``BLOCK_N`` in absolute query position (``Skv - Sq + i`` for row i), so
     a row takes the same masked or unmasked path for each key block whatever Sq, the
     chunk or the batch it comes in (DESIGN.md 4.6). The padding rows are computed and
-    dropped; the padding keys are masked."""
+    dropped; the padding keys are masked. ``offset``: row i sees key j iff ``j <= i +
+    offset`` (default ``Skv - Sq``)."""
     bn = schedule.BLOCK_N
-    lead = (skv - sq) % bn if causal else 0
+    lead = ((skv - sq) if offset is None else offset) % bn if causal else 0
     return lead, -(-(lead + sq) // rows) * rows, -(-skv // bn) * bn
 
 
@@ -1379,7 +1381,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     True = keep) becomes the kernel's keep values (padding keys dropped) and per-block
     flags.
 
-    ``causal_offsets`` ([B] int, causal only; default ``Skv - Sq`` for every sequence):
+    ``causal_offsets`` ([B] int, causal only; default ``Skv - Sq`` for every sequence; a
+    Python int: that offset for every sequence, the kernel's static one where no row
+    sees past a partial last key block):
     row i of sequence b sees key j iff ``j <= i + causal_offsets[b]`` (a paged cache's
     ``seq_lens - Sq``). Each sequence's rows are placed at its own lead
     (``offset mod BLOCK_N``, in ``BLOCK_N - 1 + Sq`` rows rounded up to the CTA's), so
@@ -1452,6 +1456,19 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     else:
         check_inputs(*((as_bhsd(x) for x in (q, k, v)) if btnh else (q, k, v)))
         kv_btnh = btnh
+    static_offset = None
+    if causal and isinstance(causal_offsets, (int, np.integer)):
+        # One offset for every sequence, known when tracing: the static kernel, unless a
+        # row would see past a partial last key block (there the dynamic path's dropped
+        # padding keys decide the bits).
+        sk, qn = k.shape[sa], q.shape[sa]
+        if pages is None and (sk % bn == 0 or int(causal_offsets) + qn <= sk):
+            static_offset = int(causal_offsets)
+            causal_offsets = None
+            if static_offset != sk - qn:  # the stacked decode's row sits at Skv - 1
+                cfg = dataclasses.replace(cfg, stack_decode=False)
+        else:
+            causal_offsets = jnp.full((q.shape[0],), int(causal_offsets), jnp.int32)
     dyn = causal and causal_offsets is not None
     if dyn:
         causal_offsets = jnp.asarray(causal_offsets)
@@ -1571,9 +1588,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
-        lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows)
+        lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
+        offset = skv - sq if static_offset is None else static_offset
         call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
-                                 offset=skv - sq - lead, d=d, dtype=q.dtype, causal=causal,
+                                 offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
                                  scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                                  interpret=interpret, key_mask=key_mask, split_out=partials,
                                  q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
@@ -1723,10 +1741,10 @@ def split_segment(q, k, v, carry=None, *, causal: bool = False, scale: float | N
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
-                                             "finish"))
+                                             "finish", "offset"))
 def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = None,
             interpret=False, config: MosaicConfig | None = None, key_padding_mask=None,
-            causal_offsets=None, finish: bool = False):
+            causal_offsets=None, finish: bool = False, offset: int | None = None):
     """The keys ``k, v`` folded onto ``state``, SPLIT after SPLIT in the kernel, as
     :func:`forward` folds a call's splits: ``state`` is ``(out [B, Hq, Sq, D], lse [B,
     Hq, Sq])`` fp32, the lse in the kernels' base (:data:`KERNEL_LSE_BASE2`), the fold of
@@ -1737,7 +1755,10 @@ def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = 
     :func:`fold_partials`), the finished result (or the state cast to the input dtype,
     its lse in natural-log units by :func:`natural_lse`) is that call's in bits: one
     launch per key range of context parallelism, the state carried between launches in
-    fp32. Other arguments as :func:`forward`'s."""
+    fp32. ``offset``: in place of ``causal_offsets``, one causal offset for every
+    sequence, known when tracing (the kernel's static offset: no rows placed per
+    sequence, so no copy of the state in and out of the kernel's padded rows). Other
+    arguments as :func:`forward`'s."""
     b, hq, sq, d = q.shape
     if state is not None:
         o_in, l_in = state
@@ -1748,8 +1769,8 @@ def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = 
                              f"{l_in.shape}")
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
-                                 causal_offsets=causal_offsets, state=state,
-                                 state_out=not finish)
+                                 causal_offsets=causal_offsets if offset is None
+                                 else int(offset), state=state, state_out=not finish)
     return unpad(*call(*args))
 
 
