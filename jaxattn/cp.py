@@ -181,7 +181,8 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
     each piece is folded as a state of its own. ``static_offset``: the position of query
     0 minus that of key 0 when every sequence's is the same and known when tracing (the
     default offsets); causal key runs that no row of a shard sees are then not launched
-    (folding their empty states would give the same bits back)."""
+    (folding their empty states would give the same bits back), and each launch gets its
+    offset as a Python int (the kernel's static offset: no rows placed per sequence)."""
     b, hq, sq, d = q.shape
     skv = k.shape[2]
     outs, lses = [], []
