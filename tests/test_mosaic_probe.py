@@ -378,38 +378,8 @@ def _split_partials_fold_to_forward(mosaic_fwd, fold):
                                       err_msg=f"{kw['causal']} (seed {seed})")
         np.testing.assert_array_equal(bits(fl), bits(lse),
                                       err_msg=f"{kw['causal']} lse (seed {seed})")
-        # CP's launches: the first SPLIT, then the rest folded on from its state.
-        sp = schedule.SPLIT
-        cut = {x: kw[x][:, sp:] if x == "key_padding_mask" else kw[x] - sp
-               if x == "causal_offsets" else kw[x] for x in kw}
-        first = {x: kw[x][:, :sp] if x == "key_padding_mask" else kw[x] for x in kw}
-        st = mosaic_fwd.fold_on(q, k[:, :, :sp], v[:, :, :sp], interpret=True, config=cfg,
-                                **first)
-        so, sl = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
-                                    config=cfg, **cut)
-        np.testing.assert_array_equal(bits(so.astype(q.dtype)), bits(out),
-                                      err_msg=f"fold_on {kw['causal']} (seed {seed})")
-        np.testing.assert_array_equal(bits(mosaic_fwd.natural_lse(sl)), bits(lse),
-                                      err_msg=f"fold_on {kw['causal']} lse (seed {seed})")
-        # keys no row sees (no split visited) hand the state back unchanged
-        blind = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
-                                   config=cfg, causal=True,
-                                   causal_offsets=jnp.array([-q.shape[2]], jnp.int32))
-        for x, y in zip(blind, st, strict=True):
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"blind (seed {seed})")
-        # the last launch stores the output and lse as the single call does
-        fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
-                                 config=cfg, finish=True, **cut)
-        for x, y in zip(fin, (out, lse), strict=True):
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"finish (seed {seed})")
-        if kw["causal"]:  # the offset known when tracing: the static kernel, same bits
-            static = {x: cut[x] for x in cut if x != "causal_offsets"}
-            fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
-                                     config=cfg, finish=True, **static,
-                                     offset=int(cut["causal_offsets"][0]))
-            for x, y in zip(fin, (out, lse), strict=True):
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"static offset (seed {seed})")
+        if kw["causal"]:  # CP's launches (the same kernel modes serve a non-causal call)
+            _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed)
         outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
                                                    **kw)
         np.testing.assert_array_equal(bits(outs_n), bits(outs))
@@ -427,6 +397,32 @@ def _xla_kernel_fold(outs, lses):
     (o, lse), _ = jax.lax.scan(lambda acc, x: (mosaic_fwd.kernel_merge(*acc, *x), None),
                                init, (outs, lses))
     return o, mosaic_fwd.natural_lse(lse)
+
+
+def _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed):
+    """CP's launches: the first SPLIT, then the rest folded on from its state, give the
+    forward's bits (the state stored, then the output stored as the single call does,
+    with the offset known when tracing); keys no row sees hand the state back."""
+    sp = schedule.SPLIT
+    mask, offs = kw["key_padding_mask"], kw["causal_offsets"]
+    st = mosaic_fwd.fold_on(q, k[:, :, :sp], v[:, :, :sp], interpret=True, config=cfg,
+                            causal=True, key_padding_mask=mask[:, :sp], causal_offsets=offs)
+    rest = dict(causal=True, key_padding_mask=mask[:, sp:])
+    so, sl = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+                                config=cfg, causal_offsets=offs - sp, **rest)
+    np.testing.assert_array_equal(bits(so.astype(q.dtype)), bits(out),
+                                  err_msg=f"fold_on (seed {seed})")
+    np.testing.assert_array_equal(bits(mosaic_fwd.natural_lse(sl)), bits(lse),
+                                  err_msg=f"fold_on lse (seed {seed})")
+    fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True, config=cfg,
+                             finish=True, offset=int(offs[0]) - sp, **rest)
+    for x, y in zip(fin, (out, lse), strict=True):
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"finish (seed {seed})")
+    blind = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+                               config=cfg, causal=True,
+                               causal_offsets=jnp.array([-q.shape[2]], jnp.int32))
+    for x, y in zip(blind, st, strict=True):
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"blind (seed {seed})")
 
 
 @needs_threads
