@@ -203,12 +203,13 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
         state, carry, result = None, None, None
         for i, (x, y, whole) in enumerate(plan):
             ms = None if mask is None else mask[:, x:y]
-            off = (qo + qa) - (ko + x)
             kx, vx = k[:, :, x:y], v[:, :, x:y]
+            if whole and static_offset is not None:  # the same for every sequence
+                off = static_offset + qa - x
+            else:
+                off = (qo + qa) - (ko + x)
             if whole:
                 last = i == len(plan) - 1
-                if static_offset is not None:  # the same for every sequence
-                    off = static_offset + qa - x
                 res = be.fold_on(state, qs, kx, vx, ms, off, causal=causal, scale=scale,
                                  finish=last)
                 result, state = (res, None) if last else (None, res)

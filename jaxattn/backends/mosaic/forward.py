@@ -984,11 +984,7 @@ class _Forward:
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
         # in that base until the output (KERNEL_LSE_BASE2).
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
-        if state is None:
-            return part
-        if self.state_in:  # the item's first split merges into the loaded state
-            state = self.first_state(it, si == 0, state)
-        return kernel_merge(*state, *part)
+        return part if state is None else kernel_merge(*state, *part)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None):
@@ -1049,10 +1045,10 @@ class _Forward:
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
+        if self.state_in:  # the fold goes on from the loaded state
+            init = self.wait_state(it)
         out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
                                  init)
-        if self.state_in:  # no split visited: the loaded state is the result
-            out, lse = self.first_state(it, n_splits == 0, (out, lse))
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
@@ -1084,23 +1080,12 @@ class _Forward:
                                 bars.at[2 * it.w])
         plgpu.copy_gmem_to_smem(l_in.at[it.bi, it.h, rows], it.lse_s, bars.at[2 * it.w + 1])
 
-    def first_state(self, it: _Item, first, state):
-        """``state_in``: where ``first`` (the item's first split, or no split at all),
-        the loaded folded state (waited for here, once per item: its load ran behind
-        the first split's blocks) in the accumulator's and the rows' layouts, else
-        ``state``; an exact selection."""
-        bars = it.bars[9]
-
-        @pl.when(first)
-        def _():
-            plgpu.barrier_wait(bars.at[2 * it.w])
-            plgpu.barrier_wait(bars.at[2 * it.w + 1])
-
-        loaded = self.read_state(it)
-        return tuple(jnp.where(first, x, y) for x, y in zip(loaded, state, strict=True))
-
-    def read_state(self, it: _Item):
-        o_s = it.smem[9].at[it.w]
+    def wait_state(self, it: _Item):
+        """``state_in``: the loaded folded state in the accumulator's and the rows'
+        layouts (the fold's initial state)."""
+        bars, o_s = it.bars[9], it.smem[9].at[it.w]
+        plgpu.barrier_wait(bars.at[2 * it.w])
+        plgpu.barrier_wait(bars.at[2 * it.w + 1])
         if self.layout_hints:
             return (plgpu.load(o_s, (), layout=plgpu.Layout.WGMMA),
                     plgpu.load(it.lse_s, (), layout=self.row_layout))
