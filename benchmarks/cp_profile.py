@@ -15,6 +15,9 @@ Variants (each jitted, median of ``--iters`` back-to-back calls on two rotating 
   (``chain`` minus ``stateless``: the fp32 state's traffic);
 - ``one_launch_per_shard``: each query shard against all its keys in one launch
   (``stateless`` minus this: the launches' tails and ramps).
+
+``--store_waits=read,full`` runs every variant on the mosaic backend once per value of
+``MosaicConfig.store_wait`` (what the epilogue waits for after its stores).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("iters", 9, "Timed calls (median).")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
+flags.DEFINE_list("store_waits", [], "With the mosaic backend: each variant once per "
+                  "MosaicConfig.store_wait value given (default: the backend as "
+                  "registered).")
 
 
 def _median(fn, inputs, iters):
@@ -57,7 +63,13 @@ def main(argv):
     del argv
     s, w = FLAGS.seq_len, FLAGS.degree
     b, hq, hkv, d = FLAGS.batch, FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
-    be = registry.resolve("cp_attention", FLAGS.backend).serving(jnp.bfloat16)
+    if FLAGS.store_waits:
+        from jaxattn.backends.mosaic.backend import MosaicBackend
+        from jaxattn.backends.mosaic.forward import MosaicConfig
+        backends = {f"store_wait={x}": MosaicBackend(fwd_config=MosaicConfig(store_wait=x))
+                    for x in FLAGS.store_waits}
+    else:
+        backends = {"": registry.resolve("cp_attention", FLAGS.backend)}
     scale = d ** -0.5
     shard = s // w
     if s % w or shard % schedule.SPLIT:
@@ -71,58 +83,62 @@ def main(argv):
                 for kk, h in zip(ks, (hq, hkv, hkv), strict=True)]
 
     full = [inputs(0), inputs(1)]
-    op = jaxattn.get_op("attention", backend=FLAGS.backend)
-    variants = {
-        "single": jax.jit(op.forward_with_lse),
-        "cp": jax.jit(lambda q, k, v: cp.forward_with_lse(q, k, v, cp_world_size=w,
-                                                          backend=FLAGS.backend)),
-    }
 
     def sliced(q, k, v):
         return ([q[:, :, i * shard:(i + 1) * shard] for i in range(w)],
                 [k[:, :, j * shard:(j + 1) * shard] for j in range(w)],
                 [v[:, :, j * shard:(j + 1) * shard] for j in range(w)])
 
-    def chain(qs, ks, vs):
-        res = []
-        for i in range(w):
-            state = None
-            for j in range(i + 1):
-                r = be.fold_on(state, qs[i], ks[j], vs[j], None, (i - j) * shard,
-                               causal=True, scale=scale, finish=j == i)
-                state = r
-            res.append(state)
-        return res
-
-    def stateless(qs, ks, vs):
-        return [be.fold_on(None, qs[i], ks[j], vs[j], None, (i - j) * shard, causal=True,
-                           scale=scale, finish=True) for i, j in pairs]
-
-    def per_shard(q, k, v):
-        return [be.fold_on(None, q[:, :, i * shard:(i + 1) * shard],
-                           k[:, :, :(i + 1) * shard], v[:, :, :(i + 1) * shard], None,
-                           0, causal=True, scale=scale, finish=True) for i in range(w)]
-
     pre = [jax.block_until_ready(jax.jit(sliced)(*x)) for x in full]
-    rows = []
-    for name, fn in variants.items():
-        rows.append({"variant": name, "ms": _median(fn, full, FLAGS.iters) * 1e3})
-    for name, fn in (("chain", chain), ("stateless", stateless)):
-        rows.append({"variant": name, "ms": _median(jax.jit(fn), pre, FLAGS.iters) * 1e3})
-    rows.append({"variant": "one_launch_per_shard",
-                 "ms": _median(jax.jit(per_shard), full, FLAGS.iters) * 1e3})
-    # The chain's bits against the single call's (it is cp's computation).
-    out, lse = variants["single"](*full[0])
-    got = chain(*pre[0])
-    equal = all(bool(jnp.array_equal(got[i][0], out[:, :, i * shard:(i + 1) * shard]))
-                and bool(jnp.array_equal(got[i][1], lse[:, :, i * shard:(i + 1) * shard]))
-                for i in range(w))
-    meta = {"seq_len": s, "degree": w, "B": b, "Hq": hq, "Hkv": hkv, "D": d,
-            "backend": be.name, "launches": len(pairs), "chain_bits_equal": equal,
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
-    single = rows[0]["ms"]
-    md = [f"cp_profile {meta}", "", "| variant | ms | vs single |", "|---|---|---|"]
-    md += [f"| {r['variant']} | {r['ms']:.3f} | {r['ms'] / single:.3f}x |" for r in rows]
+    rows, meta = [], {"seq_len": s, "degree": w, "B": b, "Hq": hq, "Hkv": hkv, "D": d,
+                      "launches": len(pairs), "jax": jax.__version__,
+                      "device": jax.devices()[0].device_kind, "chain_bits_equal": {}}
+    for tag, registered in backends.items():
+        be = registered.serving(jnp.bfloat16)
+
+        def chain(qs, ks, vs, be=be):
+            res = []
+            for i in range(w):
+                state = None
+                for j in range(i + 1):
+                    state = be.fold_on(state, qs[i], ks[j], vs[j], None, (i - j) * shard,
+                                       causal=True, scale=scale, finish=j == i)
+                res.append(state)
+            return res
+
+        def stateless(qs, ks, vs, be=be):
+            return [be.fold_on(None, qs[i], ks[j], vs[j], None, (i - j) * shard,
+                               causal=True, scale=scale, finish=True) for i, j in pairs]
+
+        def per_shard(q, k, v, be=be):
+            return [be.fold_on(None, q[:, :, i * shard:(i + 1) * shard],
+                               k[:, :, :(i + 1) * shard], v[:, :, :(i + 1) * shard], None,
+                               i * shard, causal=True, scale=scale, finish=True)
+                    for i in range(w)]
+
+        op = jaxattn.get_op("attention", backend=registered)
+        single = jax.jit(op.forward_with_lse)
+        timed = [("single", single, full),
+                 ("cp", jax.jit(lambda q, k, v, r=registered: cp.forward_with_lse(
+                     q, k, v, cp_world_size=w, backend=r)), full),
+                 ("chain", jax.jit(chain), pre), ("stateless", jax.jit(stateless), pre),
+                 ("one_launch_per_shard", jax.jit(per_shard), full)]
+        first = len(rows)
+        for name, fn, args in timed:
+            ms = _median(fn, args, FLAGS.iters) * 1e3
+            rows.append({"backend": be.name, "config": tag, "variant": name, "ms": ms,
+                         "vs_single": ms / (rows[first]["ms"] if rows[first:] else ms)})
+        # The chain's bits against the single call's (it is cp's computation).
+        out, lse = single(*full[0])
+        got = chain(*pre[0])
+        meta["chain_bits_equal"][tag or be.name] = all(
+            bool(jnp.array_equal(got[i][0], out[:, :, i * shard:(i + 1) * shard]))
+            and bool(jnp.array_equal(got[i][1], lse[:, :, i * shard:(i + 1) * shard]))
+            for i in range(w))
+    md = [f"cp_profile {meta}", "", "| backend | config | variant | ms | vs single |",
+          "|---|---|---|---|---|"]
+    md += [f"| {r['backend']} | {r['config']} | {r['variant']} | {r['ms']:.3f} | "
+           f"{r['vs_single']:.3f}x |" for r in rows]
     print("\n".join(md))
     report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, "\n".join(md) + "\n")
 
