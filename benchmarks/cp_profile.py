@@ -15,9 +15,6 @@ Variants (each jitted, median of ``--iters`` back-to-back calls on two rotating 
   (``chain`` minus ``stateless``: the fp32 state's traffic);
 - ``one_launch_per_shard``: each query shard against all its keys in one launch
   (``stateless`` minus this: the launches' tails and ramps).
-
-``--store_waits=read,full`` runs every variant on the mosaic backend once per value of
-``MosaicConfig.store_wait`` (what the epilogue waits for after its stores).
 """
 
 from __future__ import annotations
@@ -42,9 +39,6 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("iters", 9, "Timed calls (median).")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
-flags.DEFINE_list("store_waits", [], "With the mosaic backend: each variant once per "
-                  "MosaicConfig.store_wait value given (default: the backend as "
-                  "registered).")
 
 
 def _median(fn, inputs, iters):
@@ -63,13 +57,9 @@ def main(argv):
     del argv
     s, w = FLAGS.seq_len, FLAGS.degree
     b, hq, hkv, d = FLAGS.batch, FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
-    if FLAGS.store_waits:
-        from jaxattn.backends.mosaic.backend import MosaicBackend
-        from jaxattn.backends.mosaic.forward import MosaicConfig
-        backends = {f"store_wait={x}": MosaicBackend(fwd_config=MosaicConfig(store_wait=x))
-                    for x in FLAGS.store_waits}
-    else:
-        backends = {"": registry.resolve("cp_attention", FLAGS.backend)}
+    # One backend per run; a dict so that launch variants (backends built with other
+    # configs) can be timed beside it in one process.
+    backends = {"": registry.resolve("cp_attention", FLAGS.backend)}
     scale = d ** -0.5
     shard = s // w
     if s % w or shard % schedule.SPLIT:

@@ -173,12 +173,6 @@ class MosaicConfig:
     #: accurate sequences. An arithmetic choice (its own bits, fixed per backend); the
     #: interpreter ignores it.
     approx_math: bool = True
-    #: What the epilogue waits for after its TMA stores, before the warpgroup's next
-    #: item reuses the staging SMEM: "read" (the stores have read the SMEM, as CUTLASS's
-    #: ``tma_store_wait``; the writes land while the next item runs, and by the kernel's
-    #: end) or "full" (the writes have landed). Synchronisation only: the same bits.
-    store_wait: str = "read"
-
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
@@ -203,8 +197,6 @@ class MosaicConfig:
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
-        if self.store_wait not in ("read", "full"):
-            raise ValueError(f"store_wait must be 'read' or 'full', got {self.store_wait!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -1159,7 +1151,7 @@ class _Forward:
             plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows,
                                                          self.q_btnh))
             plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=self.cfg.store_wait == "read")
+        plgpu.wait_smem_to_gmem(0)
 
     # -- warp specialisation and the launch ------------------------------------------
 
