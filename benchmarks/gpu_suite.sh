@@ -23,7 +23,8 @@
 # GPU forward (benchmarks/mosaic_gpu_check.py, MOSAIC_ARGS: accuracy, bits across launch
 # variants, batch/chunk invariance; a hang is a barrier bug); mosaicspeed: the forward
 # variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN; e2e: the Qwen3 rollout /
-# training parity example at Qwen3-8B sizes.
+# training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
+# attention kernel of NCU_MODES (fwd, fwdbwd; benchmarks/kernel_probe.py, NCU_ARGS).
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -133,6 +134,34 @@ decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,6553
     rc=$?; tail -3 "$OUT/sweep-$name.txt"; echo "rc=$rc"
     status=$((status | rc))
   done <<< "$SWEEP_PARTS"
+fi
+if has ncu; then
+  # Nsight Compute on the attention kernels (issue 33: where the time goes per tile). Per
+  # mode of NCU_MODES (fwd, fwdbwd; benchmarks/kernel_probe.py at NCU_ARGS' shape): the
+  # kernels and their times, then the full section set (stall reasons, issue slots, the
+  # source view's samples) on the longest one; clocks left alone (METHOD.md).
+  NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
+  for mode in ${NCU_MODES//,/ }; do
+    timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-units base \
+        --csv $PY -m benchmarks.kernel_probe --mode=$mode ${NCU_ARGS:-} \
+        > "$OUT/ncu-$mode-kernels.csv" 2> "$OUT/ncu-$mode.log"
+    name=$($PY -c '
+import csv, re, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith("\""))]
+head, rows = rows[0], rows[1:]
+n, v = head.index("Kernel Name"), head.index("Metric Value")
+best = max(rows, key=lambda r: float(r[v].replace(",", "")))
+print("regex:^" + re.escape(best[n]) + "$")' "$OUT/ncu-$mode-kernels.csv")
+    echo "ncu $mode: the longest kernel $name"
+    timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --set full --import-source yes \
+        -k "$name" --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu-$mode" \
+        $PY -m benchmarks.kernel_probe --mode=$mode ${NCU_ARGS:-} >> "$OUT/ncu-$mode.log" 2>&1
+    "$NCU" --import "$OUT/ncu-$mode.ncu-rep" --page details > "$OUT/ncu-$mode-details.txt" 2>&1
+    "$NCU" --import "$OUT/ncu-$mode.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/ncu-$mode-sass.csv" 2>&1 || true
+    grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy" \
+        "$OUT/ncu-$mode-details.txt" | head -12
+  done
 fi
 if has cp; then
   # Multi-GPU hosts only (nvidia-h200-x2/x4/x8): shard_map CP vs one GPU, tokens/s, bytes.

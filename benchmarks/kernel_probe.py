@@ -1,0 +1,51 @@
+"""A few calls of one attention op at one shape, for a profiler to watch (H200).
+
+    ncu --clock-control none --set full -k regex:NAME --launch-skip 2 --launch-count 1 \\
+        -o fwd python3 -m benchmarks.kernel_probe --mode=fwd
+
+``gpu_suite.sh``'s ``ncu`` stage runs it twice: once to list the kernels and their
+times, then the full section set on the longest kernel (issue 33's "where the time goes
+per tile": stall reasons, issue slots, the source view's per-instruction samples).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+import jaxattn
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "fwd", ["fwd", "fwdbwd"], "Forward, or forward and backward.")
+flags.DEFINE_integer("batch", 2, "Batch.")
+flags.DEFINE_integer("seq_len", 4096, "Sequence length (Sq = Skv).")
+flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dim.")
+flags.DEFINE_bool("causal", True, "Causal.")
+flags.DEFINE_integer("calls", 3, "Calls after the first (compiling) one.")
+flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
+
+
+def main(argv):
+    del argv
+    b, s, d = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(ks[0], (b, FLAGS.num_q_heads, s, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
+    op = jaxattn.get_op("attention", backend=FLAGS.backend)
+    if FLAGS.mode == "fwd":
+        fn = jax.jit(lambda q, k, v: op(q, k, v, causal=FLAGS.causal))
+    else:
+        do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        fn = jax.jit(lambda q, k, v: jax.vjp(
+            lambda q, k, v: op(q, k, v, causal=FLAGS.causal), q, k, v)[1](do))
+    for _ in range(FLAGS.calls + 1):
+        jax.block_until_ready(fn(q, k, v))
+    print(f"kernel_probe: {FLAGS.mode} on {op.backend}, B={b} S={s} D={d}")
+
+
+if __name__ == "__main__":
+    app.run(main)
