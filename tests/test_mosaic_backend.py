@@ -125,6 +125,27 @@ def test_large_head_dims_forward_and_gradients(d, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):
+    """On sm90 the dQ kernel's epilogue (``dq * scale`` cast to bf16) gives the bits of
+    the fp32 accumulator scaled and cast by XLA, as the backward did before: the same
+    product and rounding. Two dQ tiles per CTA (the default), GQA, no NaN."""
+    from jaxattn.backends.mosaic import backward as mb
+    q, k, v = rand_qkv(2, 8, 2, 512, 512, d, jnp.bfloat16)
+    do = rand_qkv(2, 8, 8, 512, 512, d, jnp.bfloat16)[0]
+    out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True, backend="mosaic")
+    scale = d ** -0.5
+    dq = mb.backward(q, k, v, out, lse, do, causal=causal, scale=scale)[0]
+    acc = mb.dq_accumulate(q, k, v, do, lse, mb.delta(out, do), causal=causal, scale=scale)
+    assert dq.dtype == jnp.bfloat16 and acc.dtype == jnp.float32
+    assert not np.isnan(np.asarray(dq, np.float32)).any()
+    assert bits_equal(dq, (acc * scale).astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_fp32_is_the_pallas_backends():
     """On sm90, the mosaic backend's fp32 calls equal the pallas backend's in bits: the
     forward with its lse, the gradients, paged KV and CP."""

@@ -143,6 +143,16 @@ def test_interpret_backward_accuracy(mosaic_bwd, case):
         empty = sq - skv  # rows i < Sq - Skv see no key
         assert np.all(np.asarray(grads[0])[:, :, :empty] == 0), f"seed {seed}"
         assert np.all(np.asarray(lse)[:, :, :empty] == -np.inf)
+    # The dQ kernel scales and casts in its epilogue: the bits of the fp32 accumulator
+    # scaled and cast in XLA, as the backward computed them before.
+    cfg = mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1)
+    acc = mosaic_bwd.dq_accumulate(q, k, v, do, lse, mosaic_bwd.delta(out, do, interpret=True),
+                                   causal=causal, scale=1.0 / math.sqrt(d), interpret=True,
+                                   config=cfg)
+    assert acc.dtype == jnp.float32
+    np.testing.assert_array_equal(bits(grads[0]),
+                                  bits((acc * (1.0 / math.sqrt(d))).astype(q.dtype)),
+                                  err_msg=f"seed {seed}")
 
 
 @pytest.fixture

@@ -27,8 +27,10 @@ that the two backends can be compared op for op:
 * :func:`dq_accumulate`: one CTA per (query block of 64 rows, query head, batch),
   walking KV blocks in ascending order: ``s = Q K^T * scale``, ``p = exp(s - lse_safe)``,
   ``dp = dO V^T``, ``ds = p (dp - delta)``, ``dQ += ds K``. The producer streams K/V.
-  Output: the unscaled fp32 accumulator, as ``pallas_triton_vjp.dq_accumulate``;
-  :func:`backward` scales and casts it in XLA exactly as ``pallas_triton_vjp.backward``.
+  Output: the unscaled fp32 accumulator, as ``pallas_triton_vjp.dq_accumulate``; in
+  :func:`backward` (and the last key range of :func:`backward_over_ranges`) the kernel
+  scales and casts it in its epilogue, the product and rounding
+  ``pallas_triton_vjp.backward`` applies in XLA (``_DqKernel.finish``).
 
 On the GPU dK and dV are summed in the wgmma accumulators (``accumulate``, default
 "inplace" there); in interpret mode, and for ``dQ`` always, every accumulation is
@@ -783,6 +785,9 @@ class _DqKernel:
     ``continue_acc``: the kernel also takes ``acc`` (fp32 ``[B, Hq, sq, D]``, after
     ``offs``) and goes on from it instead of from zero (dQ over key ranges in ascending
     order: context parallelism), the same additions as one call over their union.
+    ``finish``: the kernel stores dQ itself, ``(acc * scale)`` cast to the inputs' dtype
+    (the product and the rounding that XLA applied to the fp32 accumulator after the
+    kernel: the same bits, without the accumulator's round trip through HBM).
 
     The fields are the static launch parameters; the stages, in schedule order, are
     :meth:`schedule` (tile scheduler), :meth:`produce` (producer warpgroup: the TMA
@@ -806,6 +811,7 @@ class _DqKernel:
     key_mask: bool = False
     dyn_offsets: bool = False
     continue_acc: bool = False
+    finish: bool = False
     btnh: bool = False
 
     def __post_init__(self):
@@ -955,11 +961,18 @@ class _DqKernel:
     # -- epilogue
 
     def epilogue(self, rows: _DqRows, tile: _DqTile, refs, dq):
-        """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA."""
-        rows.own["out"][...] = dq
+        """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA; with ``finish``,
+        ``dq * scale`` in the inputs' dtype, staged in the Q tile's SMEM (every wgmma
+        that read Q has been waited for: its results are in ``dq``)."""
+        if self.finish:
+            staged = rows.own["q"]
+            staged[...] = (dq * self.scale).astype(self.dtype)
+        else:
+            staged = rows.own["out"]
+            staged[...] = dq
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(rows.own["out"], tile_of(refs["acc"], tile.bi, tile.h,
-                                                       rows.rows_sl, self.btnh))
+        plgpu.copy_smem_to_gmem(staged, tile_of(refs["acc"], tile.bi, tile.h, rows.rows_sl,
+                                                self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
     def consume(self, w, refs, sm, bars, tile: _DqTile):
@@ -1034,7 +1047,8 @@ class _DqKernel:
             self.kernel,
             out_type=jax.ShapeDtypeStruct(
                 (self.b, self.sq, self.hq, self.d) if self.btnh
-                else (self.b, self.hq, self.sq, self.d), jnp.float32),
+                else (self.b, self.hq, self.sq, self.d),
+                self.dtype if self.finish else jnp.float32),
             grid=(self.sq // (self.nwg * BLOCK_Q), self.hq, self.b),
             grid_names=("q", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",
@@ -1232,14 +1246,16 @@ def backward_over_ranges(q, k, v, out, lse, d_out, d_lse=None, *, ranges, offset
               btnh=btnh)
     dl = delta(outp, dop, dlsep, interpret=interpret, config=cfg, btnh=btnh)
     dks, dvs, acc = [], [], None
-    for a, e in ranges:
+    for i, (a, e) in enumerate(ranges):
         kr, vr, keep = _key_range(k, v, key_padding_mask, a, e, btnh)
         off_r = offs - a if causal else None
         dk, dv = _dkdv_parts(qp, kr, vr, dop, lsep, dl, keep, off_r, **kw)
-        acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc, **kw)
+        # The last range's kernel scales and casts dQ as it stores it.
+        acc = _dq_blocks(qp, kr, vr, dop, lsep, dl, keep, off_r, acc,
+                         finish=i == len(ranges) - 1, **kw)
         dks.append(lax.slice_in_dim(dk, 0, e - a, axis=sa))
         dvs.append(lax.slice_in_dim(dv, 0, e - a, axis=sa))
-    dq = unplace((acc * scale).astype(q.dtype))
+    dq = unplace(acc)
     return dq, jnp.concatenate(dks, axis=sa), jnp.concatenate(dvs, axis=sa)
 
 
@@ -1362,8 +1378,8 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg, btnh=btnh)
     keep = None if keep is None else keep.astype(jnp.float32)
     dk, dv = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
-    acc = _dq_blocks(q, k, v, d_out, lse, dl, keep, **kw)
-    return (acc * scale).astype(q.dtype), dk, dv
+    dq = _dq_blocks(q, k, v, d_out, lse, dl, keep, finish=True, **kw)  # scaled, cast
+    return dq, dk, dv
 
 
 def _block_dims(q, k, interpret, config, causal, scale, offset, keep, offs=None,
@@ -1409,17 +1425,17 @@ def _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, *, offset, causal
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "causal", "scale", "interpret",
-                                             "config", "btnh"))
+                                             "config", "btnh", "finish"))
 def _dq_blocks(q, k, v, d_out, lse, delta_, keep, offs=None, acc=None, *, offset, causal,
-               scale, interpret, config, btnh=False):
+               scale, interpret, config, btnh=False, finish=False):
     gpu_operands, dims = _block_dims(q, k, interpret, config, causal, scale, offset, keep,
                                      offs, btnh)
     keep_in = () if keep is None else (keep,)
     offs_in = () if offs is None else (offs,)
     acc_in = () if acc is None else (acc,)
     kv = (k, v) if gpu_operands else (k, _t_in(k, btnh), _t_in(v, btnh))
-    return _build_dq(**dims, continue_acc=acc is not None)(q, d_out, lse, delta_, *kv,
-                                                           *keep_in, *offs_in, *acc_in)
+    return _build_dq(**dims, continue_acc=acc is not None, finish=finish)(
+        q, d_out, lse, delta_, *kv, *keep_in, *offs_in, *acc_in)
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
