@@ -17,7 +17,10 @@ from absl import app, flags
 import jaxattn
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "fwd", ["fwd", "fwdbwd"], "Forward, or forward and backward.")
+flags.DEFINE_enum("mode", "fwd", ["fwd", "fwdbwd", "fold"], "Forward, forward and "
+                  "backward, or CP's fold over a key range (Backend.fold_on: a launch that "
+                  "stores the fp32 state, then one that loads and stores it; the "
+                  "queries of --seq_len rows after --seq_len keys).")
 flags.DEFINE_integer("batch", 2, "Batch.")
 flags.DEFINE_integer("seq_len", 4096, "Sequence length (Sq = Skv).")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
@@ -36,7 +39,16 @@ def main(argv):
     k = jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     op = jaxattn.get_op("attention", backend=FLAGS.backend)
-    if FLAGS.mode == "fwd":
+    if FLAGS.mode == "fold":
+        be = op.backend_object.serving(q.dtype)
+        kw = dict(causal=True, scale=d ** -0.5)
+
+        def fn(q, k, v):
+            state = be.fold_on(None, q, k, v, None, s, finish=False, **kw)
+            return be.fold_on(state, q, k, v, None, s, finish=False, **kw)
+
+        fn = jax.jit(fn)
+    elif FLAGS.mode == "fwd":
         fn = jax.jit(lambda q, k, v: op(q, k, v, causal=FLAGS.causal))
     else:
         do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
