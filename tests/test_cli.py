@@ -165,7 +165,7 @@ def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
 def test_gpu_only_binaries_parse_their_flags():
     """The GPU-only diagnostic binaries import and parse flags on the CPU (no rot)."""
     for mod in ("benchmarks.mosaic_gpu_check", "benchmarks.tune", "benchmarks.cp_profile",
-                "benchmarks.kernel_probe", "benchmarks.dq_epilogue_ab"):
+                "benchmarks.kernel_probe", "benchmarks.dq_epilogue_ab", "benchmarks.stack_ab"):
         code = (f"import sys; from absl import flags; import {mod} as m; "
                 f"flags.FLAGS(['x']); assert callable(m.main); print('ok')")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -125,6 +125,30 @@ def test_large_head_dims_forward_and_gradients(d, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_stacked_queries_equal_prefill_rows_on_gpu():
+    """On sm90, 2 to 8 queries per head (speculative verification) with the GQA group's
+    heads and queries stacked in one tile (K and V read once per group) give the
+    prefill's rows in bits, out and lse: queries across a block edge (126 to 129) and a
+    SPLIT edge (1019 to 1026, the split decode at B=1), both layouts of q; no NaN."""
+    q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
+    full, full_lse = jaxattn.attention(q, k, v, return_lse=True, backend="mosaic")
+    for sq, end, b in ((2, 130, 2), (8, 130, 2), (5, 1027, 1), (8, 1100, 2)):
+        rows = slice(end - sq, end)
+        qs, ks, vs = q[:b, :, rows], k[:b, :, :end], v[:b, :, :end]
+        out, lse = jaxattn.attention(qs, ks, vs, return_lse=True, backend="mosaic")
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+        assert bits_equal(out, full[:b, :, rows]), (sq, end, b)
+        assert bits_equal(lse, full_lse[:b, :, rows]), (sq, end, b)
+        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        be = registry.resolve("attention", "mosaic")
+        out_t, _ = be.forward_with_lse_btnh(t(qs), t(ks), t(vs), causal=True,
+                                            scale=128 ** -0.5)
+        assert bits_equal(t(out_t), out), (sq, end, b, "[B, S, H, D]")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):

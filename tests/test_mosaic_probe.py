@@ -293,11 +293,13 @@ def test_interpret_causal_offsets(mosaic_fwd):
     """Per-sequence causal offsets (a paged cache's ``seq_lens - Sq``) with the keys
     past each sequence's length dropped: every sequence's rows equal, in bits, those of
     a call of its own whose static offset is that sequence's (its keys cut at its
-    length), for a chunk of 40 rows and for a decode row (the GQA group stacked). The
-    dropped keys hold NaN and inf (a paged cache's unused slots): nothing leaks."""
+    length), for a chunk of 40 rows, for a decode row (the GQA group stacked) and for 3
+    queries per head across a block edge (the group's heads and queries stacked: 6
+    rows; its row r at query 0's position plus r % 3). The dropped keys hold NaN and inf
+    (a paged cache's unused slots): nothing leaks."""
     cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
     seed, q, k, v = _inputs(2, 2, 1, 40, 150, 64)
-    for sq, lens in ((40, (150, 97)), (1, (130, 70))):
+    for sq, lens in ((40, (150, 97)), (1, (130, 70)), (3, (130, 66))):
         qq = q[:, :, -sq:]
         keep = jnp.arange(150)[None, :] < jnp.asarray(lens)[:, None]
         offs = jnp.asarray(lens, jnp.int32) - sq
@@ -316,6 +318,10 @@ def test_interpret_causal_offsets(mosaic_fwd):
                                           err_msg=f"Sq {sq} seq {bi} (seed {seed})")
             np.testing.assert_array_equal(bits(l1), bits(lse[bi:bi + 1]),
                                           err_msg=f"Sq {sq} seq {bi} lse (seed {seed})")
+            want = reference.forward_fp32(qq[bi:bi + 1], k[bi:bi + 1, :, :n],
+                                          v[bi:bi + 1, :, :n], causal=True)
+            err = float(jnp.max(jnp.abs(o1.astype(jnp.float32) - want)))
+            assert err < 1e-2, f"Sq {sq} seq {bi}: {err} (seed {seed})"
 
 
 @needs_threads
@@ -591,10 +597,13 @@ def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
 @pytest.mark.parametrize("causal", [True, False])
 def test_stacked_decode_lowers_for_cuda(mosaic_fwd, causal):
     """Decode with the GQA group's 4 heads stacked as rows (and Skv off the block grid)
-    lowers for CUDA, with in-place and with fresh accumulation."""
-    q = jax.ShapeDtypeStruct((2, 32, 1, 128), jnp.bfloat16)
+    lowers for CUDA, with in-place and with fresh accumulation; and 5 queries per head
+    (20 stacked rows, each its own causal limit)."""
     k = jax.ShapeDtypeStruct((2, 8, 1000, 128), jnp.bfloat16)
-    for cfg in (mosaic_fwd.MosaicConfig(), mosaic_fwd.MosaicConfig(accumulate="fresh")):
+    for sq, cfg in ((1, mosaic_fwd.MosaicConfig()),
+                    (1, mosaic_fwd.MosaicConfig(accumulate="fresh")),
+                    (5, mosaic_fwd.MosaicConfig())):
+        q = jax.ShapeDtypeStruct((2, 32, sq, 128), jnp.bfloat16)
         lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=cfg)
         assert "mosaic_gpu" in lowered.as_text()
 

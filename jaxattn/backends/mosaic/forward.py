@@ -120,9 +120,10 @@ class MosaicConfig:
     registers: tuple[int, int] | None = (232, 40)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
-    #: Decode (one query per head): stack the GQA group's heads as the rows of one
-    #: warpgroup tile, reading K and V once per group; False pads each head's row into
-    #: a tile of its own at its prefill tile row (``padding``). A decode row then sits
+    #: Decode and up to ``64 / group`` queries per head (speculative verification):
+    #: stack the GQA group's heads' queries as the rows of one warpgroup tile, reading
+    #: K and V once per group; False pads each head's rows into a tile of its own at
+    #: their prefill tile rows (``padding``). A decode row then sits
     #: at another row of its tile than in the prefill: equal bits need a matrix unit
     #: whose row results do not depend on the row's place (the Mosaic GPU interpreter's
     #: ``np.matmul`` does, by 1 ulp now and then; the H200's wgmma is checked by
@@ -426,12 +427,19 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
            raw_out: bool = False, state_rows: int | None = None,
            page_size: int | None = None, state_in: bool = False,
-           state_out: bool = False):
+           state_out: bool = False, stack_sq: int = 1):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
     instead (stacked decode rows, see :func:`forward`); its blocks and their
     masked/unmasked paths are then those of a prefill row at that position.
+    ``stack_sq`` (with ``position``): row r is query ``r % stack_sq`` of a head, at
+    ``position + r % stack_sq`` (a GQA group's heads' ``stack_sq`` queries stacked:
+    speculative verification and short chunks); the tile visits the blocks its last
+    query sees and takes the unmasked path only where its first query sees every key,
+    so a row may visit one more block than its prefill row, entirely masked for it (an
+    exact no-op, as a dropped key's block: ``m`` and ``l`` unchanged, ``alpha = 1``,
+    ``p = 0``).
     ``key_mask``: the kernel also takes ``keep`` (fp32 ``[B, skv]``, 1 = keep) and
     ``flags`` (int32 ``[B, blocks]``, 1 where a block drops a key); a block with a
     dropped key takes the masked path with the keys dropped, in place of the unmasked
@@ -477,7 +485,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
-                    state_out=state_out).call()
+                    state_out=state_out, stack_sq=stack_sq).call()
 
 
 @dataclasses.dataclass
@@ -527,8 +535,12 @@ class _Forward:
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
-                 state_out=False):
+                 state_out=False, stack_sq=1):
         bn = self.bn = schedule.BLOCK_N
+        if stack_sq < 1 or (stack_sq > 1 and position is None):
+            raise ValueError(f"stack_sq (>= 1) stacks queries of stacked decode rows "
+                             f"(position), got {stack_sq} with position={position}")
+        self.stack_sq = stack_sq
         if page_size is not None:
             if not reads_pages_in_place(page_size):
                 raise ValueError(f"page_size must be a multiple of {bn} or a multiple of 8 "
@@ -714,7 +726,7 @@ class _Forward:
         tile0 = qi * self.rows_cta
         pos = self.position_of(bi)
         hi_cta = _visited_blocks(
-            tile0 if pos is None else tile0 * 0 + self.block_start(pos),
+            tile0 if pos is None else tile0 * 0 + self.block_start(pos + (self.stack_sq - 1)),
             block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
             causal=self.causal)
         if self.split_out:  # the CTA's split only: blocks [lo, end)
@@ -858,9 +870,13 @@ class _Forward:
         if masked:
             cols, diag = it.tile_indices or self.indices()
             visible = None
-            if self.causal:
-                visible = (diag <= it.q0 + it.offset - j * bn if it.position is None
-                           else cols <= it.position - j * bn)
+            if self.causal and it.position is None:
+                visible = diag <= it.q0 + it.offset - j * bn
+            elif self.causal and self.stack_sq == 1:
+                visible = cols <= it.position - j * bn
+            elif self.causal:  # row r is query r % stack_sq: at position + r % stack_sq
+                rq = lax.rem(cols - diag, jnp.int32(self.stack_sq))
+                visible = cols - rq <= it.position - j * bn
             if self.key_mask:
                 if self.layout_hints:
                     kv = plgpu.load(keep, (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -1007,9 +1023,13 @@ class _Forward:
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
         # prefill tiles to multiples of BLOCK_N).
+        # With ``stack_sq``: the blocks the last query sees, unmasked where the first
+        # query sees every key.
         p0 = it.q0 if it.position is None else it.q0 * 0 + self.block_start(it.position)
-        it.hi = _visited_blocks(p0, block_m=self.bm, offset=it.offset, total=self.total,
-                                causal=self.causal)
+        p_last = (p0 if it.position is None or self.stack_sq == 1 else
+                  it.q0 * 0 + self.block_start(it.position + (self.stack_sq - 1)))
+        it.hi = _visited_blocks(p_last, block_m=self.bm, offset=it.offset,
+                                total=self.total, causal=self.causal)
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
         # block ran 27% slower on the H200, docs/mosaic.md).
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
@@ -1359,12 +1379,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     """``(call, args, unpad)``: the kernel, its padded inputs, and the function that
     takes the kernel's ``(out, lse)`` back to ``[B, Hq, Sq, ...]``.
 
-    One query per head (decode, ``Sq == 1``) with at most 64 query heads per KV head:
-    the group's heads are stacked as the rows of one 64-row warpgroup tile per (batch,
-    KV head), so K and V are read once per group (``_build``'s ``position``). Otherwise
-    the rows are padded as :func:`padding` says. ``key_padding_mask`` ([B, Skv] bool,
-    True = keep) becomes the kernel's keep values (padding keys dropped) and per-block
-    flags.
+    A GQA group's queries that fit one 64-row warpgroup tile (``group * Sq <= 64``:
+    decode, speculative verification, short chunks): the group's heads' queries are
+    stacked as the rows of one tile per (batch, KV head), so K and V are read once per
+    group (``_build``'s ``position`` and ``stack_sq``; row r is query ``r % Sq`` of head
+    ``r // Sq``). Otherwise the rows are padded as :func:`padding` says.
+    ``key_padding_mask`` ([B, Skv] bool, True = keep) becomes the kernel's keep values
+    (padding keys dropped) and per-block flags.
 
     ``causal_offsets`` ([B] int, causal only; default ``Skv - Sq`` for every sequence; a
     Python int: that offset for every sequence, the kernel's static one where no row
@@ -1494,7 +1515,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     skv_pad = -(-skv // bn) * bn
     skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
-    if sq == 1 and group <= bn and cfg.stack_decode:
+    stacked = group * sq  # the rows of a (batch, KV head) tile when stacked
+    if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
+                                                               or carry is not None)):
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
         want = (b * hkv < SPLIT_DECODE_BELOW_CTAS if cfg.split_decode is None
@@ -1505,17 +1528,22 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             cfg = dataclasses.replace(cfg, stages=cfg.split_decode_stages)
         # The split decode writes only the group's rows of each split's state (rounded
         # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
-        state_rows = -(-group // 8) * 8 if split and not partials else None
+        state_rows = -(-stacked // 8) * 8 if split and not partials else None
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
-                                 position=skv - 1, key_mask=key_mask, dyn_offsets=dyn,
+                                 position=skv - sq, key_mask=key_mask, dyn_offsets=dyn,
                                  split_out=split, kv_btnh=kv_btnh,
                                  carry_in=carry is not None, raw_out=raw,
-                                 state_rows=state_rows, page_size=page_size)
-        # [B, Hq, 1, D] and [B, 1, Hq, D] are both [B, Hkv, group, D] in memory.
-        q = jnp.pad(q.reshape(b, hkv, group, d), ((0, 0), (0, 0), (0, bn - group), (0, 0)))
-        offs = causal_offsets  # the one row's position
+                                 state_rows=state_rows, page_size=page_size, stack_sq=sq)
+        # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
+        # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
+        # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
+        if btnh and sq > 1:
+            q = jnp.transpose(q.reshape(b, sq, hkv, group, d), (0, 2, 3, 1, 4))
+        q = jnp.pad(q.reshape(b, hkv, stacked, d),
+                    ((0, 0), (0, 0), (0, bn - stacked), (0, 0)))
+        offs = causal_offsets  # query 0's position (a row's: r % Sq more)
         out_dtype = q.dtype
 
         def place(x, fill):  # [n, B, Hq, 1, ...] -> [B, Hkv, n, 64, ...]
@@ -1536,8 +1564,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                       config=cfg)
                 out = out.reshape(b, hkv, r, d).astype(out_dtype)
                 lse = lse.reshape(b, hkv, r)
-            return (out[:, :, :group].reshape((b, 1, hq, d) if btnh else (b, hq, 1, d)),
-                    lse[:, :, :group].reshape(b, hq, 1))
+            out = out[:, :, :stacked].reshape(b, hkv, group, sq, d)
+            out = (jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, sq, hq, d) if btnh
+                   else out.reshape(b, hq, sq, d))
+            return out, lse[:, :, :stacked].reshape(b, hq, sq)
     elif dyn:
         rows = cfg.rows
         sq_pad = -(-(bn - 1 + sq) // rows) * rows
