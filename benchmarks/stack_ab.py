@@ -19,8 +19,8 @@ from absl import app, flags
 from benchmarks import report
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("points", ["8,8192,1", "8,8192,4", "8,8192,8", "32,4096,4", "1,32768,4"],
-                  "B,Skv,Sq points.")
+flags.DEFINE_list("points", ["8x8192x1", "8x8192x4", "8x8192x8", "32x4096x4", "1x32768x4"],
+                  "BxSkvxSq points.")
 flags.DEFINE_integer("iters", 30, "Timed calls (median).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
 
@@ -41,7 +41,7 @@ def main(argv):
     from jaxattn.backends.mosaic import forward as mf
     rows = []
     for spec in FLAGS.points:
-        b, skv, sq = (int(x) for x in spec.split(","))
+        b, skv, sq = (int(x) for x in spec.split("x"))
 
         def inputs(seed, b=b, skv=skv, sq=sq):
             ks = jax.random.split(jax.random.PRNGKey(seed), 3)
