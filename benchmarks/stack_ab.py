@@ -4,8 +4,11 @@ one tile per head (``MosaicConfig(stack_decode=False)``), in one process (H200).
 
     python -m benchmarks.stack_ab --out_dir=$OUT/stack
 
-Hq=32 Hkv=8 D=128 bf16 causal; each point jitted, median of ``--iters`` back-to-back
-calls on two rotating inputs; GB/s of K and V read once; outputs compared in raw bits.
+Hq=32 Hkv=8 D=128 bf16 causal; each point jitted, median of ``--iters`` calls on two
+rotating inputs, each call waited for (its host dispatch and wait included, so the
+ratio of the two is what this binary gives, not the kernel's bandwidth:
+``attention_bench --modes=decode`` times that); GB/s of K and V read once; outputs
+compared in raw bits.
 """
 
 from __future__ import annotations
