@@ -326,6 +326,23 @@ def test_interpret_causal_offsets(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_stacked_queries_before_any_key(mosaic_fwd):
+    """8 queries per head against 5 keys, stacked with the group's 4 heads: query i sees
+    keys j <= i - 3, so the first three rows of each head see none (output 0, lse
+    -inf, no NaN: the tile's position is negative) and the rest match the fp32
+    reference."""
+    seed, q, k, v = _inputs(1, 4, 1, 8, 5, 64)
+    out, lse = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                  config=mosaic_fwd.MosaicConfig(**_ONE_WG))
+    o32 = np.asarray(out, np.float32)
+    assert not np.isnan(o32).any(), f"seed {seed}"
+    assert np.all(o32[:, :, :3] == 0) and np.all(np.asarray(lse)[:, :, :3] == -np.inf)
+    want = np.asarray(reference.forward_fp32(q, k, v, causal=True))
+    assert np.max(np.abs(o32[:, :, 3:] - want[:, :, 3:])) < 1e-2, f"seed {seed}"
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
