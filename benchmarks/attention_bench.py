@@ -9,8 +9,9 @@ Modes (``--modes``):
   visible pairs only when causal; forward+backward counts 3.5x the forward FLOPs.
 - ``chunked``: chunked prefill, one chunk of ``--chunk_size`` queries against S keys
   (the chunk's queries are the last ones: causal offset S - chunk), TFLOP/s.
-- ``decode``: ``--decode_batch`` sequences, Sq = 1, GB/s of K and V read, beside the
-  measured device-to-device copy bandwidth (bytes read + written).
+- ``decode``: ``--decode_batch`` sequences, Sq = ``--decode_sq`` (1; 2 to 8:
+  speculative verification, the sequence's last queries), GB/s of K and V read, beside
+  the measured device-to-device copy bandwidth (bytes read + written).
 
 Every row also records the memory the call needs beyond its inputs and outputs: for a
 JAX system the compiled executable's temporary buffers (``memory_analysis()``), for a
@@ -61,6 +62,8 @@ flags.DEFINE_list("backends", ["jaxattn:mosaic", "jaxattn:pallas", "cudnn", "xla
 flags.DEFINE_integer("chunk_size", 2048, "Queries per chunk (chunked).")
 flags.DEFINE_integer("decode_batch", 8, "Batch for decode.")
 flags.DEFINE_list("decode_kv_lens", ["4096", "32768"], "Context lengths for decode.")
+flags.DEFINE_integer("decode_sq", 1, "Queries per head in decode mode (2 to 8: "
+                     "speculative verification).")
 flags.DEFINE_integer("iters", 10, "Timed samples per point (median reported).")
 flags.DEFINE_integer("reps", 10, "Most back-to-back calls per timed sample.")
 flags.DEFINE_float("sample_ms", 50.0, "Target duration of one timed sample.")
@@ -245,7 +248,8 @@ def main(argv):
             for name in names:
                 if name == "pallas_mha":
                     continue  # needs Sq to fill its 128-row blocks
-                record(name, "decode", b=dec_b, sq=1, skv=s, causal=True, **heads)
+                record(name, "decode", b=dec_b, sq=FLAGS.decode_sq, skv=s, causal=True,
+                       **heads)
     md = to_markdown(rows, meta)
     print(md)
     report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, md)
