@@ -19,8 +19,6 @@ Variants (each jitted, median of ``--iters`` back-to-back calls on two rotating 
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -39,18 +37,6 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("iters", 9, "Timed calls (median).")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
-
-
-def _median(fn, inputs, iters):
-    jax.block_until_ready(fn(*inputs[0]))
-    jax.block_until_ready(fn(*inputs[1]))
-    times = []
-    for i in range(iters):
-        args = inputs[i % len(inputs)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv):
@@ -115,7 +101,7 @@ def main(argv):
                  ("one_launch_per_shard", jax.jit(per_shard), full)]
         first = len(rows)
         for name, fn, args in timed:
-            ms = _median(fn, args, FLAGS.iters) * 1e3
+            ms = report.rotating_median_seconds(fn, args, FLAGS.iters) * 1e3
             rows.append({"backend": be.name, "config": tag, "variant": name, "ms": ms,
                          "vs_single": ms / (rows[first]["ms"] if rows[first:] else ms)})
         # The chain's bits against the single call's (it is cp's computation).

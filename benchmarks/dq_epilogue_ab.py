@@ -10,8 +10,6 @@ two rotating inputs; their outputs compared in raw bits.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -23,17 +21,6 @@ flags.DEFINE_list("shapes", ["2,4096,128", "16,1024,128", "2,4096,64", "1,16384,
                   "B,S,D points (Hq=32, Hkv=8, causal).")
 flags.DEFINE_integer("iters", 20, "Timed calls (median).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
-
-
-def _median(fn, inputs, iters):
-    for x in inputs:
-        jax.block_until_ready(fn(*x))
-    ts = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(argv):
@@ -61,7 +48,8 @@ def main(argv):
             q, k, v, do, lse, dl, None, finish=True, **kw))
         xla = jax.jit(lambda q, k, v, do, lse, dl, kw=kw, scale=scale: (mb._dq_blocks(
             q, k, v, do, lse, dl, None, **kw) * scale).astype(q.dtype))
-        t_k, t_x = _median(kern, xs, FLAGS.iters), _median(xla, xs, FLAGS.iters)
+        t_k = report.rotating_median_seconds(kern, xs, FLAGS.iters)
+        t_x = report.rotating_median_seconds(xla, xs, FLAGS.iters)
         equal = bool(jnp.array_equal(kern(*xs[0]), xla(*xs[0])))
         rows.append({"B": b, "S": s, "D": d, "kernel_us": t_k * 1e6, "xla_us": t_x * 1e6,
                      "saved_us": (t_x - t_k) * 1e6, "bits_equal": equal})

@@ -36,11 +36,19 @@ def print_row(row: dict) -> None:
 def median_seconds(fn, args, iters: int) -> float:
     """Median wall time of ``iters`` calls of ``fn(*args)``, each waited for, after one
     untimed call (compilation, first-touch)."""
+    return rotating_median_seconds(fn, [args], iters)
+
+
+def rotating_median_seconds(fn, inputs: list, iters: int) -> float:
+    """Median wall time of ``iters`` calls of ``fn``, call i on ``inputs[i % len]`` (the
+    input sets rotated), each waited for, after one untimed call per input set."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    for args in inputs:
+        jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for i in range(iters):
+        args = inputs[i % len(inputs)]
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)

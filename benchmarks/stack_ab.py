@@ -13,8 +13,6 @@ compared in raw bits.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -26,17 +24,6 @@ flags.DEFINE_list("points", ["8x8192x1", "8x8192x4", "8x8192x8", "32x4096x4", "1
                   "BxSkvxSq points.")
 flags.DEFINE_integer("iters", 30, "Timed calls (median).")
 flags.DEFINE_string("out_dir", None, "Where results.json and results.md go.")
-
-
-def _median(fn, inputs, iters):
-    for x in inputs:
-        jax.block_until_ready(fn(*x))
-    ts = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(argv):
@@ -57,7 +44,8 @@ def main(argv):
                                                                  config=cfg))
                for name, cfg in (("stacked", mf.MosaicConfig()),
                                  ("per_head", mf.MosaicConfig(stack_decode=False)))}
-        t = {name: _median(fn, xs, FLAGS.iters) for name, fn in fns.items()}
+        t = {name: report.rotating_median_seconds(fn, xs, FLAGS.iters)
+             for name, fn in fns.items()}
         a, c = fns["stacked"](*xs[0]), fns["per_head"](*xs[0])
         equal = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, c, strict=True))
         gb = 2 * b * 8 * skv * 128 * 2 / 1e9
