@@ -693,6 +693,11 @@ class _Forward:
         """The start of the BLOCK_N block that holds position ``x`` (floor)."""
         return x - x % self.bn
 
+    def last_block_start(self, position):
+        """The start of the block that holds the last of the ``stack_sq`` queries from
+        ``position`` on (the stacked rows' last query: it decides the blocks visited)."""
+        return self.block_start(position + (self.stack_sq - 1))
+
     def slot_of(self, it: _Item, j):
         """The ring slot of the item's step ``j``."""
         return lax.rem(it.base + j, jnp.int32(self.stages))
@@ -726,7 +731,7 @@ class _Forward:
         tile0 = qi * self.rows_cta
         pos = self.position_of(bi)
         hi_cta = _visited_blocks(
-            tile0 if pos is None else tile0 * 0 + self.block_start(pos + (self.stack_sq - 1)),
+            tile0 if pos is None else tile0 * 0 + self.last_block_start(pos),
             block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
             causal=self.causal)
         if self.split_out:  # the CTA's split only: blocks [lo, end)
@@ -1026,8 +1031,8 @@ class _Forward:
         # With ``stack_sq``: the blocks the last query sees, unmasked where the first
         # query sees every key.
         p0 = it.q0 if it.position is None else it.q0 * 0 + self.block_start(it.position)
-        p_last = (p0 if it.position is None or self.stack_sq == 1 else
-                  it.q0 * 0 + self.block_start(it.position + (self.stack_sq - 1)))
+        p_last = (p0 if it.position is None
+                  else it.q0 * 0 + self.last_block_start(it.position))
         it.hi = _visited_blocks(p_last, block_m=self.bm, offset=it.offset,
                                 total=self.total, causal=self.causal)
         # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
