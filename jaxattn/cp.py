@@ -187,6 +187,13 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
     skv = k.shape[2]
     outs, lses = [], []
     ranges = _ranges(skv, cp_world_size, kv_chunk_size)
+    if static_offset is not None and sq and all(
+            x % schedule.SPLIT == 0 and (y % schedule.SPLIT == 0 or y == skv)
+            for x, y in ranges if y > x):
+        return _range_major_states(be, q, k, v, mask, causal=causal, scale=scale,
+                                   shards=_ranges(sq, cp_world_size, None),
+                                   ranges=[(x, y) for x, y in ranges if y > x],
+                                   static_offset=static_offset)
     for qa, qb in _ranges(sq, cp_world_size, None):
         if qb == qa:
             continue
@@ -232,6 +239,49 @@ def _forward_states(be: Backend, q, k, v, mask, qo, ko, *, causal, scale, cp_wor
         lses.append(result[1])
     if not outs:
         return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, hq, 0), jnp.float32)
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+
+
+def _range_major_states(be: Backend, q, k, v, mask, *, causal, scale, shards, ranges,
+                        static_offset):
+    """:func:`_forward_states` where every key range is a run of whole SPLITs and the
+    offsets are the defaults, range-major: one launch per key range over every query
+    shard that sees it (``be.fold_window``), each shard's ranges still folded in
+    ascending order, so each row's bits are those of the shard-major loop. The shards
+    that see a range are a contiguous run of rows (all of them, or a suffix when
+    causal), those that see the next range a suffix of that run: each launch loads the
+    state of exactly its rows, finishes the rows whose last range it is (a prefix) and
+    hands the others' state to the next launch, with no copy in between."""
+    b, hq, sq, d = q.shape
+    shards = [(qa, qb) for qa, qb in shards if qb > qa]
+
+    def sees(shard, x):  # some row of the shard sees key x
+        return not causal or shard[1] - 1 + static_offset >= x
+
+    cur = [s for s in shards if ranges and sees(s, ranges[0][0])]
+    outs, lses = [], []
+    if cur and cur[0][0] > 0:  # rows before them see no key
+        outs.append(jnp.zeros((b, hq, cur[0][0], d), q.dtype))
+        lses.append(jnp.full((b, hq, cur[0][0]), -jnp.inf, jnp.float32))
+    state = None
+    for t, (x, y) in enumerate(ranges):
+        if not cur:
+            break
+        nxt = [s for s in cur if t + 1 < len(ranges) and sees(s, ranges[t + 1][0])]
+        if cur[len(cur) - len(nxt):] != nxt:
+            raise AssertionError(f"the shards that see keys from {ranges[t + 1][0]} on "
+                                 f"are not a suffix of those that see [{x}, {y})")
+        r0, r1 = cur[0][0], cur[-1][1]
+        fin = (nxt[0][0] if nxt else r1) - r0
+        done, state = be.fold_window(state, q, k, v, mask, rows=(r0, r1), keys=(x, y),
+                                     finish_rows=fin, offset=static_offset + r0 - x,
+                                     causal=causal, scale=scale)
+        if done is not None:
+            outs.append(done[0])
+            lses.append(done[1])
+        cur = nxt
+    if not outs:  # no row sees a key
+        return (jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 

@@ -450,6 +450,61 @@ def _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed):
 
 @needs_threads
 @needs_interpret
+def test_interpret_cp_range_major_launches_equal_forward(mosaic_fwd):
+    """CP's range-major fold on the Mosaic kernels (``fold_window``: one launch per key
+    range over every query shard that sees it, Q, K and V read in place at the window's
+    first row and key, the finished rows stored as the output and the others as the
+    state the next launch loads) gives the single call's bits, causal (launches that
+    finish a prefix of their rows) and not (states only, then all rows finished). A
+    window reads only its rows and keys: NaN everywhere else in Q, K and V reaches
+    nothing, and the result equals :func:`fold_on` on the slices. SPLIT shrunk to 128
+    keys."""
+    from jaxattn import cp
+    from jaxattn.backends.mosaic.backend import MosaicBackend
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    try:
+        cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
+        be = MosaicBackend(interpret=True, fwd_config=cfg)
+        seed, q, k, v = _inputs(1, 2, 1, 384, 384, 64)
+        zero = jnp.zeros((1,), jnp.int32)
+        for causal in (True, False):
+            want = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True, config=cfg)
+            got = cp._forward_states(be, q, k, v, None, zero, zero, causal=causal,
+                                     scale=64 ** -0.5, cp_world_size=3, kv_chunk_size=None,
+                                     static_offset=0)
+            for x, y in zip(got, want, strict=True):
+                assert not np.isnan(np.asarray(x, np.float32)).any()
+                np.testing.assert_array_equal(bits(x), bits(y),
+                                              err_msg=f"causal={causal} (seed {seed})")
+        # Rows [64, 192) against keys [128, 256), NaN outside both windows.
+        rows, keys = (64, 192), (128, 256)
+        qn = jnp.full_like(q, jnp.nan).at[:, :, 64:192].set(q[:, :, 64:192])
+        kn, vn = (jnp.full_like(x, jnp.nan).at[:, :, 128:256].set(x[:, :, 128:256])
+                  for x in (k, v))
+        st = mosaic_fwd.fold_on(q[:, :, 64:192], k[:, :, :128], v[:, :, :128],
+                                interpret=True, config=cfg, causal=True, offset=64)
+        want = mosaic_fwd.fold_on(q[:, :, 64:192], k[:, :, 128:256], v[:, :, 128:256], st,
+                                  interpret=True, config=cfg, causal=True, offset=-64)
+        done, rest = mosaic_fwd.fold_window(qn, kn, vn, st, rows=rows, keys=keys,
+                                            finish_rows=64, offset=-64, causal=True,
+                                            interpret=True, config=cfg)
+        fin = be.finish_state((want[0][:, :, :64], want[1][:, :, :64]), q.dtype)
+        for x, y in zip((*done, *rest), (*fin, want[0][:, :, 64:], want[1][:, :, 64:]),
+                        strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"window (seed {seed})")
+        with pytest.raises(ValueError, match="multiples of 64"):
+            mosaic_fwd.fold_window(q, k, v, rows=(0, 100), keys=keys, finish_rows=0,
+                                   offset=0, causal=True, interpret=True, config=cfg)
+    finally:
+        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+        jax.clear_caches()
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_split_partials_fold_kernel(mosaic_fwd):
     """The Mosaic fold kernel (fold_partials) equals the same merges under XLA
     (mosaic_fwd.kernel_merge from the empty state, then natural_lse) in bits in
@@ -514,6 +569,19 @@ def test_fold_on_lowers_for_cuda_in_the_forward_kernel(mosaic_fwd, d):
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert "dynamic_update_slice" not in text and "dynamic_slice" not in text
+    # CP's range-major launch (fold_window): Q, K and V read in place at the window's
+    # first row and key, the finished rows and the state stored apart: no slice, no
+    # concatenation, one kernel.
+    qw = jax.ShapeDtypeStruct((1, 8, 4096, d), jnp.bfloat16)
+    kw_ = jax.ShapeDtypeStruct((1, 2, 4096, d), jnp.bfloat16)
+    ow = jax.ShapeDtypeStruct((1, 8, 3072, d), jnp.float32)
+    lw = jax.ShapeDtypeStruct((1, 8, 3072), jnp.float32)
+    text = jax.jit(lambda q, k, o, lse: mosaic_fwd.fold_window(
+        q, k, k, (o, lse), rows=(1024, 4096), keys=(1024, 2048), finish_rows=1024,
+        offset=0, causal=True)).trace(qw, kw_, ow, lw).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "stablehlo.slice" not in text and "stablehlo.concatenate" not in text
 
 
 @needs_api

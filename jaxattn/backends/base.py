@@ -194,6 +194,32 @@ class Backend:
         state = self.merge_into(state, outs, lses)
         return self.finish_state(state, q.dtype) if finish else state
 
+    def fold_window(self, state, q, k, v, key_padding_mask, *, rows: tuple[int, int],
+                    keys: tuple[int, int], finish_rows: int, offset: int, causal: bool,
+                    scale: float):
+        """:meth:`fold_on` of query rows ``rows = (r0, r1)`` of ``q`` against keys ``keys
+        = (x, y)`` of ``k, v`` (a run of whole SPLITs of the one call, from a SPLIT
+        boundary) with one static causal ``offset`` (row ``r0 + i`` sees key ``x + j``
+        iff ``j <= i + offset``), onto ``state``, the folded state of exactly these rows
+        (None: none). Rows ``[r0, r0 + finish_rows)`` are finished as :meth:`fold_on`'s
+        ``finish`` gives them, the others stay states. Returns ``(finished (out, lse) or
+        None, state or None)``: context parallelism's range-major fold, one launch per
+        key range over every query shard that sees it. The default slices the window
+        and calls :meth:`fold_on` (a backend may read the window in place)."""
+        (r0, r1), (x, y) = rows, keys
+        n = r1 - r0
+        qs, ks, vs = q[:, :, r0:r1], k[:, :, x:y], v[:, :, x:y]
+        ms = None if key_padding_mask is None else key_padding_mask[:, x:y]
+        res = self.fold_on(state, qs, ks, vs, ms, int(offset), causal=causal, scale=scale,
+                           finish=finish_rows == n)
+        if finish_rows == n:
+            return res, None
+        if finish_rows == 0:
+            return None, res
+        f = finish_rows
+        done = self.finish_state((res[0][:, :, :f], res[1][:, :, :f]), q.dtype)
+        return done, (res[0][:, :, f:], res[1][:, :, f:])
+
     def merge_into(self, state, outs, lses):
         """The states ``outs [n, ...], lses [n, ...]`` (ascending key ranges, in
         :meth:`split_states`' form) folded onto ``state`` (that form; None: the empty

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import platform as _platform
+from jaxattn import schedule
 from jaxattn.backends.base import Backend
 from jaxattn.backends.common import pad_head_dim, padded_head_dim
 from jaxattn.backends.pallas import forward as pallas_triton
@@ -318,6 +319,30 @@ class MosaicBackend(Backend):
             causal_offsets=causal_offsets if causal and not static else None,
             offset=int(causal_offsets) if static else None, finish=finish)
         return out[..., :d], lse
+
+    def fold_window(self, state, q, k, v, key_padding_mask, *, rows, keys, finish_rows,
+                    offset, causal, scale):
+        """In one launch of the forward kernel reading the window in place
+        (:func:`forward.fold_window`: Q at its first row, K and V at its first key, the
+        finished rows stored as the output and the others as the state) where the
+        window needs no padding; otherwise sliced (:meth:`Backend.fold_window`)."""
+        from jaxattn.backends.mosaic import forward as mosaic_fwd
+        (r0, r1), (x, y) = rows, keys
+        bn = schedule.BLOCK_N
+        cta_rows = (self.fwd_config or mosaic_fwd.MosaicConfig()).rows
+        in_place = (not on_pallas(q.dtype) and key_padding_mask is None
+                    and q.shape[-1] == _padded_head_dim(q.shape[-1])
+                    and (r1 - r0) % cta_rows == 0 and finish_rows % cta_rows == 0
+                    and (y - x) % bn == 0 and (not causal or offset % bn == 0))
+        if not in_place:
+            return super().fold_window(state, q, k, v, key_padding_mask, rows=rows,
+                                       keys=keys, finish_rows=finish_rows, offset=offset,
+                                       causal=causal, scale=scale)
+        _refuse_unsupported(q)
+        return mosaic_fwd.fold_window(q, k, v, state, rows=rows, keys=keys,
+                                      finish_rows=finish_rows, offset=int(offset),
+                                      causal=bool(causal), scale=float(scale),
+                                      interpret=self.interpret, config=self.fwd_config)
 
     def finish_state(self, state, dtype):
         """The cast and the lse's one product (:func:`forward.natural_lse`), as the

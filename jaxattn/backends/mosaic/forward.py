@@ -427,7 +427,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            q_btnh: bool = False, kv_btnh: bool = False, carry_in: bool = False,
            raw_out: bool = False, state_rows: int | None = None,
            page_size: int | None = None, state_in: bool = False,
-           state_out: bool = False, stack_sq: int = 1):
+           state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
+           finish_rows: int = 0):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -476,7 +477,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ``(0, -inf)``: empty) and folds its splits on from it instead of from the empty
     state; ``state_out``: it writes the folded state in that form instead of the output
     and the natural-log lse (context parallelism: the key ranges of one call folded one
-    launch after another, as the one call's kernel folds them).
+    launch after another, as the one call's kernel folds them). ``finish_rows`` (with
+    ``state_out``, a multiple of the CTA's rows): rows ``[0, finish_rows)`` are stored
+    as the output and the natural-log lse (``out [B, Hq, finish_rows, D]``, ``lse``),
+    the others as the folded state (``[B, Hq, sq - finish_rows, ...]``, two more
+    outputs): the rows whose last keys these are finish, the others go on.
+    ``q_row0`` / ``k_row0``: the call's rows are rows ``[q_row0, q_row0 + sq)`` of Q
+    and its keys keys ``[k_row0, k_row0 + skv)`` of K and V, read in place (a window
+    of larger arrays: context parallelism's shards and ranges without slices); not
+    with a key mask, pages or ``[B, S, H, D]``.
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -485,7 +494,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
-                    state_out=state_out, stack_sq=stack_sq).call()
+                    state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
+                    k_row0=k_row0, finish_rows=finish_rows).call()
 
 
 @dataclasses.dataclass
@@ -535,7 +545,7 @@ class _Forward:
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
-                 state_out=False, stack_sq=1):
+                 state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0):
         bn = self.bn = schedule.BLOCK_N
         if stack_sq < 1 or (stack_sq > 1 and position is None):
             raise ValueError(f"stack_sq (>= 1) stacks queries of stacked decode rows "
@@ -564,6 +574,18 @@ class _Forward:
             raise ValueError("state_in / state_out fold a [B, Hq, Sq, D] call's splits in "
                              "the kernel: not with split_out, stacked decode rows or q_btnh")
         self.state_in, self.state_out = state_in, state_out
+        if finish_rows and (not state_out or finish_rows % cfg.rows
+                            or not 0 < finish_rows < sq):
+            raise ValueError(f"finish_rows (with state_out: a multiple of the CTA's "
+                             f"{cfg.rows} rows in (0, sq={sq})) got {finish_rows}")
+        self.finish_rows = finish_rows
+        if (q_row0 or k_row0) and (key_mask or page_size is not None or q_btnh
+                                   or kv_btnh or position is not None or split_out):
+            raise ValueError("q_row0 / k_row0 window [B, H, S, D] Q and K/V of a "
+                             "prefill-shaped call without a key mask, pages or partials")
+        if q_row0 < 0 or k_row0 < 0:
+            raise ValueError(f"q_row0 and k_row0 must be >= 0, got {q_row0}, {k_row0}")
+        self.q_row0, self.k_row0 = q_row0, k_row0
         if q_btnh and split_out:
             raise ValueError("split_out writes [B, Hq, n_splits, Sq, D] partial states: "
                              "q_btnh is not served there")
@@ -812,7 +834,7 @@ class _Forward:
         cache) into the slot's rows ``at`` (None: the whole slot)."""
         bn, ps = self.bn, self.page_size
         if ps is None:
-            return [(bi, pl.ds(t * bn, bn), None)]
+            return [(bi, pl.ds(self.k_row0 + t * bn, bn), None)]
         table = self.dyn["table"]
         if ps >= bn:  # one page holds the block
             k0 = t * bn
@@ -1041,7 +1063,8 @@ class _Forward:
                                causal=self.causal)
         if qbuf is None:
             plgpu.copy_gmem_to_smem(
-                tile_of(q_ref, bi, h, pl.ds(it.q0, self.bm), self.q_btnh), q_s, q_b)
+                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
+                q_s, q_b)
         if self.state_in:
             self.issue_state(it)
         plgpu.barrier_wait(q_b)
@@ -1162,21 +1185,36 @@ class _Forward:
                 o32_s = o32_s.at[o_rows]
             plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, o_rows])
             plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
-        elif self.state_out:  # the folded state, fp32, the lse in the kernels' base
-            o32_s = it.smem[9].at[it.w]
-            o32_s[...] = out
-            it.lse_s[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, rows])
-            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
+        elif self.state_out and self.finish_rows:  # finished rows, then the state's
+            f = self.finish_rows
+            done = it.q0 < f
+            so_ref, sl_ref = self.dyn["state_out"]
+            pl.when(done)(lambda: self.store_output(it, o_ref, lse_ref, out, lse, rows))
+            pl.when(jnp.logical_not(done))(lambda: self.store_state(
+                it, so_ref, sl_ref, out, lse, pl.ds(it.q0 - f, self.bm)))
+        elif self.state_out:
+            self.store_state(it, o_ref, lse_ref, out, lse, rows)
         else:
-            it.q_s[...] = out.astype(self.dtype)
-            it.lse_s[...] = natural_lse(lse)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows,
-                                                         self.q_btnh))
-            plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
+            self.store_output(it, o_ref, lse_ref, out, lse, rows)
         plgpu.wait_smem_to_gmem(0)
+
+    def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
+        """The folded state, fp32, the lse in the kernels' base (``state_out``)."""
+        o32_s = it.smem[9].at[it.w]
+        o32_s[...] = out
+        it.lse_s[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, rows])
+        plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
+
+    def store_output(self, it: _Item, o_ref, lse_ref, out, lse, rows):
+        """The output in the input dtype through the Q tile's SMEM and the natural-log
+        lse."""
+        it.q_s[...] = out.astype(self.dtype)
+        it.lse_s[...] = natural_lse(lse)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows, self.q_btnh))
+        plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
 
     # -- warp specialisation and the launch ------------------------------------------
 
@@ -1186,6 +1224,9 @@ class _Forward:
         cfg, nwg, stages, bm = self.cfg, self.nwg, self.stages, self.bm
         if self.raw_out:
             *rest, o_ref, lse_ref, self.dyn["l_out"] = rest
+        elif self.finish_rows:
+            *rest, o_ref, lse_ref, so_ref, sl_ref = rest
+            self.dyn["state_out"] = (so_ref, sl_ref)
         else:
             *rest, o_ref, lse_ref = rest
         if self.carry_in:
@@ -1231,7 +1272,8 @@ class _Forward:
 
                 def issue_q(tile0, h, bi, buf):
                     plgpu.copy_gmem_to_smem(
-                        tile_of(q_ref, bi, h, pl.ds(tile0 + wg * bm, bm), self.q_btnh),
+                        tile_of(q_ref, bi, h, pl.ds(self.q_row0 + tile0 + wg * bm, bm),
+                                self.q_btnh),
                         smem[0].at[buf, wg],
                         bars[4].at[buf * nwg + wg])
 
@@ -1293,6 +1335,12 @@ class _Forward:
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             grid, grid_names = (n, *grid), ("s", *grid_names)
+        elif self.finish_rows:  # (out, lse) of the finished rows, then the state's
+            f = self.finish_rows
+            out_type = (jax.ShapeDtypeStruct((b, hq, f, d), self.dtype),
+                        jax.ShapeDtypeStruct((b, hq, f), jnp.float32),
+                        jax.ShapeDtypeStruct((b, hq, sq - f, d), jnp.float32),
+                        jax.ShapeDtypeStruct((b, hq, sq - f), jnp.float32))
         else:
             out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
                                              else (b, hq, sq, d),
@@ -1792,6 +1840,64 @@ def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = 
                                  causal_offsets=causal_offsets if offset is None
                                  else int(offset), state=state, state_out=not finish)
     return unpad(*call(*args))
+
+
+def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, int],
+                finish_rows: int, offset: int, causal: bool, scale: float | None = None,
+                interpret=False, config: MosaicConfig | None = None):
+    """:func:`fold_on` on a window: query rows ``[r0, r1)`` of ``q`` against keys
+    ``[x, y)`` of ``k, v`` (``rows``, ``keys``), read in place by the kernel (no
+    slices), query row ``r0 + i`` seeing key ``x + j`` iff ``j <= i + offset`` (one
+    static offset, a multiple of ``BLOCK_N``) when causal. ``state``: the folded state
+    of exactly these rows (``(out [B, Hq, r1 - r0, D], lse)`` fp32, the lse in the
+    kernels' base; None: none). Rows ``[r0, r0 + finish_rows)`` are finished (the
+    output in q's dtype and the natural-log lse, as :func:`forward` stores them), the
+    others stored as the folded state the next window's launch loads. Returns
+    ``(finished or None, state or None)``. Context parallelism's range-major fold: one
+    launch per key range over every query shard that sees it.
+
+    Served where the window needs no padding: ``r1 - r0`` and ``finish_rows``
+    multiples of the CTA's rows, ``y - x`` a multiple of ``BLOCK_N`` (``ValueError``
+    otherwise; :meth:`MosaicBackend.fold_window` slices instead)."""
+    cfg = dataclasses.replace(config or MosaicConfig(), stack_decode=False)
+    check_inputs(q, k, v)
+    (r0, r1), (x, y) = rows, keys
+    n, skv, bn = r1 - r0, y - x, schedule.BLOCK_N
+    b, hq, sq_all, d = q.shape
+    if not (0 <= r0 < r1 <= sq_all and 0 <= x < y <= k.shape[2]):
+        raise ValueError(f"rows {rows} and keys {keys} must be non-empty windows of "
+                         f"{sq_all} rows and {k.shape[2]} keys")
+    if n % cfg.rows or skv % bn or finish_rows % cfg.rows or not 0 <= finish_rows <= n \
+            or (causal and offset % bn):
+        raise ValueError(f"a window of {n} rows (and finish_rows={finish_rows}) in "
+                         f"multiples of {cfg.rows}, {skv} keys in multiples of {bn} and "
+                         f"an offset ({offset}) in multiples of {bn} is served in place")
+    if state is not None:
+        o_in, l_in = state
+        if (o_in.shape, l_in.shape) != ((b, hq, n, d), (b, hq, n)) or \
+                (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
+            raise ValueError(f"state must be (out {(b, hq, n, d)}, lse {(b, hq, n)}) "
+                             f"float32, got {o_in.dtype} {o_in.shape}, {l_in.dtype} "
+                             f"{l_in.shape}")
+    interpret = resolve_interpret(interpret)
+    gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out_rows = n if finish_rows == n else 0  # all finished: the plain epilogue
+    call, ones_cols = _build(b=b, hq=hq, hkv=k.shape[1], sq=n, skv=skv,
+                             offset=int(offset) if causal else 0, d=d, dtype=q.dtype,
+                             causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                             interpret=interpret, state_in=state is not None,
+                             state_out=finish_rows < n,
+                             finish_rows=finish_rows if not out_rows else 0,
+                             q_row0=r0, k_row0=x)
+    k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)
+    ones = jnp.ones((bn, ones_cols), q.dtype)
+    res = call(q, k_in, v, ones, *(state or ()))
+    if finish_rows == n:
+        return tuple(res), None
+    if finish_rows == 0:
+        return None, tuple(res)
+    return tuple(res[:2]), tuple(res[2:])
 
 
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
