@@ -7,9 +7,10 @@ Variants (each jitted, median of ``--iters`` back-to-back calls on two rotating 
 
 - ``single``: the default backend's ``forward_with_lse`` over the whole sequence;
 - ``cp``: ``cp.forward_with_lse(cp_world_size=degree)``;
-- ``chain``: the same ``Backend.fold_on`` launches on query shards and key ranges sliced
-  before the timed call, their outputs not concatenated (``cp`` minus ``chain``: the
-  slices and the concatenation);
+- ``chain``: one ``Backend.fold_on`` launch per (query shard, key range) pair, on query
+  shards and key ranges sliced before the timed call, their outputs not concatenated
+  (``cp`` ran these launches on slices up to tree ``9d31301``; it now launches once per
+  key range over the shards that see it, ``Backend.fold_window``);
 - ``stateless``: the same launches, each on its own (no state loaded or stored, the
   output stored as the single call does; not the same bits: only the time matters)
   (``chain`` minus ``stateless``: the fp32 state's traffic);
