@@ -2,7 +2,7 @@
 the Pallas backend's decode beside them, in one process (H200).
 
     python -m benchmarks.decode_ab --out_dir=$OUT/decode_ab \
-        --variants="split:,persistent:split_decode_persistent=1"
+        --variants="slots4:,slots3:split_decode_stages=3"
 
 Hq=32 Hkv=8 D=128 bf16 causal, ``--sq`` queries per head (1: decode; 2 to 8:
 speculative verification) against ``B x Skv`` keys. Each variant is jitted and timed as
@@ -29,7 +29,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("points", ["1x32768", "1x131072", "8x8192", "8x32768", "8x131072"],
                   "BxSkv points.")
 flags.DEFINE_integer("sq", 1, "Queries per head.")
-flags.DEFINE_string("variants", "split:,persistent:split_decode_persistent=1",
+flags.DEFINE_string("variants", "slots4:,slots3:split_decode_stages=3",
                     "Comma-separated name:field=value;field=value MosaicConfig variants "
                     "(the first is the bits' reference).")
 flags.DEFINE_bool("with_pallas", True, "Time the Pallas backend's decode beside them.")

@@ -169,10 +169,10 @@ def test_decode_ab_parses_its_variants():
 
     from benchmarks import decode_ab
     from jaxattn.backends.mosaic.forward import MosaicConfig
-    got = decode_ab.parse_variants("a:,b:split_decode_persistent=1;split_decode_stages=3")
+    got = decode_ab.parse_variants("a:,b:stack_decode=0;split_decode_stages=3")
     assert got == [("a", MosaicConfig()),
-                   ("b", MosaicConfig(split_decode_persistent=True, split_decode_stages=3))]
-    assert got[1][1].split_decode_persistent is True
+                   ("b", MosaicConfig(stack_decode=False, split_decode_stages=3))]
+    assert got[1][1].stack_decode is False
     with pytest.raises(app.UsageError, match="not a MosaicConfig field"):
         decode_ab.parse_variants("c:no_such_field=1")
 

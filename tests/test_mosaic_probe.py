@@ -343,29 +343,23 @@ def test_interpret_stacked_queries_before_any_key(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_split_decode_keeps_bits(mosaic_fwd, monkeypatch):
+def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
     with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
-    other split is empty); so does the split decode on a persistent grid (two CTAs
-    walking the four (sequence, split) items, the K/V ring running on from one item's
-    blocks into the next's)."""
-    monkeypatch.setattr(mosaic_fwd, "sm_count", lambda: 2)
+    other split is empty)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
     offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
-    configs = [mosaic_fwd.MosaicConfig(split_decode=False),
-               mosaic_fwd.MosaicConfig(split_decode=True),
-               mosaic_fwd.MosaicConfig(split_decode=True, split_decode_persistent=True)]
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
-        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=cfg, **kw)
-                for cfg in configs]
-        for got in outs[1:]:
-            for x, y in zip(got, outs[0], strict=True):
-                assert not np.isnan(np.asarray(x, np.float32)).any()
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"{list(kw)} (seed {seed})")
+        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(split_decode=split), **kw)
+                for split in (False, True)]
+        for x, y in zip(*outs, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"{list(kw)} (seed {seed})")
 
 
 @needs_threads
@@ -600,12 +594,6 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
                                      ).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
     # The fold reads the split kernel's tile-major states in place (no split-major copy).
-    assert "stablehlo.transpose" not in text
-    # On a persistent grid ((batch, KV head, split) items, the Q prefetch): it fits the
-    # SMEM and is the same two kernels.
-    text = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=mosaic_fwd.MosaicConfig(
-        split_decode=True, split_decode_persistent=True)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 2
     assert "stablehlo.transpose" not in text
     # The default (split_decode=None) splits where B * Hkv is below
     # SPLIT_DECODE_BELOW_CTAS (16 here) and folds in the kernel from there on.

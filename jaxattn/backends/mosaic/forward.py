@@ -154,12 +154,6 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
-    #: The split decode on a persistent grid (one CTA per SM walking (batch, KV head,
-    #: split) items, its K/V ring running on from one split's blocks into the next's)
-    #: instead of one CTA per split: each CTA's start (barriers, Q, the first loads'
-    #: latency) and end (the state's store) are paid once per SM, not once per split.
-    #: The same splits, blocks and operations: the same bits (a launch choice).
-    split_decode_persistent: bool = False
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -525,7 +519,6 @@ class _Item:
     hi: object = None  #: key blocks [0, hi) visited
     full: object = None  #: blocks [0, full) unmasked for every row
     tile_indices: object = None
-    si: object = None  #: the item's split (``split_out``), else 0
 
 
 class _Forward:
@@ -660,11 +653,9 @@ class _Forward:
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
         self.n_splits_all = -(-self.total // self.per_split)
-        if split_out and self.nwg != 1:
-            raise ValueError("split_out needs one compute warpgroup")
-        #: The items' splits: with ``split_out`` on a persistent grid each (tile, head,
-        #: batch, split) is an item of its own (else the grid's "s" axis).
-        self.item_splits = self.n_splits_all if split_out and cfg.persistent else 1
+        if split_out and (self.nwg != 1 or cfg.persistent):
+            raise ValueError("split_out needs one compute warpgroup and no persistent "
+                             "grid")
         self.wgmma_layout = plgpu.Layout.WGMMA if self.layout_hints else None
         self.row_layout = plgpu.Layout.WGMMA.reduce(1)
         self.set_regs = (cfg.registers is not None and self.nwg == 2
@@ -706,13 +697,9 @@ class _Forward:
     def layout(self, x, lay):
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
-    def first_block(self, si):
-        """The first key block of split ``si``'s item (``split_out``), else 0."""
-        return si * self.per_split if self.split_out else jnp.int32(0)
-
-    def split_of_grid(self):
-        """The CTA's split (``split_out`` on a grid with an "s" axis), else 0."""
-        return (lax.axis_index("s") if self.split_out and self.item_splits == 1
+    def split_lo(self):
+        """The first block of the CTA's split (split_out), else 0."""
+        return (lax.axis_index("s") * self.per_split if self.split_out
                 else jnp.int32(0))
 
     def offset_of(self, bi):
@@ -757,13 +744,10 @@ class _Forward:
 
     # -- the tile schedule -----------------------------------------------------------
 
-    def item(self, qi, h, bi, si=None):
-        """(tile0, h, bi, kvh, hi_cta, si) of the tile ``qi`` (in launch order) of head
-        ``h`` of batch ``bi`` (``split_out``: its split ``si``, None: the grid's): where
-        the item's rows start, its KV head, the key blocks [si * per_split, hi_cta) any
-        of the CTA's rows visits, and its split (0 without ``split_out``)."""
-        if si is None:
-            si = self.split_of_grid()
+    def item(self, qi, h, bi):
+        """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
+        ``h`` of batch ``bi``: where the item's rows start, its KV head and the key
+        blocks [0, hi_cta) any of the CTA's rows visits."""
         if self.cfg.q_order == "descending":
             qi = (self.n_tiles - 1) - qi
         tile0 = qi * self.rows_cta
@@ -772,10 +756,10 @@ class _Forward:
             tile0 if pos is None else tile0 * 0 + self.last_block_start(pos),
             block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
             causal=self.causal)
-        if self.split_out:  # the item's split only: blocks [lo, end)
-            lo = si * self.per_split
-            hi_cta = lax.max(lax.min(lo + self.per_split, hi_cta), lo)
-        return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta, si
+        if self.split_out:  # the CTA's split only: blocks [lo, end)
+            hi_cta = lax.max(lax.min(self.split_lo() + self.per_split, hi_cta),
+                             self.split_lo())
+        return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta
 
     def items_of_cta(self):
         """Tile schedule: the CTA's items as ``(count, item_at(k))``. One item per CTA
@@ -789,22 +773,20 @@ class _Forward:
             return jnp.int32(1), lambda k: self.item(qi, h, bi)
         cta = lax.axis_index("cta")
         table = self.dyn["sched"]  # row cta: [count, item, item, ...]
-        hq, n_tiles, ns = self.hq, self.n_tiles, self.item_splits
+        hq, n_tiles = self.hq, self.n_tiles
 
         def at_table(k):
-            t = table[cta, k + 1]  # ((bi * n_tiles + qi) * hq + h) * ns + si
-            si = lax.rem(t, jnp.int32(ns)) if ns > 1 else None
-            t = lax.div(t, jnp.int32(ns)) if ns > 1 else t
+            t = table[cta, k + 1]
             return self.item(lax.rem(lax.div(t, jnp.int32(hq)), jnp.int32(n_tiles)),
                              lax.rem(t, jnp.int32(hq)),
-                             lax.div(t, jnp.int32(hq * n_tiles)), si)
+                             lax.div(t, jnp.int32(hq * n_tiles)))
 
         return table[cta, 0], at_table
 
     # -- the K/V producer ring -------------------------------------------------------
 
-    def producer(self, k_ref, v_ref, smem, bars, kvh, bi, lo, hi, base, keep_ref=None):
-        """K/V producer ring, one item: key blocks [lo, hi) into the ring, block
+    def producer(self, k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
+        """K/V producer ring, one item: key blocks [split_lo(), hi) into the ring, block
         t at ring position ``base + t``, each slot once the compute warpgroups have
         released it (the "consumed" barriers); with a key mask, each block's keep
         values with its V (they are read up to the softmax, V's slot is released after
@@ -844,7 +826,7 @@ class _Forward:
                                         m_bar.at[slot])
             return None
 
-        lax.fori_loop(lo, hi, load, None)
+        lax.fori_loop(self.split_lo(), hi, load, None)
 
     def block_parts(self, bi, t):
         """Key block ``t`` of sequence ``bi`` as TMA copies ``(index, rows, at)``: rows
@@ -1047,8 +1029,8 @@ class _Forward:
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
         return part if state is None else kernel_merge(*state, *part)
 
-    def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, si,
-                 base, flags_ref=None, qbuf=None, after_q=None):
+    def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
+                 flags_ref=None, qbuf=None, after_q=None):
         """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
         splits folded in order (:meth:`split`), the blocks only the CTA's other
         warpgroup needs released, and the :meth:`epilogue`. ``base``: the K/V loads of
@@ -1063,8 +1045,7 @@ class _Forward:
             q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * self.nwg + w]
         it = _Item(w=w, q_s=q_s, q_b=q_b, lse_s=lse_s.at[w],
                    p_s=None if p_s is None else p_s.at[w], smem=smem, bars=bars,
-                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref,
-                   si=si)
+                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref)
         it.offset, it.position = self.offset_of(bi), self.position_of(bi)
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
@@ -1094,8 +1075,8 @@ class _Forward:
             pl.when(w == 1)(lambda: self.sync(it))
 
         # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
-        first_step = self.first_block(si)
-        n_steps = (lax.min(it.hi, first_step + self.per_split) if self.split_out
+        first_step = self.split_lo()
+        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
                    else it.hi)
         n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
 
@@ -1108,7 +1089,7 @@ class _Forward:
         if self.split_out:
             # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
             # >= hi: then finalize gives (0, -inf)); the fold happens outside.
-            state = self.split(it, n_steps, si, None,
+            state = self.split(it, n_steps, lax.axis_index("s"), None,
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
@@ -1164,7 +1145,7 @@ class _Forward:
         registers in the accumulator's and the rows' layouts."""
         acc_in, m_in, l_in = self.dyn["carry"]
         bar, o32_s, rows_s = it.bars[8].at[0], it.smem[7], it.smem[8]
-        at = (it.bi, it.h, it.si, pl.ds(it.q0, self.bm))
+        at = (it.bi, it.h, lax.axis_index("s"), pl.ds(it.q0, self.bm))
         for src, dst in ((acc_in, o32_s), (m_in, rows_s.at[0]), (l_in, rows_s.at[1])):
             plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
             plgpu.barrier_wait(bar)
@@ -1187,7 +1168,7 @@ class _Forward:
             rows_s.at[0][...] = lse
             rows_s.at[1][...] = l
             plgpu.commit_smem()
-            at = (it.bi, it.h, it.si, rows)
+            at = (it.bi, it.h, lax.axis_index("s"), rows)
             plgpu.copy_smem_to_gmem(o32_s, o_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[0], lse_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
@@ -1196,7 +1177,7 @@ class _Forward:
             o32_s[...] = out
             lse_s[...] = lse
             plgpu.commit_smem()
-            si = it.si
+            si = lax.axis_index("s")
             o_rows = rows
             if self.state_rows is not None:  # the tile's first rows of out only (the
                 # lse row stays whole: a TMA copy moves a multiple of 128 bytes)
@@ -1296,9 +1277,8 @@ class _Forward:
                         smem[0].at[buf, wg],
                         bars[4].at[buf * nwg + wg])
 
-                def one(k, loads):
-                    tile0, h, bi, _, hi_cta, si = item_at(k)
-                    lo = self.first_block(si)
+                def one(k, base):
+                    tile0, h, bi, _, hi_cta = item_at(k)
                     qbuf = after_q = None
                     if cfg.prefetch_q:
                         qbuf = lax.rem(k, jnp.int32(2))
@@ -1312,15 +1292,14 @@ class _Forward:
                             # was awaited at that item's end.
                             @pl.when(k + 1 < count)
                             def _():
-                                t1, h1, b1, *_ = item_at(k + 1)
+                                t1, h1, b1, _, _ = item_at(k + 1)
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
-                    # The ring position of the item's step t is loads - lo + t.
                     self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
-                                  hi_cta, si, loads - lo, flags_ref, qbuf, after_q)
-                    return loads + (hi_cta - lo)
+                                  hi_cta, base, flags_ref, qbuf, after_q)
+                    return base + hi_cta
 
-                lax.fori_loop(0, count, one, jnp.int32(0))
+                lax.fori_loop(0, count, one, -self.split_lo())
 
             @pl.when(wg == nwg)
             def _():
@@ -1329,14 +1308,13 @@ class _Forward:
                 if self.use_mma_rowsum:
                     plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
 
-                def one(k, loads):
-                    _, _, bi, kvh, hi_cta, si = item_at(k)
-                    lo = self.first_block(si)
-                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, lo, hi_cta, loads - lo,
+                def one(k, base):
+                    _, _, bi, kvh, hi_cta = item_at(k)
+                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base,
                                   keep_ref)
-                    return loads + (hi_cta - lo)
+                    return base + hi_cta
 
-                self.drain(bars, lax.fori_loop(0, count, one, jnp.int32(0)))
+                self.drain(bars, lax.fori_loop(0, count, one, -self.split_lo()))
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
@@ -1356,8 +1334,7 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
-            if self.item_splits == 1:  # else the splits are the persistent grid's items
-                grid, grid_names = (n, *grid), ("s", *grid_names)
+            grid, grid_names = (n, *grid), ("s", *grid_names)
         elif self.finish_rows:  # (out, lse) of the finished rows, then the state's
             f = self.finish_rows
             out_type = (jax.ShapeDtypeStruct((b, hq, f, d), self.dtype),
@@ -1384,11 +1361,8 @@ class _Forward:
         )
         if not self.greedy:
             return call, self.ones_cols
-        blocks = np.repeat(self.tile_blocks, hq)  # per (tile, head), the head fastest
-        if self.item_splits > 1:  # per (tile, head, split), the split fastest
-            lo = np.arange(self.item_splits) * self.per_split
-            blocks = np.clip(blocks[:, None] - lo[None, :], 0, self.per_split).reshape(-1)
-        table = jnp.asarray(persistent_schedule(blocks, b, cfg.persistent))
+        table = jnp.asarray(persistent_schedule(np.repeat(self.tile_blocks, hq), b,
+                                                cfg.persistent))
         return (lambda *args: call(*args, table)), self.ones_cols
 
 
@@ -1605,9 +1579,6 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         if split and not partials and d <= 128:
             cfg = dataclasses.replace(cfg, stages=cfg.split_decode_stages)
-        if split and not partials and cfg.split_decode_persistent:
-            n_items = b * hkv * -(-skv_kernel // schedule.SPLIT)
-            cfg = dataclasses.replace(cfg, persistent=min(sm_count(), n_items))
         # The split decode writes only the group's rows of each split's state (rounded
         # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
         state_rows = -(-stacked // 8) * 8 if split and not partials else None
