@@ -8,8 +8,7 @@
 # PYTEST_K a -k expression, e.g. PYTEST_K=mosaic); check: the invariance
 # matrix + accuracy at GPU sizes (CHECK_ROWS picks rows, e.g. "cp,paged"); operator: the check_operator CLI at Qwen3-8B shapes
 # paged: benchmarks/paged_bench.py (PAGED_ARGS), contiguous and paged decode per backend
-# (B=8, S=4096); decodeab: the Mosaic decode's launch variants (benchmarks/decode_ab.py,
-# DECODE_AB_ARGS); bench: benchmarks/attention_bench.py at the shapes; bridge: the
+# (B=8, S=4096); bench: benchmarks/attention_bench.py at the shapes; bridge: the
 # torch bridge's overhead (benchmarks/bridge_bench.py); profile: where a bridge call's host
 # time goes (benchmarks/bridge_profile.py, PROFILE_ARGS); varlen: packed sequences and left
 # padding beside a padded batch and cuDNN (benchmarks/varlen_bench.py); hf: HF transformers decode and
@@ -87,14 +86,6 @@ if has paged; then
   timeout ${PAGED_TIMEOUT:-300} $PY -m benchmarks.paged_bench --out_dir="$OUT/paged" \
       ${PAGED_ARGS:-} 2>&1 | grep -v 'Unable to initialize backend' \
       | tee "$OUT/paged.txt" | tail -40
-  status=$((status | ${PIPESTATUS[0]}))
-fi
-if has decodeab; then
-  # The Mosaic decode's launch variants beside each other and the Pallas decode
-  # (benchmarks/decode_ab.py, DECODE_AB_ARGS), bits compared.
-  timeout ${DECODE_AB_TIMEOUT:-300} $PY -m benchmarks.decode_ab --out_dir="$OUT/decode_ab" \
-      ${DECODE_AB_ARGS:-} 2>&1 | grep -v 'Unable to initialize backend' \
-      | tee "$OUT/decode_ab.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has bridge; then

@@ -162,26 +162,10 @@ def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     assert set(report["meta"]["allgather_GBps"]) == {"2"}
 
 
-def test_decode_ab_parses_its_variants():
-    """``decode_ab --variants``: MosaicConfig fields by name, 1/0 as booleans, an empty
-    variant as the default config, an unknown field refused."""
-    from absl import app
-
-    from benchmarks import decode_ab
-    from jaxattn.backends.mosaic.forward import MosaicConfig
-    got = decode_ab.parse_variants("a:,b:stack_decode=0;split_decode_stages=3")
-    assert got == [("a", MosaicConfig()),
-                   ("b", MosaicConfig(stack_decode=False, split_decode_stages=3))]
-    assert got[1][1].stack_decode is False
-    with pytest.raises(app.UsageError, match="not a MosaicConfig field"):
-        decode_ab.parse_variants("c:no_such_field=1")
-
-
 def test_gpu_only_binaries_parse_their_flags():
     """The GPU-only diagnostic binaries import and parse flags on the CPU (no rot)."""
     for mod in ("benchmarks.mosaic_gpu_check", "benchmarks.tune", "benchmarks.cp_profile",
-                "benchmarks.kernel_probe", "benchmarks.dq_epilogue_ab", "benchmarks.stack_ab",
-                "benchmarks.decode_ab"):
+                "benchmarks.kernel_probe", "benchmarks.dq_epilogue_ab", "benchmarks.stack_ab"):
         code = (f"import sys; from absl import flags; import {mod} as m; "
                 f"flags.FLAGS(['x']); assert callable(m.main); print('ok')")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
