@@ -116,7 +116,6 @@ LAUNCH_VARIANTS = {
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
     "persistent-7": dict(persistent=7),  # more items per CTA
-    "skip-unit-rescale": dict(skip_unit_rescale=True),  # no acc * 1.0
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

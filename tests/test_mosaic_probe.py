@@ -194,27 +194,6 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
-@needs_threads
-@needs_interpret
-def test_interpret_skip_unit_rescale_keeps_bits(mosaic_fwd):
-    """``skip_unit_rescale``: a key block where no row of the tile has a new max skips
-    ``acc * alpha`` (every alpha is exactly 1): the bits of the default, on random
-    scores (maxima growing now and then) and with an attention sink (a first key whose
-    score is every row's max, so later blocks skip), causal."""
-    seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
-    qs = (q.astype(jnp.float32) + 3.0).astype(q.dtype)
-    ks = k.at[:, :, 0].set(0.5)
-    for qq, kk in ((q, k), (qs, ks)):
-        base = mosaic_fwd.forward(qq, kk, v, causal=True, interpret=True,
-                                  config=mosaic_fwd.MosaicConfig(**_ONE_WG))
-        other = mosaic_fwd.forward(qq, kk, v, causal=True, interpret=True,
-                                   config=mosaic_fwd.MosaicConfig(skip_unit_rescale=True,
-                                                                  **_ONE_WG))
-        for x, y in zip(base, other, strict=True):
-            assert not np.isnan(np.asarray(x, np.float32)).any()
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
-
-
 @pytest.mark.slow  # CI time (13 s): a launch choice, also run on the H200
 @needs_threads
 @needs_interpret

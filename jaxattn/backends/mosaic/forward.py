@@ -154,11 +154,6 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
-    #: Skip the accumulator's rescale by ``alpha`` in a key block where no row of the
-    #: warpgroup tile has a new running max (every ``alpha`` is exactly 1, and ``acc *
-    #: 1.0`` is ``acc`` in bits): one branch on the tile's smallest ``alpha`` in place
-    #: of 64 products per thread. The same bits (a launch choice).
-    skip_unit_rescale: bool = False
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -975,12 +970,7 @@ class _Forward:
             rs = pl.run_scoped(psum, plgpu.ACC((bm, self.ones_cols), jnp.float32))
             l_new = l * alpha + rs.max(axis=1)
         l = l_new
-        if self.cfg.skip_unit_rescale:
-            # acc * 1.0 is acc in bits: skip the product where no row's max grew.
-            grew = jnp.max(jnp.where(alpha == 1.0, 0.0, 1.0)) > 0.0
-            acc = lax.cond(grew, lambda a: a * _rows(alpha, a.shape), lambda a: a, acc)
-        else:
-            acc = acc * _rows(alpha, acc.shape)
+        acc = acc * _rows(alpha, acc.shape)
         if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
         if self.pingpong:
