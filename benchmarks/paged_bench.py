@@ -5,10 +5,11 @@ page layout and backend, with the device's copy bandwidth measured in the same r
     python -m benchmarks.paged_bench --smoke          # tiny, on a CPU
 
 Each point is one decode step (Sq = 1) of B sequences of Skv keys (Hq=32, Hkv=8, D=128
-bf16 by default) against a shuffled page table; back-to-back calls on rotating inputs
-(report.sampled_seconds). Contiguous rows are ``jaxattn.attention`` on ``[B, Hkv, Skv,
-D]``; paged rows are ``jaxattn.paged.attention`` (the Pallas kernels read the pages in
-place; the mosaic backend gathers them first).
+bf16 by default) against a shuffled page table (``--tables=ordered``: page p of
+sequence b at physical page ``b * pages + p``, the pool in key order); back-to-back calls
+on rotating inputs (report.sampled_seconds). Contiguous rows are ``jaxattn.attention`` on
+``[B, Hkv, Skv, D]``; paged rows are ``jaxattn.paged.attention`` (the kernels read the
+pages in place).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ flags.DEFINE_list("kv_lens", ["8192", "4096"], "Keys per sequence (paired with -
 flags.DEFINE_list("page_sizes", ["16", "64", "128"], "Page sizes.")
 flags.DEFINE_list("layouts", ["HND", "NHD"], "Page layouts.")
 flags.DEFINE_list("backends", ["mosaic", "pallas"], "jaxattn backends.")
+flags.DEFINE_list("tables", ["shuffled"], "Page tables: shuffled (a random permutation of "
+                  "the pool) and/or ordered (each sequence's pages in key order).")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
@@ -38,7 +41,7 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU.")
 FLAGS = flags.FLAGS
 
 
-def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2):
+def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffled"):
     rng = np.random.default_rng(b * 7 + skv + (ps or 0))
     max_pages = -(-skv // (ps or skv))
     sets = []
@@ -54,7 +57,8 @@ def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2):
         shape = (n, ps, hkv, d) if layout == "NHD" else (n, hkv, ps, d)
         kp = jax.random.normal(ks[1], shape, jnp.bfloat16)
         vp = jax.random.normal(ks[2], shape, jnp.bfloat16)
-        table = jnp.asarray(rng.permutation(n).reshape(b, max_pages).astype(np.int32))
+        order = rng.permutation(n) if table_kind == "shuffled" else np.arange(n)
+        table = jnp.asarray(order.reshape(b, max_pages).astype(np.int32))
         sets.append((q, kp, vp, table, jnp.full((b,), skv, jnp.int32)))
     if ps is None:
         fn = jax.jit(lambda q, k, v: jaxattn.attention(q, k, v, backend=backend))
@@ -65,7 +69,8 @@ def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2):
                                     0.02)
     nbytes = 2 * b * hkv * skv * d * 2
     return {"backend": backend, "B": b, "Skv": skv, "page_size": ps,
-            "layout": layout if ps else "contiguous", "ms": sec * 1e3,
+            "layout": layout if ps else "contiguous", "table": table_kind if ps else "-",
+            "ms": sec * 1e3,
             "GB/s": nbytes / sec / 1e9}
 
 
@@ -79,10 +84,11 @@ def main(argv):
     rows = []
     for b, skv in points:
         for backend in backends:
-            for ps, layout in [(None, None)] + [(p, lay) for p in page_sizes
-                                                for lay in FLAGS.layouts]:
+            for ps, layout, kind in [(None, None, None)] + [
+                    (p, lay, t) for p in page_sizes for lay in FLAGS.layouts
+                    for t in FLAGS.tables]:
                 try:
-                    row = _point(backend, b, skv, ps, layout, hq, hkv, d)
+                    row = _point(backend, b, skv, ps, layout, hq, hkv, d, table_kind=kind)
                 except Exception as e:  # reported, not fatal
                     row = {"backend": backend, "B": b, "Skv": skv, "page_size": ps,
                            "layout": layout, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -96,13 +102,13 @@ def main(argv):
              f"Hkv={hkv} D={d} bf16, decode (Sq=1); command: `{meta['command']}`", ""]
     if meta["copy_GBps"]:
         lines += [f"Device copy bandwidth (read + write): {meta['copy_GBps']:.0f} GB/s", ""]
-    lines += ["| backend | B | Skv | page size | layout | ms | GB/s |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| backend | B | Skv | page size | layout | table | ms | GB/s |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tail = (f"{r['error'][:60]} | |" if "error" in r
                 else f"{r['ms']:.3f} | {r['GB/s']:.0f} |")
         lines.append(f"| {r['backend']} | {r['B']} | {r['Skv']} | {r['page_size'] or '-'} | "
-                     f"{r['layout']} | {tail}")
+                     f"{r['layout']} | {r.get('table', '-')} | {tail}")
     md = "\n".join(lines) + "\n"
     print(md)
     report.write(FLAGS.out_dir, {"meta": meta, "rows": rows}, md)
