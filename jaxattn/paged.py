@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import registry
-from jaxattn.backends.base import gather_pages
+from jaxattn.backends.base import PAGE_LAYOUTS as LAYOUTS  # noqa: F401 (public)
+from jaxattn.backends.base import check_page_layout, gather_pages, page_dims
 from jaxattn.validation import SUPPORTED_DTYPES, Dims, resolve_scale
 
 
@@ -40,29 +41,11 @@ def _is_concrete(x) -> bool:
     return isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
 
 
-#: The page layouts: ``[num_pages, Hkv, page_size, D]`` and ``[num_pages, page_size,
-#: Hkv, D]``.
-LAYOUTS = ("HND", "NHD")
-
-
-def _check_layout(layout) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'HND' ([num_pages, Hkv, page_size, D]) or 'NHD' "
-                         f"([num_pages, page_size, Hkv, D]), got {layout!r}")
-
-
-def page_dims(pages, layout: str = "HND") -> tuple[int, int, int, int]:
-    """``(num_pages, Hkv, page_size, D)`` of a page array in ``layout``."""
-    _check_layout(layout)
-    n, x, y, d = pages.shape
-    return (n, y, x, d) if layout == "NHD" else (n, x, y, d)
-
-
 def validate(q, k_pages, v_pages, block_table, seq_lens, layout: str = "HND") -> Dims:
     """Check shapes, dtypes and, when the values are concrete (not traced), page ids and
     lengths. Raises ValueError / TypeError naming what it got; returns the call's
     :class:`~jaxattn.validation.Dims` (``kv_len``: the block table's capacity)."""
-    _check_layout(layout)
+    check_page_layout(layout)
     if q.ndim != 4:
         raise ValueError(f"q must have rank 4 ([B, Hq, Sq, D]), got shape {q.shape}")
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
@@ -117,7 +100,7 @@ def validate(q, k_pages, v_pages, block_table, seq_lens, layout: str = "HND") ->
 
 def gather(pages, block_table, layout: str = "HND"):
     """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages."""
-    _check_layout(layout)
+    check_page_layout(layout)
     return gather_pages(pages, block_table, layout)
 
 

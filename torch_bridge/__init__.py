@@ -15,7 +15,8 @@ traces through it). See docs/torch_bridge.md for what is copied and when.
 
 from __future__ import annotations
 
-from torch_bridge.bridge import TorchOp, get_op, op_names
+from torch_bridge.bridge import TorchOp
+from torch_bridge.ops import get_op, op_names
 from torch_bridge.varlen import varlen_attention
 
 __all__ = ["TorchOp", "get_op", "op_names", "varlen_attention"]

@@ -24,17 +24,12 @@ from jaxattn.schedule import bucket_length  # noqa: E402
 from jaxattn.validation import resolve_scale  # noqa: E402
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_OPS = ("attention", "cp_attention", "paged_attention")
 
 #: Counts traces of the bridge's JAX functions (a test proves repeated calls reuse them).
 TRACE_COUNT = {"n": 0}
 #: What each trace of a bucketed function was for: (direction, backend, causal, scale,
 #: platform, q shape, k shape, whether a mask was passed).
 TRACES: list[tuple] = []
-
-
-def op_names() -> tuple[str, ...]:
-    return _OPS
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -675,19 +670,3 @@ def _as_offsets(x: Any, like: torch.Tensor) -> torch.Tensor | None:
     if x is None or isinstance(x, torch.Tensor):
         return x
     return torch.as_tensor(x, dtype=torch.int32, device=like.device)
-
-
-def get_op(name: str = "attention", *, backend: str | None = None):
-    """The op ``name`` for torch tensors: "attention" or "cp_attention" (a
-    :class:`TorchOp`), or "paged_attention" (:class:`torch_bridge.paged.PagedOp`: a
-    paged KV cache, forward only).
-
-    Raises:
-      KeyError: an unknown name (the message lists the known ones).
-    """
-    if name not in _OPS:
-        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(_OPS)}")
-    if name == "paged_attention":
-        from torch_bridge.paged import PagedOp
-        return PagedOp(backend)
-    return TorchOp(name, backend)

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from torch_bridge.bridge import get_op
+from torch_bridge.ops import get_op
 from torch_bridge.varlen import varlen_attention
 
 DEFAULT_NAME = "jaxattn"

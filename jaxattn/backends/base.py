@@ -343,6 +343,25 @@ class Backend:
                                             k.shape[0], 0.0) for g in (dk, dv)))
 
 
+#: Paged KV layouts: HND ``[num_pages, Hkv, page_size, D]`` (jaxattn's default), NHD
+#: ``[num_pages, page_size, Hkv, D]`` (vLLM's and FlashInfer's default).
+PAGE_LAYOUTS = ("HND", "NHD")
+
+
+def check_page_layout(layout) -> None:
+    """ValueError naming ``layout`` unless it is one of :data:`PAGE_LAYOUTS`."""
+    if layout not in PAGE_LAYOUTS:
+        raise ValueError(f"layout must be 'HND' ([num_pages, Hkv, page_size, D]) or 'NHD' "
+                         f"([num_pages, page_size, Hkv, D]), got {layout!r}")
+
+
+def page_dims(pages, layout: str = "HND") -> tuple[int, int, int, int]:
+    """``(num_pages, Hkv, page_size, D)`` of a page array in ``layout``."""
+    check_page_layout(layout)
+    n, x, y, d = pages.shape
+    return (n, y, x, d) if layout == "NHD" else (n, x, y, d)
+
+
 def gather_pages(pages, block_table, layout: str = "HND"):
     """Contiguous ``[B, Hkv, max_pages * page_size, D]`` keys or values from pages
     (``[num_pages, Hkv, page_size, D]``, or ``[num_pages, page_size, Hkv, D]`` with

@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxattn import platform as _platform
 from jaxattn import schedule
-from jaxattn.backends.base import Backend
+from jaxattn.backends.base import Backend, page_dims
 from jaxattn.backends.common import pad_head_dim, padded_head_dim
 from jaxattn.backends.pallas import forward as pallas_triton
 from jaxattn.backends.pallas.backend import BACKEND as PALLAS
@@ -456,7 +456,6 @@ class MosaicBackend(Backend):
             return PALLAS.paged_forward(q, k_pages, v_pages, block_table, seq_lens,
                                         causal=causal, scale=scale, layout=layout)
         from jaxattn.backends.mosaic import forward as mosaic_fwd
-        from jaxattn.paged import page_dims
         page_size = page_dims(k_pages, layout)[2]
         if (causal and q.shape[-1] in NATIVE_HEAD_DIMS
                 and mosaic_fwd.reads_pages_in_place(page_size)

@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import schedule
+from jaxattn.backends.base import page_dims
 from jaxattn.backends.common import LN2, LOG2E
 from jaxattn.validation import as_bhsd
 
@@ -1495,7 +1496,6 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         if not causal or btnh or partials or key_padding_mask is not None:
             raise ValueError("paged K/V is served causal, [B, Hq, Sq, D], without partial "
                              "states or a key padding mask")
-        from jaxattn.paged import page_dims
         table, lens, layout = pages
         kv_btnh = layout == "NHD"
         num_pages, hkv_p, page_size, _ = page_dims(k, layout)
@@ -1754,7 +1754,6 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, scale: float | 
     ``causal_offsets = seq_lens - Sq`` (the same blocks of keys, in the same order, into
     the same SMEM rows; the keys past a sequence's length are never visible and their
     V rows are zeroed in SMEM)."""
-    from jaxattn.paged import page_dims
     page_size = page_dims(k_pages, layout)[2]  # (raises for another layout)
     if not reads_pages_in_place(page_size):
         raise ValueError(f"pages of {page_size} keys are not read in place (a multiple of "

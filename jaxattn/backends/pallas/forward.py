@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxattn import schedule
+from jaxattn.backends.base import check_page_layout
 from jaxattn.backends.common import (
     NEG_INF,
     head_dim_reason,
@@ -123,11 +124,6 @@ class _KV(NamedTuple):
     mask_ref: Any
     kv_len: Any  # a Python int (contiguous) or this sequence's length (paged)
     load: Callable
-
-
-#: Paged KV layouts: HND ``[num_pages, Hkv, page_size, D]``, NHD ``[num_pages,
-#: page_size, Hkv, D]`` (vLLM's and FlashInfer's default).
-PAGE_LAYOUTS = ("HND", "NHD")
 
 
 def _load_view(view, ok):
@@ -549,8 +545,7 @@ def paged_forward(q, k_pages, v_pages, block_table, seq_lens, *, causal: bool, s
     Returns ``(out, lse)`` equal in bits to :func:`forward` on the contiguous keys. A
     head dim the kernels are not compiled for pads the pages too (a copy of the cache).
     """
-    if layout not in PAGE_LAYOUTS:
-        raise ValueError(f"layout must be one of {PAGE_LAYOUTS}, got {layout!r}")
+    check_page_layout(layout)
     d = q.shape[-1]
     _, q, k_pages, v_pages = _pad_qkv(q, k_pages, v_pages)
     out, lse = _forward(q, k_pages, v_pages, None, None, causal=causal, scale=scale,
