@@ -44,7 +44,8 @@ flags.DEFINE_list("fwd_shapes", None, "Indices into FWD_SHAPES checked; default 
 flags.DEFINE_list("bwd_shapes", None, "Indices into BWD_SHAPES checked; default all.")
 flags.DEFINE_list("launches", None, "Launch variants checked (LAUNCH_VARIANTS); default all.")
 flags.DEFINE_list("speed_shapes", ["2:4096", "8:4096", "1:16384"],
-                  "B:S points of --speed (Hq=32, Hkv=8, D=128, causal, bf16).")
+                  "B:S points of --speed (Hq=32, Hkv=8, D=--speed_head_dim, causal, bf16).")
+flags.DEFINE_integer("speed_head_dim", 128, "Head dim of --speed's forwards (64, 128, 256).")
 flags.DEFINE_list("fwd_variants", ["default", "pers:persistent=132",
                                    "pers-pf:persistent=132:prefetch_q=True",
                                    "nopp:pingpong=False"],
@@ -116,6 +117,7 @@ LAUNCH_VARIANTS = {
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
     "persistent-7": dict(persistent=7),  # more items per CTA
+    "3wg": dict(compute_wgs=3),  # three compute warpgroups (D <= 128: the SMEM)
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {
@@ -357,16 +359,16 @@ def _variant(spec: str):
 
 def time_speed(results: list) -> None:
     """Forward TFLOP/s of the Mosaic forward variants (``--fwd_variants``) beside the
-    Pallas backend, JAX's Pallas ``mha`` and cuDNN, causal bf16, Hq=32, Hkv=8, D=128, at
-    each ``--speed_shapes`` B:S, timed as benchmarks/attention_bench.py times (samples
-    of back-to-back calls over rotating input sets, median); then the backward
-    prototype beside the Pallas backward."""
+    Pallas backend, JAX's Pallas ``mha`` and cuDNN, causal bf16, Hq=32, Hkv=8,
+    D=``--speed_head_dim``, at each ``--speed_shapes`` B:S, timed as
+    benchmarks/attention_bench.py times (samples of back-to-back calls over rotating
+    input sets, median); then the backward prototype beside the Pallas backward."""
     from benchmarks import systems
     from jaxattn.backends.mosaic import backward as mb
     from jaxattn.backends.mosaic import forward as mf
     from jaxattn.backends.pallas import backward as pv
     from jaxattn.backends.pallas import forward as pt
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = 32, 8, FLAGS.speed_head_dim
     causal = FLAGS.speed_causal
     scale = 1 / np.sqrt(d)
     for spec in FLAGS.speed_shapes:
@@ -389,7 +391,8 @@ def time_speed(results: list) -> None:
             except Exception as e:  # a missing peer is reported
                 print({"peer": peer, "error": str(e)[:200]}, flush=True)
         for name, fn in fns.items():
-            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": causal}
+            row = {"kind": "speed", "system": name, "B": b, "S": s, "D": d,
+                   "causal": causal}
             try:
                 if isinstance(fn, tuple):
                     sysm, f = fn
