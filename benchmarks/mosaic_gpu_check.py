@@ -117,7 +117,6 @@ LAUNCH_VARIANTS = {
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
     "persistent-7": dict(persistent=7),  # more items per CTA
-    "3wg": dict(compute_wgs=3),  # three compute warpgroups (D <= 128: the SMEM)
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

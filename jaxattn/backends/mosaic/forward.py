@@ -89,11 +89,8 @@ class MosaicConfig:
 
     #: Query rows per compute warpgroup (the wgmma M: 64 or 128).
     block_m: int = 64
-    #: Compute warpgroups per CTA (1, 2 or 3); they share the K/V stream, so a CTA
-    #: covers ``block_m * compute_wgs`` query rows of one head. A further warpgroup
-    #: loads K/V. Ping-pong and ``registers`` apply to two; three (FlashAttention-3's
-    #: launch at D=64: more softmax in flight per SM) run unstaggered, 128 registers
-    #: per thread.
+    #: Compute warpgroups per CTA (1 or 2); they share the K/V stream, so a CTA covers
+    #: ``block_m * compute_wgs`` query rows of one head. A further warpgroup loads K/V.
     compute_wgs: int = 2
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
@@ -181,8 +178,8 @@ class MosaicConfig:
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
-        if self.compute_wgs not in (1, 2, 3):
-            raise ValueError(f"compute_wgs must be 1, 2 or 3, got {self.compute_wgs}")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.semantics not in ("lane", "warpgroup"):
