@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import platform as _platform
-from jaxattn import schedule
 from jaxattn.backends.base import Backend, page_dims
 from jaxattn.backends.common import pad_head_dim, padded_head_dim
 from jaxattn.backends.pallas import forward as pallas_triton
@@ -327,13 +326,10 @@ class MosaicBackend(Backend):
         finished rows stored as the output and the others as the state) where the
         window needs no padding; otherwise sliced (:meth:`Backend.fold_window`)."""
         from jaxattn.backends.mosaic import forward as mosaic_fwd
-        (r0, r1), (x, y) = rows, keys
-        bn = schedule.BLOCK_N
-        cta_rows = (self.fwd_config or mosaic_fwd.MosaicConfig()).rows
         in_place = (not on_pallas(q.dtype) and key_padding_mask is None
                     and q.shape[-1] == _padded_head_dim(q.shape[-1])
-                    and (r1 - r0) % cta_rows == 0 and finish_rows % cta_rows == 0
-                    and (y - x) % bn == 0 and (not causal or offset % bn == 0))
+                    and mosaic_fwd.window_in_place(rows, keys, finish_rows, offset, causal,
+                                                   self.fwd_config))
         if not in_place:
             return super().fold_window(state, q, k, v, key_padding_mask, rows=rows,
                                        keys=keys, finish_rows=finish_rows, offset=offset,

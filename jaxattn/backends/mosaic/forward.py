@@ -1826,19 +1826,38 @@ def fold_on(q, k, v, state=None, *, causal: bool = False, scale: float | None = 
     sequence, known when tracing (the kernel's static offset: no rows placed per
     sequence, so no copy of the state in and out of the kernel's padded rows). Other
     arguments as :func:`forward`'s."""
-    b, hq, sq, d = q.shape
-    if state is not None:
-        o_in, l_in = state
-        if (o_in.shape, l_in.shape) != ((b, hq, sq, d), (b, hq, sq)) or \
-                (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
-            raise ValueError(f"state must be (out {(b, hq, sq, d)}, lse {(b, hq, sq)}) "
-                             f"float32, got {o_in.dtype} {o_in.shape}, {l_in.dtype} "
-                             f"{l_in.shape}")
+    _check_state(state, q.shape)
     call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=interpret,
                                  config=config, key_padding_mask=key_padding_mask,
                                  causal_offsets=causal_offsets if offset is None
                                  else int(offset), state=state, state_out=not finish)
     return unpad(*call(*args))
+
+
+def _check_state(state, shape) -> None:
+    """ValueError unless ``state`` is None or ``(out, lse)`` fp32 of ``shape`` ``[B, Hq,
+    rows, D]`` and ``[B, Hq, rows]`` (a folded state of :func:`fold_on` /
+    :func:`fold_window`)."""
+    if state is None:
+        return
+    b, hq, n, d = shape
+    o_in, l_in = state
+    if (o_in.shape, l_in.shape) != ((b, hq, n, d), (b, hq, n)) or \
+            (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
+        raise ValueError(f"state must be (out {(b, hq, n, d)}, lse {(b, hq, n)}) "
+                         f"float32, got {o_in.dtype} {o_in.shape}, {l_in.dtype} "
+                         f"{l_in.shape}")
+
+
+def window_in_place(rows: tuple[int, int], keys: tuple[int, int], finish_rows: int,
+                    offset: int, causal: bool, config: MosaicConfig | None = None) -> bool:
+    """Whether :func:`fold_window` reads this window in place: its rows and
+    ``finish_rows`` whole CTAs of rows, its keys whole ``BLOCK_N`` blocks, and a causal
+    offset on the block grid (no padding anywhere)."""
+    cta_rows, bn = (config or MosaicConfig()).rows, schedule.BLOCK_N
+    n = rows[1] - rows[0]
+    return (n % cta_rows == 0 and 0 <= finish_rows <= n and finish_rows % cta_rows == 0
+            and (keys[1] - keys[0]) % bn == 0 and not (causal and offset % bn))
 
 
 def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, int],
@@ -1856,8 +1875,9 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
     launch per key range over every query shard that sees it.
 
     Served where the window needs no padding: ``r1 - r0`` and ``finish_rows``
-    multiples of the CTA's rows, ``y - x`` a multiple of ``BLOCK_N`` (``ValueError``
-    otherwise; :meth:`MosaicBackend.fold_window` slices instead)."""
+    multiples of the CTA's rows, ``y - x`` a multiple of ``BLOCK_N``
+    (:func:`window_in_place`; ``ValueError`` otherwise: :meth:`MosaicBackend.fold_window`
+    slices instead)."""
     cfg = dataclasses.replace(config or MosaicConfig(), stack_decode=False)
     check_inputs(q, k, v)
     (r0, r1), (x, y) = rows, keys
@@ -1866,28 +1886,20 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
     if not (0 <= r0 < r1 <= sq_all and 0 <= x < y <= k.shape[2]):
         raise ValueError(f"rows {rows} and keys {keys} must be non-empty windows of "
                          f"{sq_all} rows and {k.shape[2]} keys")
-    if n % cfg.rows or skv % bn or finish_rows % cfg.rows or not 0 <= finish_rows <= n \
-            or (causal and offset % bn):
+    if not window_in_place(rows, keys, finish_rows, offset, causal, cfg):
         raise ValueError(f"a window of {n} rows (and finish_rows={finish_rows}) in "
                          f"multiples of {cfg.rows}, {skv} keys in multiples of {bn} and "
                          f"an offset ({offset}) in multiples of {bn} is served in place")
-    if state is not None:
-        o_in, l_in = state
-        if (o_in.shape, l_in.shape) != ((b, hq, n, d), (b, hq, n)) or \
-                (o_in.dtype, l_in.dtype) != (jnp.float32, jnp.float32):
-            raise ValueError(f"state must be (out {(b, hq, n, d)}, lse {(b, hq, n)}) "
-                             f"float32, got {o_in.dtype} {o_in.shape}, {l_in.dtype} "
-                             f"{l_in.shape}")
+    _check_state(state, (b, hq, n, d))
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out_rows = n if finish_rows == n else 0  # all finished: the plain epilogue
     call, ones_cols = _build(b=b, hq=hq, hkv=k.shape[1], sq=n, skv=skv,
                              offset=int(offset) if causal else 0, d=d, dtype=q.dtype,
                              causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                              interpret=interpret, state_in=state is not None,
-                             state_out=finish_rows < n,
-                             finish_rows=finish_rows if not out_rows else 0,
+                             state_out=finish_rows < n,  # all finished: the plain epilogue
+                             finish_rows=finish_rows if finish_rows < n else 0,
                              q_row0=r0, k_row0=x)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)
     ones = jnp.ones((bn, ones_cols), q.dtype)
