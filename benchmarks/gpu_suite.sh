@@ -24,7 +24,8 @@
 # variants, batch/chunk invariance; a hang is a barrier bug); mosaicspeed: the forward
 # variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN; e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
-# attention kernel of NCU_MODES (fwd, fwdbwd; benchmarks/kernel_probe.py, NCU_ARGS).
+# attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
+# NCU_ARGS), or of each labelled run of NCU_RUNS.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -140,10 +141,19 @@ if has ncu; then
   # mode of NCU_MODES (fwd, fwdbwd; benchmarks/kernel_probe.py at NCU_ARGS' shape): the
   # kernels and their times, then the full section set (stall reasons, issue slots, the
   # source view's samples) on the longest one; clocks left alone (METHOD.md).
+  # NCU_RUNS="label=kernel_probe flags;label=..." names each run and its flags (e.g.
+  # "dec-pallas=--mode=decode --backend=pallas --batch=8 --seq_len=32768"); without it,
+  # each mode of NCU_MODES with NCU_ARGS.
   NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
-  for mode in ${NCU_MODES//,/ }; do
+  runs=${NCU_RUNS:-}
+  if [[ -z "$runs" ]]; then
+    for m in ${NCU_MODES//,/ }; do runs+="${runs:+;}$m=--mode=$m ${NCU_ARGS:-}"; done
+  fi
+  IFS=';' read -ra ncu_runs <<< "$runs"
+  for run in "${ncu_runs[@]}"; do
+    mode=${run%%=*}; probe_args=${run#*=}
     timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-units base \
-        --csv $PY -m benchmarks.kernel_probe --mode=$mode ${NCU_ARGS:-} \
+        --csv $PY -m benchmarks.kernel_probe $probe_args \
         > "$OUT/ncu-$mode-kernels.csv" 2> "$OUT/ncu-$mode.log"
     # The longest launch: its name and how many launches of that name come before it
     # (Mosaic GPU names every kernel alike; the program launches the same kernels in the
@@ -159,12 +169,12 @@ print("regex:^" + re.escape(rows[i][n]) + "$", skip)' "$OUT/ncu-$mode-kernels.cs
     echo "ncu $mode: the longest kernel $name (after $skip of that name)"
     timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --set full --import-source yes \
         -k "$name" --launch-skip "$skip" --launch-count 1 -f -o "/tmp/ncu-$mode" \
-        $PY -m benchmarks.kernel_probe --mode=$mode ${NCU_ARGS:-} >> "$OUT/ncu-$mode.log" 2>&1
+        $PY -m benchmarks.kernel_probe $probe_args >> "$OUT/ncu-$mode.log" 2>&1
     "$NCU" --import "/tmp/ncu-$mode.ncu-rep" --page details > "$OUT/ncu-$mode-details.txt" 2>&1
     "$NCU" --import "/tmp/ncu-$mode.ncu-rep" --page source --csv --print-source sass \
         > "$OUT/ncu-$mode-sass.csv" 2>&1 || true
-    grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy" \
-        "$OUT/ncu-$mode-details.txt" | head -12
+    grep -E "Duration|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Registers Per|Block Limit (Reg|Shared)|Theoretical Occupancy|Achieved Occupancy" \
+        "$OUT/ncu-$mode-details.txt" | head -16
   done
 fi
 if has cp; then

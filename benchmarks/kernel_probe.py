@@ -5,7 +5,8 @@
 
 ``gpu_suite.sh``'s ``ncu`` stage runs it twice: once to list the kernels and their
 times, then the full section set on the longest kernel (issue 33's "where the time goes
-per tile": stall reasons, issue slots, the source view's per-instruction samples).
+per tile": stall reasons, issue slots, the source view's per-instruction samples; issue
+26's decode: occupancy and the DRAM throughput of the split kernel).
 """
 
 from __future__ import annotations
@@ -17,29 +18,50 @@ from absl import app, flags
 import jaxattn
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "fwd", ["fwd", "fwdbwd", "fold"], "Forward, forward and "
-                  "backward, or CP's fold over a key range (Backend.fold_on: a launch that "
-                  "stores the fp32 state, then one that loads and stores it; the "
-                  "queries of --seq_len rows after --seq_len keys).")
+flags.DEFINE_enum("mode", "fwd", ["fwd", "fwdbwd", "fold", "decode"], "Forward, "
+                  "forward and backward, CP's fold over a key range (Backend.fold_on: a "
+                  "launch that stores the fp32 state, then one that loads and stores it; "
+                  "the queries of --seq_len rows after --seq_len keys), or decode (one "
+                  "query per head against --seq_len keys, causal).")
 flags.DEFINE_integer("batch", 2, "Batch.")
-flags.DEFINE_integer("seq_len", 4096, "Sequence length (Sq = Skv).")
+flags.DEFINE_integer("seq_len", 4096, "Sequence length (Sq = Skv; decode: Skv).")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_bool("causal", True, "Causal.")
 flags.DEFINE_integer("calls", 3, "Calls after the first (compiling) one.")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
+flags.DEFINE_string("mosaic_config", None, "With --backend=mosaic: call the Mosaic forward "
+                    "with these MosaicConfig fields, key=value[:key=value...] (e.g. "
+                    "split_decode_stages=2), instead of the registry's op.")
 
 
 def main(argv):
     del argv
     b, s, d = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(ks[0], (b, FLAGS.num_q_heads, s, d), jnp.bfloat16)
+    sq = 1 if FLAGS.mode == "decode" else s
+    q = jax.random.normal(ks[0], (b, FLAGS.num_q_heads, sq, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     op = jaxattn.get_op("attention", backend=FLAGS.backend)
-    if FLAGS.mode == "fold":
+    causal = FLAGS.causal or FLAGS.mode == "decode"
+    if FLAGS.mosaic_config is not None:
+        if FLAGS.backend != "mosaic" or FLAGS.mode not in ("fwd", "decode"):
+            raise app.UsageError("--mosaic_config is for --backend=mosaic, forward or "
+                                 "decode")
+        from jaxattn.backends.mosaic import forward as mf
+        cfg = mf.MosaicConfig(**{
+            key: int(val) if val.lstrip("-").isdigit() else
+            {"True": True, "False": False, "None": None}.get(val, val)
+            for key, val in (pair.split("=", 1)
+                             for pair in FLAGS.mosaic_config.split(":"))})
+
+        def fn(q, k, v):
+            return mf.forward(q, k, v, causal=causal, scale=d ** -0.5, config=cfg)[0]
+
+        fn = jax.jit(fn)
+    elif FLAGS.mode == "fold":
         be = op.backend_object.serving(q.dtype)
         kw = dict(causal=True, scale=d ** -0.5)
 
@@ -48,15 +70,17 @@ def main(argv):
             return be.fold_on(state, q, k, v, None, s, finish=False, **kw)
 
         fn = jax.jit(fn)
-    elif FLAGS.mode == "fwd":
-        fn = jax.jit(lambda q, k, v: op(q, k, v, causal=FLAGS.causal))
+    elif FLAGS.mode in ("fwd", "decode"):
+        fn = jax.jit(lambda q, k, v: op(q, k, v, causal=causal))
     else:
         do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
         fn = jax.jit(lambda q, k, v: jax.vjp(
-            lambda q, k, v: op(q, k, v, causal=FLAGS.causal), q, k, v)[1](do))
+            lambda q, k, v: op(q, k, v, causal=causal), q, k, v)[1](do))
     for _ in range(FLAGS.calls + 1):
         jax.block_until_ready(fn(q, k, v))
-    print(f"kernel_probe: {FLAGS.mode} on {op.backend}, B={b} S={s} D={d}")
+    print(f"kernel_probe: {FLAGS.mode} on {op.backend}"
+          f"{' ' + FLAGS.mosaic_config if FLAGS.mosaic_config else ''}, B={b} Sq={sq} "
+          f"Skv={s} D={d}")
 
 
 if __name__ == "__main__":
