@@ -530,6 +530,12 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
                                       err_msg=f"n={n} (seed {seed})")
         np.testing.assert_array_equal(bits(fl), bits(rl.reshape(fl.shape)),
                                       err_msg=f"n={n} (seed {seed})")
+        # Launch choices: one slot, more slots than states, D folded by 32-column CTAs.
+        for slots, cols in ((1, d), (n + 2, 32)):
+            cfg = mosaic_fwd.MosaicConfig(fold_slots=slots, fold_cols=cols)
+            vo, vl = mosaic_fwd.fold_partials(outs, lses, interpret=True, config=cfg)
+            np.testing.assert_array_equal(bits(vo), bits(fo), err_msg=f"{slots}, {cols}")
+            np.testing.assert_array_equal(bits(vl), bits(fl), err_msg=f"{slots}, {cols}")
         xo, xl = fold(outs, mosaic_fwd.natural_lse(lses))
         np.testing.assert_allclose(np.asarray(fl), np.asarray(xl), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(fo), np.asarray(xo), rtol=1e-5, atol=1e-6)
@@ -602,6 +608,20 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
         kb = jax.ShapeDtypeStruct((b, 8, 5000, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(qb, kb, kb, causal=causal).as_text()
         assert text.count("custom_call @mosaic_gpu") == n, b
+    # The fold's launch: D split into 32-column CTAs while the tiles are few, as many
+    # slots as FOLD_SMEM holds; both lower (tile-major and split-major states).
+    assert mosaic_fwd.fold_launch(128, 8, 128) == (8, 32)
+    assert mosaic_fwd.fold_launch(3, 8, 128) == (3, 32)
+    assert mosaic_fwd.fold_launch(32, 256, 128) == (4, 128)
+    assert mosaic_fwd.fold_launch(32, 4, 256, mosaic_fwd.MosaicConfig(fold_cols=256)) == (2, 256)
+    with pytest.raises(ValueError, match="fold_cols must divide"):
+        mosaic_fwd.fold_launch(4, 1, 64, mosaic_fwd.MosaicConfig(fold_cols=128))
+    for t, n, d in ((8, 128, 128), (300, 5, 256), (2, 3, 64)):
+        f = jax.jit(lambda o, lse: mosaic_fwd.fold_tiles(o, lse, interpret=False))
+        text = f.trace(jax.ShapeDtypeStruct((t, n, 8, d), jnp.float32),
+                       jax.ShapeDtypeStruct((t, n, 64), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
     # and the partial states of prefill tiles (per-sequence offsets)
     qp = jax.ShapeDtypeStruct((2, 32, 300, 128), jnp.bfloat16)
     offs = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -763,7 +783,8 @@ def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
-               {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0}):
+               {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0},
+               {"fold_slots": 0}, {"fold_cols": 48}, {"fold_cols": 16}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

@@ -175,6 +175,17 @@ class MosaicConfig:
     #: accurate sequences. An arithmetic choice (its own bits, fixed per backend); the
     #: interpreter ignores it.
     approx_math: bool = True
+    #: The fold kernel's SMEM slots per CTA (:func:`fold_partials`, :func:`fold_tiles`:
+    #: split decode, CP): every slot's state load is in flight while earlier states are
+    #: merged. None: as many as :data:`FOLD_SMEM` holds, 2 to 8 (:func:`fold_launch`).
+    #: A launch choice: the same merges in the same order.
+    fold_slots: int | None = None
+    #: Columns of D per fold CTA (32, 64, ... up to D): a tile's D is folded by D /
+    #: ``fold_cols`` CTAs, each the same merges on its columns (the row weights are
+    #: computed alike in each). None: split D while the tiles do not fill the GPU
+    #: (:func:`fold_launch`). A launch choice.
+    fold_cols: int | None = None
+
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
@@ -199,6 +210,12 @@ class MosaicConfig:
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
+        if self.fold_slots is not None and self.fold_slots < 1:
+            raise ValueError(f"fold_slots must be >= 1 or None, got {self.fold_slots}")
+        if self.fold_cols is not None and (self.fold_cols < 32
+                                           or self.fold_cols & (self.fold_cols - 1)):
+            raise ValueError(f"fold_cols must be a power of two >= 32 or None, got "
+                             f"{self.fold_cols}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -1911,46 +1928,71 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
     return tuple(res[:2]), tuple(res[2:])
 
 
+#: The SMEM the fold kernel's slots may take per CTA (:func:`fold_launch`).
+FOLD_SMEM = 128 * 1024
+
+
+def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
+    """``(slots, cols)`` of the fold kernel for ``n`` states of ``tiles`` 64-row tiles
+    at head dim ``d``: ``config``'s ``fold_slots`` / ``fold_cols`` where set; else D is
+    halved (down to 32 columns) while the CTAs, ``tiles * d / cols``, are fewer than
+    :data:`SPLIT_DECODE_BELOW_CTAS` (the states of a few (batch, KV head) tiles are
+    read by more SMs), and the slots are as many of ``64 * cols * 4`` bytes as
+    :data:`FOLD_SMEM` holds, 2 to 8, at most ``n``. Launch choices only: the same
+    merges per element in the same order."""
+    cfg = config or MosaicConfig()
+    cols = cfg.fold_cols
+    if cols is None:
+        cols = d
+        while cols > 32 and tiles * (d // cols) < SPLIT_DECODE_BELOW_CTAS:
+            cols //= 2
+    if d % cols:
+        raise ValueError(f"fold_cols must divide the head dim {d}, got {cols}")
+    slots = cfg.fold_slots
+    if slots is None:
+        slots = max(2, min(8, FOLD_SMEM // (schedule.BLOCK_N * cols * 4)))
+    return max(1, min(slots, n)), cols
+
+
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
-                natural: bool = True):
-    """The fold kernel: one CTA per 64-row tile, one warpgroup walking the ``n`` states
-    in order (two SMEM slots, the next state's TMA load in flight while this one is
-    merged), the running state in registers, merged by :func:`kernel_merge` (the
-    forward's merge), the lse converted to natural-log units at the store. The states
-    are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64, n,
-    state_rows, D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read in
-    place; a tile's output rows past ``state_rows`` are not read and come out
+                natural: bool = True, slots: int = 2, cols: int | None = None):
+    """The fold kernel: one CTA per 64-row tile and ``cols`` columns of D (``d / cols``
+    CTAs per tile; each computes the rows' weights alike and folds its columns), one
+    warpgroup walking the ``n`` states in order through ``slots`` SMEM slots (the
+    loads of the next ``slots`` states in flight while this one is merged), the running
+    state in registers, merged by :func:`kernel_merge` (the forward's merge), the lse
+    converted to natural-log units at the store (by the first column's CTA). The
+    states are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64,
+    n, state_rows, D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read
+    in place; a tile's output rows past ``state_rows`` are not read and come out
     unspecified)."""
     bm = schedule.BLOCK_N
+    cols = d if cols is None else cols
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(o_ref, l_ref, out_ref, lse_ref):
         r0 = lax.axis_index("t") * bm
+        c = lax.axis_index("c")
+        dcols = pl.ds(c * cols, cols)
 
-        def body(o_s, l_s, res_s, rl_s, o_bar, l_bar, free):
+        def body(o_s, l_s, rl_s, o_bar, l_bar, free):
             def issue(i):
-                slot = lax.rem(i, jnp.int32(2))
+                slot = lax.rem(i, jnp.int32(slots))
                 if tile_major:  # out: the tile's first state_rows rows (the others unused)
                     at, dst = (lax.axis_index("t"), i), pl.ds(0, state_rows)
-                    plgpu.copy_gmem_to_smem(o_ref.at[at], o_s.at[slot, dst], o_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(o_ref.at[(*at, dst, dcols)],
+                                            o_s.at[slot, dst], o_bar.at[slot])
                     plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
                     return
-                at = (i, pl.ds(r0, bm))
-                plgpu.copy_gmem_to_smem(o_ref.at[at], o_s.at[slot], o_bar.at[slot])
-                plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
+                plgpu.copy_gmem_to_smem(o_ref.at[i, pl.ds(r0, bm), dcols], o_s.at[slot],
+                                        o_bar.at[slot])
+                plgpu.copy_gmem_to_smem(l_ref.at[i, pl.ds(r0, bm)], l_s.at[slot],
+                                        l_bar.at[slot])
 
             def step(i, state):
-                slot = lax.rem(i, jnp.int32(2))
-
-                @pl.when(i + 1 < n)
-                def _():
-                    @pl.when(i >= 1)  # the other slot held state i - 1: released?
-                    def _():
-                        plgpu.barrier_wait(free.at[1 - slot])
-                    issue(i + 1)
-
+                slot = lax.rem(i, jnp.int32(slots))
                 plgpu.barrier_wait(o_bar.at[slot])
                 plgpu.barrier_wait(l_bar.at[slot])
                 if hints:
@@ -1958,46 +2000,53 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                     lx = plgpu.load(l_s.at[slot], (), layout=row_layout)
                 else:
                     x, lx = o_s[slot], l_s[slot]
+                # Every thread has read the slot (one arrival each, observed here) before
+                # state i + slots is loaded into it.
                 plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(free.at[slot])
+
+                @pl.when(i + slots < n)
+                def _():
+                    issue(i + slots)
+
                 return kernel_merge(*state, x, lx)
 
-            issue(jnp.int32(0))
-            zeros = jnp.zeros((bm, d), jnp.float32)
+            for i in range(min(slots, n)):
+                issue(jnp.int32(i))
+            zeros = jnp.zeros((bm, cols), jnp.float32)
             empty = jnp.full((bm,), NEG_INF, jnp.float32)
             if hints:
                 zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
                 empty = plgpu.layout_cast(empty, row_layout)
             out, lse = lax.fori_loop(0, n, step, (zeros, empty))
-
-            def drain(i, _):  # observe the last releases before the barriers go
-                plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(2))])
-                return None
-
-            lax.fori_loop(max(n - 2, 0), n, drain, None)
+            res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
             res_s[...] = out
             rl_s[...] = natural_lse(lse) if natural else lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm)])
-            plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
+            plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm), dcols])
+
+            @pl.when(c == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
+
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
             body,
-            plgpu.SMEM((2, bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
-            plgpu.SMEM((2, bm), jnp.float32),
-            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
+            plgpu.SMEM((slots, bm, cols), jnp.float32, transforms=_smem_transforms(cols, 4)),
+            plgpu.SMEM((slots, bm), jnp.float32),
             plgpu.SMEM((bm,), jnp.float32),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),  # slot released (one arrival)
+            plgpu.Barrier(num_barriers=slots),
+            plgpu.Barrier(num_barriers=slots),
+            plgpu.Barrier(num_barriers=slots),  # slot read (an arrival per thread)
         )
 
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((rows, d), jnp.float32),
                   jax.ShapeDtypeStruct((rows,), jnp.float32)),
-        grid=(rows // bm,),
-        grid_names=("t",),
+        grid=(rows // bm, d // cols),
+        grid_names=("t", "c"),
         compiler_params=plgpu.CompilerParams(
             approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
@@ -2038,8 +2087,9 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     o = jnp.pad(outs.reshape(n, r, d), ((0, 0), (0, rows - r), (0, 0)))
     lse = jnp.pad(lses.reshape(n, r), ((0, 0), (0, rows - r)), constant_values=NEG_INF)
     approx = (config or MosaicConfig()).approx_math
+    slots, cols = fold_launch(n, rows // bm, d, config)
     out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), approx,
-                           natural=natural)(o, lse)
+                           natural=natural, slots=slots, cols=cols)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
@@ -2059,8 +2109,9 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
                          f"{HEAD_DIMS}] and lses [T, n, {bm}], got {outs.shape}, "
                          f"{lses.shape}")
     approx = (config or MosaicConfig()).approx_math
+    slots, cols = fold_launch(n, t, d, config)
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
-                           tile_major=True, state_rows=r)(outs, lses)
+                           tile_major=True, state_rows=r, slots=slots, cols=cols)(outs, lses)
     return out.reshape(t, bm, d)[:, :r], lse.reshape(t, bm)[:, :r]
 
 
