@@ -1700,7 +1700,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     lse[:, :, lead:lead + sq])
     if skv_pad != skv:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
-    ones = jnp.ones((bn, ones_cols), q.dtype)
+    # A constant of the program (a numpy array): no kernel launch per call.
+    ones = np.ones((bn, ones_cols), q.dtype)
     # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
     # the pages: [num_pages, Hkv, D, page_size]).
     k_in = (k if gpu_operands else
@@ -1919,7 +1920,7 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
                              finish_rows=finish_rows if finish_rows < n else 0,
                              q_row0=r0, k_row0=x)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)
-    ones = jnp.ones((bn, ones_cols), q.dtype)
+    ones = np.ones((bn, ones_cols), q.dtype)
     res = call(q, k_in, v, ones, *(state or ()))
     if finish_rows == n:
         return tuple(res), None
