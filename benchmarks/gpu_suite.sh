@@ -143,7 +143,7 @@ if has ncu; then
   # source view's samples) on the longest one; clocks left alone (METHOD.md).
   # NCU_RUNS="label=kernel_probe flags;label=..." names each run and its flags (e.g.
   # "dec-pallas=--mode=decode --backend=pallas --batch=8 --seq_len=32768"); without it,
-  # each mode of NCU_MODES with NCU_ARGS.
+  # each mode of NCU_MODES with NCU_ARGS. NCU_LIST_ONLY=1: the launch list only.
   NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
   runs=${NCU_RUNS:-}
   if [[ -z "$runs" ]]; then
@@ -176,6 +176,7 @@ us = [float(r[v].replace(",", "")) / 1e3 for r in rows]
 print("the last call:", "; ".join("%s %.1f us" % (rows[j][n][:40], us[j])
       for j in range(first, len(rows))), file=sys.stderr)' "$OUT/ncu-$mode-kernels.csv")
     echo "ncu $mode: the longest kernel $name (after $skip of that name)"
+    [[ -n "${NCU_LIST_ONLY:-}" ]] && continue  # the launches and their times only
     timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --set full --import-source yes \
         -k "$name" --launch-skip "$skip" --launch-count 1 -f -o "/tmp/ncu-$mode" \
         $PY -m benchmarks.kernel_probe $probe_args >> "$OUT/ncu-$mode.log" 2>&1

@@ -530,8 +530,9 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
                                       err_msg=f"n={n} (seed {seed})")
         np.testing.assert_array_equal(bits(fl), bits(rl.reshape(fl.shape)),
                                       err_msg=f"n={n} (seed {seed})")
-        # Launch choices: one slot, more slots than states, D folded by 32-column CTAs.
-        for slots, cols in ((1, d), (n + 2, 32)):
+        # Launch choices: one state per half, more slots than states, D folded by
+        # 32-column CTAs.
+        for slots, cols in ((2, d), (2 * n + 2, 32)):
             cfg = mosaic_fwd.MosaicConfig(fold_slots=slots, fold_cols=cols)
             vo, vl = mosaic_fwd.fold_partials(outs, lses, interpret=True, config=cfg)
             np.testing.assert_array_equal(bits(vo), bits(fo), err_msg=f"{slots}, {cols}")
@@ -610,8 +611,8 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
         assert text.count("custom_call @mosaic_gpu") == n, b
     # The fold's launch: D split into 32-column CTAs while the tiles are few, as many
     # slots as FOLD_SMEM holds; both lower (tile-major and split-major states).
-    assert mosaic_fwd.fold_launch(128, 8, 128) == (8, 32)
-    assert mosaic_fwd.fold_launch(3, 8, 128) == (3, 32)
+    assert mosaic_fwd.fold_launch(128, 8, 128) == (16, 32)
+    assert mosaic_fwd.fold_launch(3, 8, 128) == (4, 32)
     assert mosaic_fwd.fold_launch(32, 256, 128) == (4, 128)
     assert mosaic_fwd.fold_launch(32, 4, 256, mosaic_fwd.MosaicConfig(fold_cols=256)) == (2, 256)
     with pytest.raises(ValueError, match="fold_cols must divide"):
@@ -784,7 +785,8 @@ def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
                {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0},
-               {"fold_slots": 0}, {"fold_cols": 48}, {"fold_cols": 16}):
+               {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
+               {"fold_cols": 16}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

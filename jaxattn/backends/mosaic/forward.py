@@ -176,9 +176,9 @@ class MosaicConfig:
     #: interpreter ignores it.
     approx_math: bool = True
     #: The fold kernel's SMEM slots per CTA (:func:`fold_partials`, :func:`fold_tiles`:
-    #: split decode, CP): every slot's state load is in flight while earlier states are
-    #: merged. None: as many as :data:`FOLD_SMEM` holds, 2 to 8 (:func:`fold_launch`).
-    #: A launch choice: the same merges in the same order.
+    #: split decode, CP), an even number: two halves, the states of one merged while
+    #: the next ones load into the other. None: as many as :data:`FOLD_SMEM` holds, 2
+    #: to 16 (:func:`fold_launch`). A launch choice: the same merges in the same order.
     fold_slots: int | None = None
     #: Columns of D per fold CTA (32, 64, ... up to D): a tile's D is folded by D /
     #: ``fold_cols`` CTAs, each the same merges on its columns (the row weights are
@@ -210,8 +210,9 @@ class MosaicConfig:
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
-        if self.fold_slots is not None and self.fold_slots < 1:
-            raise ValueError(f"fold_slots must be >= 1 or None, got {self.fold_slots}")
+        if self.fold_slots is not None and (self.fold_slots < 2 or self.fold_slots % 2):
+            raise ValueError(f"fold_slots must be an even number >= 2 or None, got "
+                             f"{self.fold_slots}")
         if self.fold_cols is not None and (self.fold_cols < 32
                                            or self.fold_cols & (self.fold_cols - 1)):
             raise ValueError(f"fold_cols must be a power of two >= 32 or None, got "
@@ -1939,8 +1940,8 @@ def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
     halved (down to 32 columns) while the CTAs, ``tiles * d / cols``, are fewer than
     :data:`SPLIT_DECODE_BELOW_CTAS` (the states of a few (batch, KV head) tiles are
     read by more SMs), and the slots are as many of ``64 * cols * 4`` bytes as
-    :data:`FOLD_SMEM` holds, 2 to 8, at most ``n``. Launch choices only: the same
-    merges per element in the same order."""
+    :data:`FOLD_SMEM` holds, 2 to 16; never more than ``n`` rounded up to even. Launch
+    choices only: the same merges per element in the same order."""
     cfg = config or MosaicConfig()
     cols = cfg.fold_cols
     if cols is None:
@@ -1951,8 +1952,8 @@ def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
         raise ValueError(f"fold_cols must divide the head dim {d}, got {cols}")
     slots = cfg.fold_slots
     if slots is None:
-        slots = max(2, min(8, FOLD_SMEM // (schedule.BLOCK_N * cols * 4)))
-    return max(1, min(slots, n)), cols
+        slots = max(2, min(16, FOLD_SMEM // (schedule.BLOCK_N * cols * 4)))
+    return min(slots, 2 * max(1, -(-n // 2))), cols
 
 
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
@@ -1960,8 +1961,9 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 natural: bool = True, slots: int = 2, cols: int | None = None):
     """The fold kernel: one CTA per 64-row tile and ``cols`` columns of D (``d / cols``
     CTAs per tile; each computes the rows' weights alike and folds its columns), one
-    warpgroup walking the ``n`` states in order through ``slots`` SMEM slots (the
-    loads of the next ``slots`` states in flight while this one is merged), the running
+    warpgroup walking the ``n`` states in order through ``slots`` SMEM slots in two
+    halves (a chunk of ``slots / 2`` states merged from one half while the next chunk's
+    loads land in the other; one warpgroup sync per chunk, not per state), the running
     state in registers, merged by :func:`kernel_merge` (the forward's merge), the lse
     converted to natural-log units at the store (by the first column's CTA). The
     states are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64,
@@ -1970,6 +1972,9 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     unspecified)."""
     bm = schedule.BLOCK_N
     cols = d if cols is None else cols
+    if slots < 2 or slots % 2:
+        raise ValueError(f"the fold's slots must be an even number >= 2, got {slots}")
+    chunk, chunks = slots // 2, max(-(-n // (slots // 2)), 0)
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -1992,7 +1997,12 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 plgpu.copy_gmem_to_smem(l_ref.at[i, pl.ds(r0, bm)], l_s.at[slot],
                                         l_bar.at[slot])
 
-            def step(i, state):
+            def issue_chunk(j):  # states [j * chunk, (j + 1) * chunk) into half j % 2
+                for u in range(chunk):
+                    i = j * chunk + u
+                    pl.when(i < n)(lambda i=i: issue(i))
+
+            def one(i, state):
                 slot = lax.rem(i, jnp.int32(slots))
                 plgpu.barrier_wait(o_bar.at[slot])
                 plgpu.barrier_wait(l_bar.at[slot])
@@ -2001,25 +2011,26 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                     lx = plgpu.load(l_s.at[slot], (), layout=row_layout)
                 else:
                     x, lx = o_s[slot], l_s[slot]
-                # Every thread has read the slot (one arrival each, observed here) before
-                # state i + slots is loaded into it.
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(free.at[slot])
-
-                @pl.when(i + slots < n)
-                def _():
-                    issue(i + slots)
-
                 return kernel_merge(*state, x, lx)
 
-            for i in range(min(slots, n)):
-                issue(jnp.int32(i))
+            def step(j, state):  # chunk j: its states merged in order, then its half
+                # released (every thread has read it: an arrival each, observed here)
+                # and refilled with chunk j + 2 while chunk j + 1 is merged.
+                state = lax.fori_loop(j * chunk, lax.min((j + 1) * chunk, n), one, state)
+                half = lax.rem(j, jnp.int32(2))
+                plgpu.barrier_arrive(free.at[half])
+                plgpu.barrier_wait(free.at[half])
+                pl.when(j + 2 < chunks)(lambda: issue_chunk(j + 2))
+                return state
+
+            for j in range(min(2, chunks)):
+                issue_chunk(jnp.int32(j))
             zeros = jnp.zeros((bm, cols), jnp.float32)
             empty = jnp.full((bm,), NEG_INF, jnp.float32)
             if hints:
                 zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
                 empty = plgpu.layout_cast(empty, row_layout)
-            out, lse = lax.fori_loop(0, n, step, (zeros, empty))
+            out, lse = lax.fori_loop(0, chunks, step, (zeros, empty))
             res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
             res_s[...] = out
             rl_s[...] = natural_lse(lse) if natural else lse
@@ -2039,7 +2050,7 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
             plgpu.SMEM((bm,), jnp.float32),
             plgpu.Barrier(num_barriers=slots),
             plgpu.Barrier(num_barriers=slots),
-            plgpu.Barrier(num_barriers=slots),  # slot read (an arrival per thread)
+            plgpu.Barrier(num_barriers=2),  # a half read (an arrival per thread)
         )
 
     return plgpu.kernel(
