@@ -611,9 +611,9 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
         assert text.count("custom_call @mosaic_gpu") == n, b
     # The fold's launch: D split into 32-column CTAs while the tiles are few, as many
     # slots as FOLD_SMEM holds; both lower (tile-major and split-major states).
-    assert mosaic_fwd.fold_launch(128, 8, 128) == (16, 32)
+    assert mosaic_fwd.fold_launch(128, 8, 128) == (8, 32)
     assert mosaic_fwd.fold_launch(3, 8, 128) == (4, 32)
-    assert mosaic_fwd.fold_launch(32, 256, 128) == (4, 128)
+    assert mosaic_fwd.fold_launch(32, 256, 128) == (2, 128)
     assert mosaic_fwd.fold_launch(32, 4, 256, mosaic_fwd.MosaicConfig(fold_cols=256)) == (2, 256)
     with pytest.raises(ValueError, match="fold_cols must divide"):
         mosaic_fwd.fold_launch(4, 1, 64, mosaic_fwd.MosaicConfig(fold_cols=128))
