@@ -143,7 +143,8 @@ if has ncu; then
   # source view's samples) on the longest one; clocks left alone (METHOD.md).
   # NCU_RUNS="label=kernel_probe flags;label=..." names each run and its flags (e.g.
   # "dec-pallas=--mode=decode --backend=pallas --batch=8 --seq_len=32768"); without it,
-  # each mode of NCU_MODES with NCU_ARGS. NCU_LIST_ONLY=1: the launch list only.
+  # each mode of NCU_MODES with NCU_ARGS. NCU_LIST_ONLY=1: the launch list only;
+  # NCU_RANK=2: the full set on the second longest kernel (the split decode's fold).
   NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
   runs=${NCU_RUNS:-}
   if [[ -z "$runs" ]]; then
@@ -164,17 +165,21 @@ rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith("\"")
 head, rows = rows[0], rows[1:]
 n, v = head.index("Kernel Name"), head.index("Metric Value")
 # XLA fusions (random inputs, pads, slices) are not the attention kernels.
-ours = [i for i in range(len(rows)) if "fusion" not in rows[i][n]] or range(len(rows))
-i = max(ours, key=lambda i: float(rows[i][v].replace(",", "")))
-skip = sum(r[n] == rows[i][n] for r in rows[:i])
-# The launches of the last call: from the last run of the longest kernel name on.
-last = [j for j in ours if rows[j][n] == rows[i][n]][-1]
-first = max(j for j in range(last + 1) if rows[j][n] == rows[i][n] and
-            (j == 0 or rows[j - 1][n] != rows[i][n]))
-print("regex:^" + re.escape(rows[i][n]) + "$", skip)
+ours = [i for i in range(len(rows)) if "fusion" not in rows[i][n]] or list(range(len(rows)))
 us = [float(r[v].replace(",", "")) / 1e3 for r in rows]
+top = max(ours, key=lambda i: us[i])
+# The last call: from the last run of the longest kernel name on.
+last = [j for j in ours if rows[j][n] == rows[top][n]][-1]
+first = max(j for j in range(last + 1) if rows[j][n] == rows[top][n] and
+            (j == 0 or rows[j - 1][n] != rows[top][n]))
+# NCU_RANK=k: the k-th longest of the last call (1: the longest).
+rank = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+mine = sorted((j for j in ours if j >= first), key=lambda j: -us[j])
+i = mine[min(rank, len(mine)) - 1]
+skip = sum(r[n] == rows[i][n] for r in rows[:i])
+print("regex:^" + re.escape(rows[i][n]) + "$", skip)
 print("the last call:", "; ".join("%s %.1f us" % (rows[j][n][:40], us[j])
-      for j in range(first, len(rows))), file=sys.stderr)' "$OUT/ncu-$mode-kernels.csv")
+      for j in range(first, len(rows))), file=sys.stderr)' "$OUT/ncu-$mode-kernels.csv" ${NCU_RANK:-1})
     echo "ncu $mode: the longest kernel $name (after $skip of that name)"
     [[ -n "${NCU_LIST_ONLY:-}" ]] && continue  # the launches and their times only
     timeout ${NCU_TIMEOUT:-300} "$NCU" --clock-control none --set full --import-source yes \
