@@ -364,6 +364,48 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
+    """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
+    block is partial (the next head's keys, or zeros, past Skv; no padded copy): the
+    padded call's bits, out and lse, for a split decode past one SPLIT, an unsplit
+    decode, a prefill and a chunk; no NaN."""
+    for b, hq, hkv, sq, skv, split in ((2, 4, 2, 1, schedule.SPLIT + 100, True),
+                                       (1, 4, 2, 1, 300, False),
+                                       (1, 2, 2, 100, 150, None),
+                                       (1, 2, 1, 70, 296, None)):
+        seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
+        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(flat_kv=flat,
+                                                                  split_decode=split))
+                for flat in (False, True)]
+        for x, y in zip(*outs, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
+
+
+@needs_api
+def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
+    """flat_kv: a decode step and a prefill at 8193 keys lower for CUDA with no pad of
+    K or V (only the query's); where Hkv * Skv is not a multiple of 8 (TMA's tiled
+    box) the padded copy stays."""
+    cfg = mosaic_fwd.MosaicConfig(flat_kv=True)
+    for b, hkv, sq, skv, copies in ((8, 8, 1, 8193, 0), (2, 8, 100, 8193, 0),
+                                    (1, 1, 1, 8193, 1)):
+        q = jax.ShapeDtypeStruct((b, 32, sq, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((b, hkv, skv, 128), jnp.bfloat16)
+        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
+        kv_pads = [line for line in text.splitlines()
+                   if "stablehlo.pad" in line and f"x{skv}x128x" in line]
+        assert len(kv_pads) == copies, (b, hkv, sq, skv)
+    with pytest.raises(ValueError, match="kv_rows"):
+        mosaic_fwd._build(b=1, hq=1, hkv=1, sq=64, skv=100, offset=0, d=64,
+                          dtype=jnp.bfloat16, causal=False, scale=0.125, cfg=cfg,
+                          gpu_operands=True, interpret=None, kv_rows=100)
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
     """Each SPLIT's partial state, folded outside the kernel by the Mosaic fold kernel
     (lse in the kernels' base) and cast, gives the forward's bits, as do the keys in two

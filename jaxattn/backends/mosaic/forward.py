@@ -185,6 +185,16 @@ class MosaicConfig:
     #: computed alike in each). None: split D while the tiles do not fill the GPU
     #: (:func:`fold_launch`). A launch choice.
     fold_cols: int | None = None
+    #: A causal call whose last key block is partial (Skv not a multiple of 64: most
+    #: decode steps) reads K and V through the free reshape ``[B, Hkv * Skv, D]``
+    #: instead of a copy padded to whole blocks: the last block's rows past Skv are the
+    #: next head's first keys (their probabilities are exactly 0) or, past the last
+    #: head, zeros that TMA fills in (the interpreter, which refuses out-of-bounds
+    #: reads, gets them padded). Where ``Hkv * Skv`` is a multiple of 8 (TMA's tiled
+    #: box), without a key mask, pages, per-sequence offsets or ``[B, S, H, D]``. A
+    #: launch choice (the same rows' operations); off until the H200 has checked its
+    #: bits and speed (docs/notes.md, "Open: for the next H200 run").
+    flat_kv: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -447,7 +457,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            raw_out: bool = False, state_rows: int | None = None,
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
-           finish_rows: int = 0):
+           finish_rows: int = 0, kv_rows: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -506,6 +516,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     of larger arrays: context parallelism's shards and ranges without slices); not
     with a key mask, pages or ``[B, S, H, D]``.
 
+    ``kv_rows``: K and V are ``[B, Hkv * kv_rows, D]`` (the free reshape of ``[B, Hkv,
+    kv_rows, D]``; K^T ``[B, D, Hkv * kv_rows]`` off the GPU operand path), head h's
+    keys at rows ``h * kv_rows`` on (:attr:`MosaicConfig.flat_kv`).
+
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
                     causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
@@ -514,7 +528,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
-                    k_row0=k_row0, finish_rows=finish_rows).call()
+                    k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows).call()
 
 
 @dataclasses.dataclass
@@ -564,8 +578,14 @@ class _Forward:
                  cfg: MosaicConfig, gpu_operands: bool, interpret, position, key_mask,
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
-                 state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0):
+                 state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
+                 kv_rows=None):
         bn = self.bn = schedule.BLOCK_N
+        if kv_rows is not None and (kv_btnh or page_size is not None or key_mask
+                                    or k_row0 or not causal):
+            raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
+                             "on [B, H, S, D] without pages, a key mask or a key window")
+        self.kv_rows = kv_rows
         if stack_sq < 1 or (stack_sq > 1 and position is None):
             raise ValueError(f"stack_sq (>= 1) stacks queries of stacked decode rows "
                              f"(position), got {stack_sq} with position={position}")
@@ -825,10 +845,11 @@ class _Forward:
 
             for seq, rows, at in parts:
                 if self.gpu_operands:
-                    src = tile_of(k_ref, seq, kvh, rows, self.kv_btnh)
+                    src = self.kv_tile(k_ref, seq, kvh, rows)
                     dst = k_s.at[slot] if at is None else k_s.at[slot, at]
                 else:  # K^T
-                    src = k_ref.at[seq, kvh, :, rows]
+                    src = (k_ref.at[seq, kvh, :, rows] if self.kv_rows is None else
+                           k_ref.at[seq, :, self.flat_rows(kvh, rows)])
                     dst = k_s.at[slot] if at is None else k_s.at[slot, :, at]
                 plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
 
@@ -837,7 +858,7 @@ class _Forward:
                 plgpu.barrier_wait(v_free.at[slot])
 
             for seq, rows, at in parts:
-                plgpu.copy_gmem_to_smem(tile_of(v_ref, seq, kvh, rows, self.kv_btnh),
+                plgpu.copy_gmem_to_smem(self.kv_tile(v_ref, seq, kvh, rows),
                                         v_s.at[slot] if at is None else v_s.at[slot, at],
                                         v_bar.at[slot])
             if self.key_mask:
@@ -846,6 +867,16 @@ class _Forward:
             return None
 
         lax.fori_loop(self.split_lo(), hi, load, None)
+
+    def flat_rows(self, kvh, rows):
+        """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
+        return pl.ds(kvh * self.kv_rows + rows.start, rows.size)
+
+    def kv_tile(self, ref, seq, kvh, rows):
+        """The K or V tile of ``rows`` of KV head ``kvh`` of entry ``seq``."""
+        if self.kv_rows is None:
+            return tile_of(ref, seq, kvh, rows, self.kv_btnh)
+        return ref.at[seq, self.flat_rows(kvh, rows)]
 
     def block_parts(self, bi, t):
         """Key block ``t`` of sequence ``bi`` as TMA copies ``(index, rows, at)``: rows
@@ -1587,6 +1618,11 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     skv_pad = -(-skv // bn) * bn
     skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
     stacked = group * sq  # the rows of a (batch, KV head) tile when stacked
+    # MosaicConfig.flat_kv: K and V as [B, Hkv * Skv, D], not padded to whole blocks.
+    kv_rows = skv if (cfg.flat_kv and causal and not dyn and not key_mask and pages is None
+                      and not btnh and skv % bn and (hkv * skv) % 8 == 0
+                      and not (partials or raw or carry is not None or state is not None
+                               or state_out)) else None
     if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
                                                                or carry is not None)):
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
@@ -1606,7 +1642,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  position=skv - sq, key_mask=key_mask, dyn_offsets=dyn,
                                  split_out=split, kv_btnh=kv_btnh,
                                  carry_in=carry is not None, raw_out=raw,
-                                 state_rows=state_rows, page_size=page_size, stack_sq=sq)
+                                 state_rows=state_rows, page_size=page_size, stack_sq=sq,
+                                 kv_rows=kv_rows)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
@@ -1682,7 +1719,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  interpret=interpret, key_mask=key_mask, split_out=partials,
                                  q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
                                  raw_out=raw, state_in=state is not None,
-                                 state_out=state_out)
+                                 state_out=state_out, kv_rows=kv_rows)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -1699,13 +1736,19 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 return out, lse
             return (lax.slice_in_dim(out, lead, lead + sq, axis=sa),
                     lse[:, :, lead:lead + sq])
-    if skv_pad != skv:
+    if kv_rows is not None:  # the free reshape; the last block's rows past Skv are the
+        # next head's keys or, on the GPU, TMA's out-of-bounds zeros (padded for the
+        # interpreter, which refuses out-of-bounds reads)
+        k, v = (x.reshape(b, hkv * skv, x.shape[-1]) for x in (k, v))
+        if interpret is not None:
+            k, v = (jnp.pad(x, ((0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
+    elif skv_pad != skv:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
     # A constant of the program (a numpy array): no kernel launch per call.
     ones = np.ones((bn, ones_cols), q.dtype)
     # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
     # the pages: [num_pages, Hkv, D, page_size]).
-    k_in = (k if gpu_operands else
+    k_in = (k if gpu_operands else jnp.swapaxes(k, 1, 2) if kv_rows is not None else
             jnp.transpose(k, (0, 2, 3, 1)) if kv_btnh else jnp.swapaxes(k, 2, 3))
     extra = ()
     if key_mask:
