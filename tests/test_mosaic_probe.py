@@ -573,8 +573,8 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
         np.testing.assert_array_equal(bits(fl), bits(rl.reshape(fl.shape)),
                                       err_msg=f"n={n} (seed {seed})")
         # Launch choices: one state per half, more slots than states, D folded by
-        # 32-column CTAs.
-        for slots, cols in ((2, d), (2 * n + 2, 32)):
+        # 16-column CTAs.
+        for slots, cols in ((2, d), (2 * n + 2, 16)):
             cfg = mosaic_fwd.MosaicConfig(fold_slots=slots, fold_cols=cols)
             vo, vl = mosaic_fwd.fold_partials(outs, lses, interpret=True, config=cfg)
             np.testing.assert_array_equal(bits(vo), bits(fo), err_msg=f"{slots}, {cols}")
@@ -828,7 +828,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
                {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0},
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
-               {"fold_cols": 16}):
+               {"fold_cols": 8}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

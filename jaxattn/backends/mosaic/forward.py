@@ -223,9 +223,9 @@ class MosaicConfig:
         if self.fold_slots is not None and (self.fold_slots < 2 or self.fold_slots % 2):
             raise ValueError(f"fold_slots must be an even number >= 2 or None, got "
                              f"{self.fold_slots}")
-        if self.fold_cols is not None and (self.fold_cols < 32
+        if self.fold_cols is not None and (self.fold_cols < 16
                                            or self.fold_cols & (self.fold_cols - 1)):
-            raise ValueError(f"fold_cols must be a power of two >= 32 or None, got "
+            raise ValueError(f"fold_cols must be a power of two >= 16 or None, got "
                              f"{self.fold_cols}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
