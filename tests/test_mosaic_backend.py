@@ -127,19 +127,23 @@ def test_large_head_dims_forward_and_gradients(d, causal):
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_flat_kv_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(flat_kv=True) (K and V read as [B, Hkv * Skv, D], the last
-    block's keys past Skv the next head's or TMA's out-of-bounds zeros) gives the padded
-    call's bits at 1 to 63 keys past a block: decode split and unsplit, a prefill and a
-    chunk; no NaN, and NaN never leaks in from the next head's keys."""
+    block's keys past Skv the next head's or TMA's out-of-bounds zeros) and flat_q=True
+    (the stacked decode rows read from [B, Hq * Sq, D], the rows past a group the next
+    group's queries or zeros) give the padded call's bits at 1 to 63 keys past a block:
+    decode split and unsplit, 4 queries per head, a prefill and a chunk; no NaN."""
     from jaxattn.backends.mosaic import forward as mf
     q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
-    for sq, end, b in ((1, 1025, 2), (1, 1087, 1), (1, 130, 2), (100, 1100, 2), (70, 1000, 1)):
+    for sq, end, b in ((1, 1025, 2), (1, 1087, 1), (1, 130, 2), (4, 1099, 2),
+                       (100, 1100, 2), (70, 1000, 1)):
         qs = q[:b, :, end - sq:end]
         ks, vs = k[:b, :, :end], v[:b, :, :end]
         base = mf.forward(qs, ks, vs, causal=True)
-        got = mf.forward(qs, ks, vs, causal=True, config=mf.MosaicConfig(flat_kv=True))
-        for x, y in zip(base, got, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, end, b)
-            assert bits_equal(x, y), (sq, end, b)
+        for cfg in (mf.MosaicConfig(flat_kv=True), mf.MosaicConfig(flat_q=True),
+                    mf.MosaicConfig(flat_kv=True, flat_q=True)):
+            got = mf.forward(qs, ks, vs, causal=True, config=cfg)
+            for x, y in zip(base, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, end, b, cfg)
+                assert bits_equal(x, y), (sq, end, b, cfg)
 
 
 @pytest.mark.gpu

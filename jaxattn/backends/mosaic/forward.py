@@ -195,6 +195,13 @@ class MosaicConfig:
     #: launch choice (the same rows' operations); off until the H200 has checked its
     #: bits and speed (docs/notes.md, "Open: for the next H200 run").
     flat_kv: bool = False
+    #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
+    #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
+    #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
+    #: and their results are never stored), instead of a copy padded to 64 rows per
+    #: group (an XLA launch per decode step). Where ``Hq * Sq`` is a multiple of 8. A
+    #: launch choice; off until the H200 has checked its bits and speed.
+    flat_q: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -457,7 +464,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            raw_out: bool = False, state_rows: int | None = None,
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
-           finish_rows: int = 0, kv_rows: int | None = None):
+           finish_rows: int = 0, kv_rows: int | None = None,
+           q_rows: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -518,7 +526,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
 
     ``kv_rows``: K and V are ``[B, Hkv * kv_rows, D]`` (the free reshape of ``[B, Hkv,
     kv_rows, D]``; K^T ``[B, D, Hkv * kv_rows]`` off the GPU operand path), head h's
-    keys at rows ``h * kv_rows`` on (:attr:`MosaicConfig.flat_kv`).
+    keys at rows ``h * kv_rows`` on (:attr:`MosaicConfig.flat_kv`). ``q_rows`` (stacked
+    decode rows): Q is ``[B, Hkv * q_rows, D]``, KV head h's tile the 64 rows from row
+    ``h * q_rows`` (:attr:`MosaicConfig.flat_q`).
 
     Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -528,7 +538,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
-                    k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows).call()
+                    k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
+                    q_rows=q_rows).call()
 
 
 @dataclasses.dataclass
@@ -579,8 +590,11 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None):
+                 kv_rows=None, q_rows=None):
         bn = self.bn = schedule.BLOCK_N
+        if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn):
+            raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows")
+        self.q_rows = q_rows
         if kv_rows is not None and (kv_btnh or page_size is not None or key_mask
                                     or k_row0 or not causal):
             raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
@@ -1113,8 +1127,9 @@ class _Forward:
                                causal=self.causal)
         if qbuf is None:
             plgpu.copy_gmem_to_smem(
-                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
-                q_s, q_b)
+                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh)
+                if self.q_rows is None else
+                q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)], q_s, q_b)
         if self.state_in:
             self.issue_state(it)
         plgpu.barrier_wait(q_b)
@@ -1636,6 +1651,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         # The split decode writes only the group's rows of each split's state (rounded
         # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
         state_rows = -(-stacked // 8) * 8 if split and not partials else None
+        # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
+        q_rows = stacked if (cfg.flat_q and (hkv * stacked) % 8 == 0 and stacked < bn
+                             and not partials) else None
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                                  gpu_operands=gpu_operands, interpret=interpret,
@@ -1643,14 +1661,20 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                  split_out=split, kv_btnh=kv_btnh,
                                  carry_in=carry is not None, raw_out=raw,
                                  state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                                 kv_rows=kv_rows)
+                                 kv_rows=kv_rows, q_rows=q_rows)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
         if btnh and sq > 1:
             q = jnp.transpose(q.reshape(b, sq, hkv, group, d), (0, 2, 3, 1, 4))
-        q = jnp.pad(q.reshape(b, hkv, stacked, d),
-                    ((0, 0), (0, 0), (0, bn - stacked), (0, 0)))
+        if q_rows is not None:  # the free reshape; past the last group, TMA's zeros
+            # (padded for the interpreter, which refuses out-of-bounds reads)
+            q = q.reshape(b, hkv * stacked, d)
+            if interpret is not None:
+                q = jnp.pad(q, ((0, 0), (0, bn - stacked), (0, 0)))
+        else:
+            q = jnp.pad(q.reshape(b, hkv, stacked, d),
+                        ((0, 0), (0, 0), (0, bn - stacked), (0, 0)))
         offs = causal_offsets  # query 0's position (a row's: r % Sq more)
         out_dtype = q.dtype
 
