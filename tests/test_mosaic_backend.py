@@ -129,7 +129,8 @@ def test_flat_kv_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(flat_kv=True) (K and V read as [B, Hkv * Skv, D], the last
     block's keys past Skv the next head's or TMA's out-of-bounds zeros) and flat_q=True
     (the stacked decode rows read from [B, Hq * Sq, D], the rows past a group the next
-    group's queries or zeros) give the padded call's bits at 1 to 63 keys past a block:
+    group's queries or zeros) and flat_out=True (the split decode's fold storing the
+    group's rows cast in place) give the padded call's bits at 1 to 63 keys past a block:
     decode split and unsplit, 4 queries per head, a prefill and a chunk; no NaN."""
     from jaxattn.backends.mosaic import forward as mf
     q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
@@ -139,7 +140,8 @@ def test_flat_kv_keeps_bits_on_gpu():
         ks, vs = k[:b, :, :end], v[:b, :, :end]
         base = mf.forward(qs, ks, vs, causal=True)
         for cfg in (mf.MosaicConfig(flat_kv=True), mf.MosaicConfig(flat_q=True),
-                    mf.MosaicConfig(flat_kv=True, flat_q=True)):
+                    mf.MosaicConfig(flat_out=True),
+                    mf.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)):
             got = mf.forward(qs, ks, vs, causal=True, config=cfg)
             for x, y in zip(base, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, end, b, cfg)

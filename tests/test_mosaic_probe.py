@@ -368,7 +368,8 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
     block is partial (the next head's keys, or zeros, past Skv; no padded copy), and
     flat_q=True the stacked decode rows from [B, Hq * Sq, D] (the next group's queries,
-    or zeros, past the group; no padded copy): the padded call's bits, out and lse,
+    or zeros, past the group; no padded copy), and flat_out=True the split decode's
+    fold storing the group's rows cast in place: the padded call's bits, out and lse,
     for a split decode past one SPLIT, an unsplit decode, two queries per head, a
     prefill and a chunk; no NaN."""
     for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 100, True),
@@ -378,8 +379,9 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
                                        (1, 2, 1, 70, 296, None)):
         seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                   config=mosaic_fwd.MosaicConfig(flat_kv=flat, flat_q=flat,
-                                                                  split_decode=split))
+                                   config=mosaic_fwd.MosaicConfig(
+                                       flat_kv=flat, flat_q=flat, flat_out=flat,
+                                       split_decode=split))
                 for flat in (False, True)]
         for x, y in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(x, np.float32)).any()
@@ -391,7 +393,8 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8193 keys lower for CUDA with no pad of
     K or V (only the query's); where Hkv * Skv is not a multiple of 8 (TMA's tiled
-    box) the padded copy stays. flat_q as well: no pad at all in a decode step."""
+    box) the padded copy stays. flat_q as well: no pad at all in a decode step; and
+    flat_out: the split decode is its two kernels and free reshapes."""
     cfg = mosaic_fwd.MosaicConfig(flat_kv=True)
     for b, hkv, sq, skv, copies in ((8, 8, 1, 8193, 0), (2, 8, 100, 8193, 0),
                                     (1, 1, 1, 8193, 1)):
@@ -401,13 +404,21 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
         kv_pads = [line for line in text.splitlines()
                    if "stablehlo.pad" in line and f"x{skv}x128x" in line]
         assert len(kv_pads) == copies, (b, hkv, sq, skv)
-    # With flat_q too, a decode step's program pads nothing (K, V nor the group's rows).
-    both = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True)
-    for skv in (8193, 300):
-        q = jax.ShapeDtypeStruct((8, 32, 1, 128), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((8, 8, skv, 128), jnp.bfloat16)
-        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=both).as_text()
+    # With flat_q too, a decode step's program pads nothing (K, V nor the group's rows);
+    # with flat_out, the split decode's program is its two kernels and free reshapes.
+    flat = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)
+    for b, skv, kernels in ((8, 8193, 2), (2, 300, 1), (32, 8193, 1)):
+        q = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((b, 8, skv, 128), jnp.bfloat16)
+        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=flat).as_text()
         assert "stablehlo.pad" not in text, skv
+        assert text.count("custom_call @mosaic_gpu") == kernels, (b, skv)
+        if kernels == 2:
+            for op in ("slice", "convert", "transpose"):
+                assert f"stablehlo.{op}" not in text, op
+    with pytest.raises(ValueError, match="final"):
+        mosaic_fwd.fold_tiles(jnp.zeros((1, 2, 8, 64)), jnp.zeros((1, 2, 64)),
+                              final=(6, jnp.bfloat16))
     with pytest.raises(ValueError, match="kv_rows"):
         mosaic_fwd._build(b=1, hq=1, hkv=1, sq=64, skv=100, offset=0, d=64,
                           dtype=jnp.bfloat16, causal=False, scale=0.125, cfg=cfg,

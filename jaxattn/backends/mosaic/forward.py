@@ -202,6 +202,13 @@ class MosaicConfig:
     #: group (an XLA launch per decode step). Where ``Hq * Sq`` is a multiple of 8. A
     #: launch choice; off until the H200 has checked its bits and speed.
     flat_q: bool = False
+    #: The split decode's fold kernel stores the group's rows of the output, cast to
+    #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
+    #: group's rows from an untiled SMEM tile), instead of 64-row fp32 tiles that XLA
+    #: slices and casts (an XLA launch per decode step). Where the group's rows are a
+    #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. A launch
+    #: choice; off until the H200 has checked its bits and speed.
+    flat_out: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -1651,6 +1658,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         # The split decode writes only the group's rows of each split's state (rounded
         # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
         state_rows = -(-stacked // 8) * 8 if split and not partials else None
+        # MosaicConfig.flat_out: the fold stores the group's rows, cast, in place.
+        final = ((stacked, q.dtype) if cfg.flat_out and split and not partials
+                 and stacked % 4 == 0 and not (btnh and sq > 1) else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
         q_rows = stacked if (cfg.flat_q and (hkv * stacked) % 8 == 0 and stacked < bn
                              and not partials) else None
@@ -1689,6 +1699,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 n = out.shape[2]
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
+            if split and final is not None:  # the fold stores [B, Hq, Sq, ...] itself
+                n, r = out.shape[2], out.shape[3]
+                out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
+                                      lse.reshape(b * hkv, n, bn), interpret=interpret,
+                                      config=cfg, final=final)
+                return ((out.reshape(b, sq, hq, d) if btnh else out.reshape(b, hq, sq, d)),
+                        lse.reshape(b, hq, sq))
             if split:  # [B, Hkv, n_splits, R, ...]: fold the splits in key order
                 n, r = out.shape[2], out.shape[3]
                 out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
@@ -2028,7 +2045,8 @@ def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
 
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
-                natural: bool = True, slots: int = 2, cols: int | None = None):
+                natural: bool = True, slots: int = 2, cols: int | None = None,
+                final: tuple[int, object] | None = None):
     """The fold kernel: one CTA per 64-row tile and ``cols`` columns of D (``d / cols``
     CTAs per tile; each computes the rows' weights alike and folds its columns), one
     warpgroup walking the ``n`` states in order through ``slots`` SMEM slots in two
@@ -2039,9 +2057,16 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     states are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64,
     n, state_rows, D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read
     in place; a tile's output rows past ``state_rows`` are not read and come out
-    unspecified)."""
+    unspecified). ``final=(r, dtype)`` (tile-major): only each tile's first ``r`` rows
+    are stored, the output cast to ``dtype``, as ``out [rows / 64 * r, D]`` and ``lse
+    [rows / 64 * r]`` (the decode's ``[B, Hq, Sq, ...]`` in memory: no slice and cast
+    after the kernel)."""
     bm = schedule.BLOCK_N
     cols = d if cols is None else cols
+    if final is not None and (not tile_major or final[0] > state_rows
+                              or (final[0] * 4) % 16):
+        raise ValueError(f"final=(r, dtype) stores r <= state_rows rows of tile-major "
+                         f"states, r a multiple of 4 (a 16-byte lse copy), got {final}")
     if slots < 2 or slots % 2:
         raise ValueError(f"the fold's slots must be an even number >= 2, got {slots}")
     chunk, chunks = slots // 2, max(-(-n // (slots // 2)), 0)
@@ -2053,7 +2078,7 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
         c = lax.axis_index("c")
         dcols = pl.ds(c * cols, cols)
 
-        def body(o_s, l_s, rl_s, o_bar, l_bar, free):
+        def body(o_s, l_s, rl_s, o_bar, l_bar, free, fin_s=None):
             def issue(i):
                 slot = lax.rem(i, jnp.int32(slots))
                 if tile_major:  # out: the tile's first state_rows rows (the others unused)
@@ -2101,15 +2126,25 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
                 empty = plgpu.layout_cast(empty, row_layout)
             out, lse = lax.fori_loop(0, chunks, step, (zeros, empty))
-            res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
-            res_s[...] = out
             rl_s[...] = natural_lse(lse) if natural else lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm), dcols])
+            if final is None:
+                res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
+                res_s[...] = out
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm), dcols])
+                lse_dst, lse_src = lse_ref.at[pl.ds(r0, bm)], rl_s
+            else:  # the tile's first r rows, cast, through an untiled SMEM tile
+                r = final[0]
+                fin_s[...] = out.astype(final[1])
+                plgpu.commit_smem()
+                t0 = lax.axis_index("t") * r
+                plgpu.copy_smem_to_gmem(fin_s.at[pl.ds(0, r)],
+                                        out_ref.at[pl.ds(t0, r), dcols])
+                lse_dst, lse_src = lse_ref.at[pl.ds(t0, r)], rl_s.at[pl.ds(0, r)]
 
             @pl.when(c == 0)
             def _():
-                plgpu.copy_smem_to_gmem(rl_s, lse_ref.at[pl.ds(r0, bm)])
+                plgpu.copy_smem_to_gmem(lse_src, lse_dst)
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -2121,12 +2156,15 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
             plgpu.Barrier(num_barriers=slots),
             plgpu.Barrier(num_barriers=slots),
             plgpu.Barrier(num_barriers=2),  # a half read (an arrival per thread)
+            *(() if final is None else (plgpu.SMEM((bm, cols), final[1]),)),
         )
 
+    out_rows = rows if final is None else rows // bm * final[0]
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((rows, d), jnp.float32),
-                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((out_rows, d),
+                                       jnp.float32 if final is None else final[1]),
+                  jax.ShapeDtypeStruct((out_rows,), jnp.float32)),
         grid=(rows // bm, d // cols),
         grid_names=("t", "c"),
         compiler_params=plgpu.CompilerParams(
@@ -2178,7 +2216,8 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
 fold_partials_jit = jax.jit(fold_partials, static_argnames=("interpret", "config", "natural"))
 
 
-def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = None):
+def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = None,
+               final: tuple[int, object] | None = None):
     """:func:`fold_partials` of states laid out tile-major, as the split decode writes
     them: ``outs [T, n, R, D]`` (each 64-row tile's first R rows, R a multiple of 8 up to
     64), ``lses [T, n, 64]`` (kernel base) -> ``(out [T, R, D], lse [T, R])``, read in
@@ -2193,7 +2232,10 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
     approx = (config or MosaicConfig()).approx_math
     slots, cols = fold_launch(n, t, d, config)
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
-                           tile_major=True, state_rows=r, slots=slots, cols=cols)(outs, lses)
+                           tile_major=True, state_rows=r, slots=slots, cols=cols,
+                           final=final)(outs, lses)
+    if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
+        return out, lse
     return out.reshape(t, bm, d)[:, :r], lse.reshape(t, bm)[:, :r]
 
 
