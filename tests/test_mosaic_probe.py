@@ -387,6 +387,16 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
             assert not np.isnan(np.asarray(x, np.float32)).any()
             np.testing.assert_array_equal(bits(x), bits(y),
                                           err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
+    # The split decode on [B, S, H, D] (q [B, 1, Hq, D]): flat_q and flat_out there too.
+    seed, q, k, v = _inputs(2, 8, 2, 1, schedule.SPLIT + 64, 64)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    outs = [mosaic_fwd.forward(t(q), t(k), t(v), causal=True, interpret=True, btnh=True,
+                               config=mosaic_fwd.MosaicConfig(flat_q=flat, flat_out=flat,
+                                                              split_decode=True))
+            for flat in (False, True)]
+    for x, y in zip(*outs, strict=True):
+        assert not np.isnan(np.asarray(y, np.float32)).any()
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"btnh (seed {seed})")
 
 
 @needs_api
