@@ -50,12 +50,9 @@ def main(argv):
         if FLAGS.backend != "mosaic" or FLAGS.mode not in ("fwd", "decode"):
             raise app.UsageError("--mosaic_config is for --backend=mosaic, forward or "
                                  "decode")
+        from benchmarks.report import config_fields
         from jaxattn.backends.mosaic import forward as mf
-        cfg = mf.MosaicConfig(**{
-            key: int(val) if val.lstrip("-").isdigit() else
-            {"True": True, "False": False, "None": None}.get(val, val)
-            for key, val in (pair.split("=", 1)
-                             for pair in FLAGS.mosaic_config.split(":"))})
+        cfg = mf.MosaicConfig(**config_fields(FLAGS.mosaic_config))
 
         def fn(q, k, v):
             return mf.forward(q, k, v, causal=causal, scale=d ** -0.5, config=cfg)[0]

@@ -339,21 +339,8 @@ def check_backward_tails(results: list) -> None:
 def _variant(spec: str):
     """``name[:key=value...]`` -> (name, MosaicConfig kwargs); values are ints, bools,
     None or strings, e.g. ``pp3:stages=3`` or ``r:registers=240/24`` (a tuple)."""
-    name, *pairs = spec.split(":")
-    kw = {}
-    for pair in pairs:
-        key, val = pair.split("=", 1)
-        if val in ("True", "False"):
-            kw[key] = val == "True"
-        elif val == "None":
-            kw[key] = None
-        elif val.lstrip("-").isdigit():
-            kw[key] = int(val)
-        elif "/" in val:
-            kw[key] = tuple(int(x) for x in val.split("/"))
-        else:
-            kw[key] = val
-    return name, kw
+    name, _, fields = spec.partition(":")
+    return name, report.config_fields(fields)
 
 
 def time_speed(results: list) -> None:

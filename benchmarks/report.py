@@ -14,6 +14,26 @@ from collections.abc import Callable
 from typing import Any
 
 
+def config_fields(spec: str) -> dict:
+    """``key=value[:key=value...]`` -> a config's keyword arguments (the binaries'
+    launch variants): ints, True / False, None, ``a/b`` tuples of ints, else strings;
+    an empty spec is no field."""
+    kw = {}
+    for pair in filter(None, spec.split(":")):
+        key, val = pair.split("=", 1)
+        if val in ("True", "False"):
+            kw[key] = val == "True"
+        elif val == "None":
+            kw[key] = None
+        elif val.lstrip("-").isdigit():
+            kw[key] = int(val)
+        elif "/" in val:
+            kw[key] = tuple(int(x) for x in val.split("/"))
+        else:
+            kw[key] = val
+    return kw
+
+
 def write(out_dir: str | None, data: Any, md: str | None = None, **json_kw) -> None:
     """``data`` as ``out_dir/results.json`` and ``md`` (if given) as ``results.md``;
     nothing when ``out_dir`` is None."""

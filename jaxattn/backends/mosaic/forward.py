@@ -1699,18 +1699,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 n = out.shape[2]
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
-            if split and final is not None:  # the fold stores [B, Hq, Sq, ...] itself
-                n, r = out.shape[2], out.shape[3]
-                out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
-                                      lse.reshape(b * hkv, n, bn), interpret=interpret,
-                                      config=cfg, final=final)
-                return ((out.reshape(b, sq, hq, d) if btnh else out.reshape(b, hq, sq, d)),
-                        lse.reshape(b, hq, sq))
             if split:  # [B, Hkv, n_splits, R, ...]: fold the splits in key order
                 n, r = out.shape[2], out.shape[3]
                 out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
                                       lse.reshape(b * hkv, n, bn), interpret=interpret,
-                                      config=cfg)
+                                      config=cfg, final=final)
+                if final is not None:  # the fold stored [B, Hq, Sq, ...] itself
+                    return ((out.reshape(b, sq, hq, d) if btnh
+                             else out.reshape(b, hq, sq, d)), lse.reshape(b, hq, sq))
                 out = out.reshape(b, hkv, r, d).astype(out_dtype)
                 lse = lse.reshape(b, hkv, r)
             out = out[:, :, :stacked].reshape(b, hkv, group, sq, d)
@@ -2069,7 +2065,8 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                          f"states, r a multiple of 4 (a 16-byte lse copy), got {final}")
     if slots < 2 or slots % 2:
         raise ValueError(f"the fold's slots must be an even number >= 2, got {slots}")
-    chunk, chunks = slots // 2, max(-(-n // (slots // 2)), 0)
+    chunk = slots // 2
+    chunks = -(-n // chunk)
     hints = interpret is None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
