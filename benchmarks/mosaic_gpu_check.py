@@ -59,6 +59,9 @@ flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in 
 flags.DEFINE_list("decode_speed", [], "B:Skv points: time decode (one query per head, "
                   "Hq=32, Hkv=8, D=128, bf16) of the Mosaic forward (in-kernel fold and "
                   "split_decode) beside the Pallas backend; GB/s of K and V read.")
+flags.DEFINE_integer("decode_rounds", 3, "Rounds of --decode_speed: every system timed "
+                     "once a round (--iters samples), in an order rotated each round; "
+                     "the median of the rounds' medians, and each round's.")
 flags.DEFINE_list("decode_variants", [],
                   "More Mosaic decode launches timed by --decode_speed (name[:key=value...], "
                   "MosaicConfig fields), e.g. split-s4:split_decode=True:stages=4.")
@@ -449,15 +452,16 @@ def time_decode(results: list) -> None:
             name, kw = _variant(vspec)
             fns[f"mosaic:{name}"] = functools.partial(
                 mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw))
-        outs = {}
+        # Compile and check every system first, then time them in rounds (the order
+        # rotated each round), so that a drift of the machine over the call does not
+        # read as a difference between systems (on 2026-12-04 two runs of one program
+        # timed one after the other read 57.5 and 71.2 us).
+        outs, rows, jitted = {}, {}, {}
         for name, fn in fns.items():
-            row = {"kind": "decode-speed", "system": name, "B": b, "Skv": s}
+            row = rows[name] = {"kind": "decode-speed", "system": name, "B": b, "Skv": s}
             try:
-                fn = jax.jit(fn)
-                outs[name] = jax.block_until_ready(fn(*sets[0]))
-                sec, reps = report.sampled_seconds(fn, sets, jax.block_until_ready,
-                                                   FLAGS.iters, 3, 50, 0.03)
-                row.update(us=sec * 1e6, gbps=kv_bytes / sec / 1e9, reps=reps)
+                jitted[name] = jax.jit(fn)
+                outs[name] = jax.block_until_ready(jitted[name](*sets[0]))
                 if name.startswith("mosaic:") and name != "mosaic:fold-in-kernel" \
                         and "mosaic:fold-in-kernel" in outs:
                     row["bits_eq_fold_in_kernel"] = all(
@@ -465,6 +469,20 @@ def time_decode(results: list) -> None:
                                                     strict=True))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
+                jitted.pop(name, None)
+        names = list(jitted)
+        samples = {name: [] for name in names}
+        for r in range(max(1, FLAGS.decode_rounds)):
+            for name in names[r % len(names):] + names[:r % len(names)] if names else ():
+                sec, reps = report.sampled_seconds(jitted[name], sets, jax.block_until_ready,
+                                                   FLAGS.iters, 2, 50, 0.03)
+                samples[name].append(sec)
+                rows[name]["reps"] = reps
+        for name, row in rows.items():
+            if samples.get(name):
+                sec = float(np.median(samples[name]))
+                row.update(us=sec * 1e6, gbps=kv_bytes / sec / 1e9,
+                           rounds_us=[round(x * 1e6, 1) for x in samples[name]])
             results.append(row)
             print(row, flush=True)
 

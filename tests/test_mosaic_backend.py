@@ -130,22 +130,57 @@ def test_flat_kv_keeps_bits_on_gpu():
     block's keys past Skv the next head's or TMA's out-of-bounds zeros) and flat_q=True
     (the stacked decode rows read from [B, Hq * Sq, D], the rows past a group the next
     group's queries or zeros) and flat_out=True (the split decode's fold storing the
-    group's rows cast in place) give the padded call's bits at 1 to 63 keys past a block:
-    decode split and unsplit, 4 queries per head, a prefill and a chunk; no NaN."""
+    group's rows cast in place) give the padded call's bits: decode split and unsplit,
+    8 queries per group (flat_q's domain) and 4, a prefill and a chunk; no NaN. Skv a
+    multiple of 8 and not of 64 (the flags' domain), and not of 8 (where the padded copy
+    stays: on 2026-12-04 flat_kv read other heads' rows there, Skv = 1025)."""
     from jaxattn.backends.mosaic import forward as mf
-    q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
-    for sq, end, b in ((1, 1025, 2), (1, 1087, 1), (1, 130, 2), (4, 1099, 2),
-                       (100, 1100, 2), (70, 1000, 1)):
-        qs = q[:b, :, end - sq:end]
+    q, k, v = rand_qkv(2, 64, 8, 1104, 1104, 128, jnp.bfloat16)
+    for hq, sq, end, b in ((64, 1, 1032, 2), (32, 1, 1096, 1), (64, 1, 136, 2),
+                           (32, 4, 1104, 2), (64, 100, 1104, 2), (64, 70, 1000, 1),
+                           (64, 1, 1025, 2), (32, 1, 1087, 1)):
+        qs = q[:b, :hq, end - sq:end]
         ks, vs = k[:b, :, :end], v[:b, :, :end]
-        base = mf.forward(qs, ks, vs, causal=True)
-        for cfg in (mf.MosaicConfig(flat_kv=True), mf.MosaicConfig(flat_q=True),
-                    mf.MosaicConfig(flat_out=True),
-                    mf.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)):
+        off = dict(flat_kv=False, flat_q=False, flat_out=False)
+        base = mf.forward(qs, ks, vs, causal=True, config=mf.MosaicConfig(**off))
+        for on in ("flat_kv", "flat_q", "flat_out", None):  # each alone, and all three
+            cfg = mf.MosaicConfig() if on is None else mf.MosaicConfig(**{**off, on: True})
             got = mf.forward(qs, ks, vs, causal=True, config=cfg)
             for x, y in zip(base, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, end, b, cfg)
-                assert bits_equal(x, y), (sq, end, b, cfg)
+                assert bits_equal(x, y), (hq, sq, end, b, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_key_mask_reads_kv_in_place_on_gpu():
+    """On sm90, a key padding mask with NaN in the dropped keys of K and inf in V's
+    (the kernel zeroes V's dropped rows in SMEM; XLA no longer zeroes a copy): the
+    bits of the call on zeroed K and V, no NaN. Prefill, causal chunk, stacked decode
+    (split past one SPLIT and not), two compute warpgroups and one."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
+    for sq, skv, causal in ((300, 1100, False), (100, 1100, True), (1, 1100, True),
+                            (1, 300, True), (4, 1090, True)):
+        m = rng.random((2, skv)) > 0.3
+        m[:, 64:128] = False  # a wholly dropped block
+        m[:, -1] = True
+        keep = jnp.asarray(m)
+        drop = ~keep[:, None, :, None]
+        ks, vs = k[:, :, :skv], v[:, :, :skv]
+        k_nan = jnp.where(drop, jnp.nan, ks).astype(ks.dtype)
+        v_inf = jnp.where(drop, jnp.inf, vs).astype(vs.dtype)
+        kz, vz = mf.zero_dropped_keys(ks, vs, keep)
+        qs = q[:, :, skv - sq:skv]
+        for cfg in (mf.MosaicConfig(), mf.MosaicConfig(compute_wgs=1, block_m=64)):
+            want = mf.forward(qs, kz, vz, causal=causal, key_padding_mask=keep, config=cfg)
+            got = mf.forward(qs, k_nan, v_inf, causal=causal, key_padding_mask=keep,
+                             config=cfg)
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, skv, cfg)
+                assert bits_equal(x, y), (sq, skv, causal, cfg)
 
 
 @pytest.mark.gpu

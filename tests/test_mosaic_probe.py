@@ -371,11 +371,12 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     or zeros, past the group; no padded copy), and flat_out=True the split decode's
     fold storing the group's rows cast in place: the padded call's bits, out and lse,
     for a split decode past one SPLIT, an unsplit decode, two queries per head, a
-    prefill and a chunk; no NaN."""
-    for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 100, True),
-                                       (1, 8, 2, 1, 300, False),
-                                       (1, 8, 2, 2, 299, False),
-                                       (1, 2, 2, 100, 150, None),
+    prefill and a chunk; no NaN. Skv a multiple of 8 and not of 64, and 8 or 16
+    stacked rows per group (the two flags' domain: 8-row aligned boxes)."""
+    for b, hq, hkv, sq, skv, split in ((2, 16, 2, 1, schedule.SPLIT + 104, True),
+                                       (1, 16, 2, 1, 296, False),
+                                       (1, 8, 2, 2, 304, False),
+                                       (1, 2, 2, 100, 152, None),
                                        (1, 2, 1, 70, 296, None)):
         seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
@@ -399,15 +400,77 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"btnh (seed {seed})")
 
 
+def _dropped_nan(k, v, keep):
+    """K with NaN and V with inf at the keys ``keep`` drops; and both zeroed there (what
+    the kernel saw before it zeroed them itself: a select copy of the cache per call)."""
+    drop = ~keep[:, None, :, None]
+    k_nan = jnp.where(drop, jnp.nan, k).astype(k.dtype)
+    v_inf = jnp.where(drop, jnp.inf, v).astype(v.dtype)
+    return (k_nan, v_inf), mosaic_zero_dropped(k, v, keep)
+
+
+def mosaic_zero_dropped(k, v, keep):
+    from jaxattn.backends.mosaic.forward import zero_dropped_keys
+    return zero_dropped_keys(k, v, keep)
+
+
+@needs_threads
+@needs_interpret
+def test_interpret_key_mask_reads_kv_in_place(mosaic_fwd):
+    """With a key padding mask the kernel zeroes V's dropped rows in SMEM (blocks that
+    drop a key) instead of XLA zeroing K and V in a copy: NaN in dropped K and inf in
+    dropped V give the bits of the call on zeroed K and V, no NaN. A non-causal prefill
+    with a partial last block and a wholly dropped block, a causal chunk, a stacked
+    decode, and a split decode past one SPLIT."""
+    rng = np.random.default_rng()
+    for b, hq, hkv, sq, skv, causal, split in ((2, 4, 2, 70, 200, False, None),
+                                                (1, 4, 2, 40, 130, True, None),
+                                                (2, 4, 2, 1, 150, True, False),
+                                                (1, 4, 2, 1, schedule.SPLIT + 40, True,
+                                                 True)):
+        seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
+        m = rng.random((b, skv)) > 0.3
+        m[:, :64] = False  # a wholly dropped block
+        m[:, -1] = True  # the decode row's own key
+        keep = jnp.asarray(m)
+        nan_kv, zero_kv = _dropped_nan(k, v, keep)
+        cfg = mosaic_fwd.MosaicConfig(split_decode=split, compute_wgs=1, block_m=64)
+        got, want = (mosaic_fwd.forward(q, *kv, causal=causal, interpret=True, config=cfg,
+                                        key_padding_mask=keep)
+                     for kv in (nan_kv, zero_kv))
+        for x, y in zip(got, want, strict=True):
+            assert not np.isnan(np.asarray(x, np.float32)).any(), (sq, skv, seed)
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
+
+
+@needs_api
+def test_key_mask_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
+    """A decode step and a prefill with a key padding mask lower for CUDA with no
+    select over K or V (before: XLA zeroed the dropped keys in a copy of the cache
+    per call)."""
+    for b, sq, skv in ((8, 1, 8192), (2, 100, 8192)):
+        q = jax.ShapeDtypeStruct((b, 32, sq, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((b, 8, skv, 128), jnp.bfloat16)
+        keep = jax.ShapeDtypeStruct((b, skv), jnp.bool_)
+        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
+                                         key_padding_mask=keep).as_text()
+        copies = [line for line in text.splitlines()
+                  if "stablehlo.select" in line and f"x{skv}x128x" in line]
+        assert not copies, copies[:1]
+        assert "custom_call @mosaic_gpu" in text
+
+
 @needs_api
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
-    """flat_kv: a decode step and a prefill at 8193 keys lower for CUDA with no pad of
-    K or V (only the query's); where Hkv * Skv is not a multiple of 8 (TMA's tiled
-    box) the padded copy stays. flat_q as well: no pad at all in a decode step; and
-    flat_out: the split decode is its two kernels and free reshapes."""
+    """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
+    K or V (only the query's); where Skv is not a multiple of 8 (head h's first key
+    off the tiled box's 8-row grid) the padded copy stays. flat_q as well (8 stacked
+    rows per group): no pad at all in a decode step; with 4 per group the query's
+    pad stays. flat_out: the split decode is its two kernels and free reshapes."""
     cfg = mosaic_fwd.MosaicConfig(flat_kv=True)
-    for b, hkv, sq, skv, copies in ((8, 8, 1, 8193, 0), (2, 8, 100, 8193, 0),
-                                    (1, 1, 1, 8193, 1)):
+    for b, hkv, sq, skv, copies in ((8, 8, 1, 8200, 0), (2, 8, 100, 8200, 0),
+                                    (8, 8, 1, 8193, 1), (1, 1, 1, 8196, 1)):
         q = jax.ShapeDtypeStruct((b, 32, sq, 128), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((b, hkv, skv, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
@@ -417,11 +480,14 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     # With flat_q too, a decode step's program pads nothing (K, V nor the group's rows);
     # with flat_out, the split decode's program is its two kernels and free reshapes.
     flat = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)
-    for b, skv, kernels in ((8, 8193, 2), (2, 300, 1), (32, 8193, 1)):
-        q = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)
+    for b, skv, kernels in ((8, 8200, 2), (2, 296, 1), (32, 8200, 1)):
+        q = jax.ShapeDtypeStruct((b, 64, 1, 128), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((b, 8, skv, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=flat).as_text()
         assert "stablehlo.pad" not in text, skv
+        q4 = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)  # 4 rows a group
+        text4 = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True, config=flat).as_text()
+        assert sum("stablehlo.pad" in line for line in text4.splitlines()) == 1, skv
         assert text.count("custom_call @mosaic_gpu") == kernels, (b, skv)
         if kernels == 2:
             for op in ("slice", "convert", "transpose"):
@@ -682,10 +748,11 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
         kb = jax.ShapeDtypeStruct((b, 8, 5000, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(qb, kb, kb, causal=causal).as_text()
         assert text.count("custom_call @mosaic_gpu") == n, b
-    # The fold's launch: D split into 32-column CTAs while the tiles are few, as many
-    # slots as FOLD_SMEM holds; both lower (tile-major and split-major states).
-    assert mosaic_fwd.fold_launch(128, 8, 128) == (8, 32)
-    assert mosaic_fwd.fold_launch(3, 8, 128) == (4, 32)
+    # The fold's launch: D halved (to 16 columns) while the CTAs are fewer than 132, as
+    # many slots as FOLD_SMEM holds; both lower (tile-major and split-major states).
+    assert mosaic_fwd.fold_launch(128, 8, 128) == (16, 16)
+    assert mosaic_fwd.fold_launch(3, 8, 128) == (4, 16)
+    assert mosaic_fwd.fold_launch(32, 64, 128) == (8, 32)
     assert mosaic_fwd.fold_launch(32, 256, 128) == (2, 128)
     assert mosaic_fwd.fold_launch(32, 4, 256, mosaic_fwd.MosaicConfig(fold_cols=256)) == (2, 256)
     with pytest.raises(ValueError, match="fold_cols must divide"):

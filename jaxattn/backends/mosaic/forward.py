@@ -180,35 +180,41 @@ class MosaicConfig:
     #: the next ones load into the other. None: as many as :data:`FOLD_SMEM` holds, 2
     #: to 16 (:func:`fold_launch`). A launch choice: the same merges in the same order.
     fold_slots: int | None = None
-    #: Columns of D per fold CTA (32, 64, ... up to D): a tile's D is folded by D /
+    #: Columns of D per fold CTA (16, 32, ... up to D): a tile's D is folded by D /
     #: ``fold_cols`` CTAs, each the same merges on its columns (the row weights are
     #: computed alike in each). None: split D while the tiles do not fill the GPU
     #: (:func:`fold_launch`). A launch choice.
     fold_cols: int | None = None
-    #: A causal call whose last key block is partial (Skv not a multiple of 64: most
-    #: decode steps) reads K and V through the free reshape ``[B, Hkv * Skv, D]``
+    #: A causal call whose last key block is partial (Skv not a multiple of 64) reads
+    #: K and V through the free reshape ``[B, Hkv * Skv, D]``
     #: instead of a copy padded to whole blocks: the last block's rows past Skv are the
     #: next head's first keys (their probabilities are exactly 0) or, past the last
     #: head, zeros that TMA fills in (the interpreter, which refuses out-of-bounds
-    #: reads, gets them padded). Where ``Hkv * Skv`` is a multiple of 8 (TMA's tiled
-    #: box), without a key mask, pages, per-sequence offsets or ``[B, S, H, D]``. A
-    #: launch choice (the same rows' operations); off until the H200 has checked its
-    #: bits and speed (docs/notes.md, "Open: for the next H200 run").
-    flat_kv: bool = False
+    #: reads, gets them padded). Where Skv is a multiple of 8, without pages,
+    #: per-sequence offsets or ``[B, S, H, D]``: Mosaic GPU addresses a tiled TMA box
+    #: in whole 8-row tiles, so a box that starts at a row off the 8-row grid (head h's
+    #: first key, ``h * Skv``) reads the wrong rows (on the H200, 2026-12-04: Skv =
+    #: 1025 gave other heads' outputs; the interpreter reads any row and cannot show
+    #: it). Elsewhere (7 of 8 decode steps of a growing cache) K and V are still
+    #: padded in a copy; a bucketed cache (:func:`jaxattn.schedule.bucket_length`, the
+    #: bridge's decode) or a paged one has whole blocks. A launch choice (the same
+    #: rows' operations).
+    flat_kv: bool = True
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
     #: and their results are never stored), instead of a copy padded to 64 rows per
-    #: group (an XLA launch per decode step). Where ``Hq * Sq`` is a multiple of 8. A
-    #: launch choice; off until the H200 has checked its bits and speed.
-    flat_q: bool = False
+    #: group (an XLA launch per decode step). Where the group's rows (``Hq / Hkv *
+    #: Sq``) are a multiple of 8, so every group's first row is on the 8-row grid of
+    #: the tiled box (see ``flat_kv``). A launch choice.
+    flat_q: bool = True
     #: The split decode's fold kernel stores the group's rows of the output, cast to
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
     #: group's rows from an untiled SMEM tile), instead of 64-row fp32 tiles that XLA
     #: slices and casts (an XLA launch per decode step). Where the group's rows are a
     #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. A launch
-    #: choice; off until the H200 has checked its bits and speed.
-    flat_out: bool = False
+    #: choice.
+    flat_out: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -602,10 +608,10 @@ class _Forward:
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn):
             raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows")
         self.q_rows = q_rows
-        if kv_rows is not None and (kv_btnh or page_size is not None or key_mask
-                                    or k_row0 or not causal):
+        if kv_rows is not None and (kv_btnh or page_size is not None or k_row0
+                                    or not causal):
             raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
-                             "on [B, H, S, D] without pages, a key mask or a key window")
+                             "on [B, H, S, D] without pages or a key window")
         self.kv_rows = kv_rows
         if stack_sq < 1 or (stack_sq > 1 and position is None):
             raise ValueError(f"stack_sq (>= 1) stacks queries of stacked decode rows "
@@ -935,6 +941,26 @@ class _Forward:
             v_t[...] = jnp.where(rows < valid, x, jnp.zeros_like(x))
             plgpu.commit_smem()
 
+    def zero_dropped(self, it: _Item, t, v_t, keep_t):
+        """Key mask: V's rows of the keys ``keep_t`` drops set to zero in the slot, in a
+        block that drops any (its flag): their probabilities are 0, but 0 * NaN is not.
+        Read in place, K and V may hold anything at a dropped key (NaN padding, a
+        cache's unused slots); K needs nothing, its scores are selected away. The same
+        values the kernel saw when the caller's K and V were zeroed by
+        :func:`zero_dropped_keys` before it: the same bits, with no copy of the cache."""
+        bn, d = self.bn, self.d
+
+        @pl.when(it.flags_ref[it.bi, t] != 0)
+        def _():
+            if self.layout_hints:
+                x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA)
+                kv = plgpu.load(keep_t, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            else:
+                x, kv = v_t[...], keep_t[...]
+            kept = lax.broadcast_in_dim(kv, (bn, d), [0]) != 0.0
+            v_t[...] = jnp.where(kept, x, jnp.zeros_like(x))
+            plgpu.commit_smem()
+
     def drain(self, bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
         slot still in flight (of ``loads`` in all), so every barrier arrival is observed
@@ -1051,6 +1077,8 @@ class _Forward:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
         if self.page_size is not None:
             self.zero_tail(it, t, v_s.at[slot])
+        if self.key_mask:
+            self.zero_dropped(it, t, v_s.at[slot], keep)
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1621,9 +1649,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     synth = pages is None and (not causal or dyn) and k.shape[sa] % bn != 0
     if synth and key_padding_mask is None:
         key_padding_mask = jnp.ones((k.shape[0], k.shape[sa]), jnp.bool_)
-    key_mask = key_padding_mask is not None
-    if key_mask:
-        k, v = zero_dropped_keys(k, v, key_padding_mask, axis=sa)
+    key_mask = key_padding_mask is not None  # the kernel zeroes V's dropped keys in SMEM
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     if btnh:
@@ -1641,8 +1667,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
     stacked = group * sq  # the rows of a (batch, KV head) tile when stacked
     # MosaicConfig.flat_kv: K and V as [B, Hkv * Skv, D], not padded to whole blocks.
-    kv_rows = skv if (cfg.flat_kv and causal and not dyn and not key_mask and pages is None
-                      and not btnh and skv % bn and (hkv * skv) % 8 == 0
+    kv_rows = skv if (cfg.flat_kv and causal and not dyn and pages is None
+                      and not btnh and skv % bn and skv % 8 == 0
                       and not (partials or raw or carry is not None or state is not None
                                or state_out)) else None
     if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
@@ -1662,7 +1688,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         final = ((stacked, q.dtype) if cfg.flat_out and split and not partials
                  and stacked % 4 == 0 and not (btnh and sq > 1) else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
-        q_rows = stacked if (cfg.flat_q and (hkv * stacked) % 8 == 0 and stacked < bn
+        q_rows = stacked if (cfg.flat_q and stacked % 8 == 0 and stacked < bn
                              and not partials) else None
         call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                                  d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
@@ -2020,16 +2046,18 @@ FOLD_SMEM = 64 * 1024
 def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
     """``(slots, cols)`` of the fold kernel for ``n`` states of ``tiles`` 64-row tiles
     at head dim ``d``: ``config``'s ``fold_slots`` / ``fold_cols`` where set; else D is
-    halved (down to 32 columns) while the CTAs, ``tiles * d / cols``, are fewer than
+    halved (down to 16 columns) while the CTAs, ``tiles * d / cols``, are fewer than
     :data:`SPLIT_DECODE_BELOW_CTAS` (the states of a few (batch, KV head) tiles are
     read by more SMs), and the slots are as many of ``64 * cols * 4`` bytes as
     :data:`FOLD_SMEM` holds, 2 to 16; never more than ``n`` rounded up to even. Launch
-    choices only: the same merges per element in the same order."""
+    choices only: the same merges per element in the same order. Down to 16 columns:
+    on the H200 (2026-12-04, tree ``bdd7fc2``) 16 ran the decode at B=1 131072 keys in
+    170.8 us against 176.4 at 32 (8 tiles: 64 CTAs against 32), bits equal."""
     cfg = config or MosaicConfig()
     cols = cfg.fold_cols
     if cols is None:
         cols = d
-        while cols > 32 and tiles * (d // cols) < SPLIT_DECODE_BELOW_CTAS:
+        while cols > 16 and tiles * (d // cols) < SPLIT_DECODE_BELOW_CTAS:
             cols //= 2
     if d % cols:
         raise ValueError(f"fold_cols must divide the head dim {d}, got {cols}")
