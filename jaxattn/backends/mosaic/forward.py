@@ -207,14 +207,14 @@ class MosaicConfig:
     #: group (an XLA launch per decode step). Where the group's rows (``Hq / Hkv *
     #: Sq``) are a multiple of 8, so every group's first row is on the 8-row grid of
     #: the tiled box (see ``flat_kv``). A launch choice.
-    flat_q: bool = True
+    flat_q: bool = False
     #: The split decode's fold kernel stores the group's rows of the output, cast to
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
     #: group's rows from an untiled SMEM tile), instead of 64-row fp32 tiles that XLA
     #: slices and casts (an XLA launch per decode step). Where the group's rows are a
     #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. A launch
     #: choice.
-    flat_out: bool = True
+    flat_out: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
