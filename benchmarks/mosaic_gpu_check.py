@@ -62,6 +62,11 @@ flags.DEFINE_list("decode_speed", [], "B:Skv points: time decode (one query per 
 flags.DEFINE_integer("decode_rounds", 3, "Rounds of --decode_speed: every system timed "
                      "once a round (--iters samples), in an order rotated each round; "
                      "the median of the rounds' medians, and each round's.")
+flags.DEFINE_bool("decode_masked", False, "Also time --decode_speed with a key padding "
+                  "mask (each sequence's first 100 keys dropped, left padding): the "
+                  "kernel zeroing V's dropped rows in SMEM ('masked') against XLA "
+                  "zeroing K and V in a copy first ('masked:xla-zero', the program "
+                  "before tree 363445a); their bits compared.")
 flags.DEFINE_list("decode_variants", [],
                   "More Mosaic decode launches timed by --decode_speed (name[:key=value...], "
                   "MosaicConfig fields), e.g. split-s4:split_decode=True:stages=4.")
@@ -452,6 +457,16 @@ def time_decode(results: list) -> None:
             name, kw = _variant(vspec)
             fns[f"mosaic:{name}"] = functools.partial(
                 mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw))
+        if FLAGS.decode_masked:
+            keep = jnp.broadcast_to(jnp.arange(s) >= 100, (b, s))
+
+            def masked(q, k, v, zero_first=False, keep=keep):
+                if zero_first:
+                    k, v = mf.zero_dropped_keys(k, v, keep)
+                return mf.forward(q, k, v, causal=True, scale=scale, key_padding_mask=keep)
+
+            fns["mosaic:masked"] = masked
+            fns["mosaic:masked:xla-zero"] = functools.partial(masked, zero_first=True)
         # Compile and check every system first, then time them in rounds (the order
         # rotated each round), so that a drift of the machine over the call does not
         # read as a difference between systems (on 2026-12-04 two runs of one program
@@ -462,8 +477,12 @@ def time_decode(results: list) -> None:
             try:
                 jitted[name] = jax.jit(fn)
                 outs[name] = jax.block_until_ready(jitted[name](*sets[0]))
-                if name.startswith("mosaic:") and name != "mosaic:fold-in-kernel" \
-                        and "mosaic:fold-in-kernel" in outs:
+                if name == "mosaic:masked:xla-zero" and "mosaic:masked" in outs:
+                    row["bits_eq_masked"] = all(
+                        _same(a, c) for a, c in zip(outs[name], outs["mosaic:masked"],
+                                                    strict=True))
+                elif name.startswith("mosaic:") and not name.startswith("mosaic:masked") \
+                        and name != "mosaic:fold-in-kernel" and "mosaic:fold-in-kernel" in outs:
                     row["bits_eq_fold_in_kernel"] = all(
                         _same(a, c) for a, c in zip(outs[name], outs["mosaic:fold-in-kernel"],
                                                     strict=True))

@@ -2122,21 +2122,24 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                     i = j * chunk + u
                     pl.when(i < n)(lambda i=i: issue(i))
 
-            def one(i, state):
-                slot = lax.rem(i, jnp.int32(slots))
-                plgpu.barrier_wait(o_bar.at[slot])
-                plgpu.barrier_wait(l_bar.at[slot])
-                if hints:
-                    x = plgpu.load(o_s.at[slot], (), layout=plgpu.Layout.WGMMA)
-                    lx = plgpu.load(l_s.at[slot], (), layout=row_layout)
-                else:
-                    x, lx = o_s[slot], l_s[slot]
-                return kernel_merge(*state, x, lx)
-
-            def step(j, state):  # chunk j: its states merged in order, then its half
-                # released (every thread has read it: an arrival each, observed here)
-                # and refilled with chunk j + 2 while chunk j + 1 is merged.
-                state = lax.fori_loop(j * chunk, lax.min((j + 1) * chunk, n), one, state)
+            def step(j, state, count):  # chunk j's first ``count`` states (static)
+                # awaited and read, then merged in order (unrolled: the merges' loads
+                # and independent work interleave; the same operations in the same
+                # order), then its half released (every thread has read it: an
+                # arrival each, observed here) and refilled with chunk j + 2 while
+                # chunk j + 1 is merged.
+                xs = []
+                for u in range(count):
+                    slot = lax.rem(j * chunk + u, jnp.int32(slots))
+                    plgpu.barrier_wait(o_bar.at[slot])
+                    plgpu.barrier_wait(l_bar.at[slot])
+                    if hints:
+                        xs.append((plgpu.load(o_s.at[slot], (), layout=plgpu.Layout.WGMMA),
+                                   plgpu.load(l_s.at[slot], (), layout=row_layout)))
+                    else:
+                        xs.append((o_s[slot], l_s[slot]))
+                for x, lx in xs:
+                    state = kernel_merge(*state, x, lx)
                 half = lax.rem(j, jnp.int32(2))
                 plgpu.barrier_arrive(free.at[half])
                 plgpu.barrier_wait(free.at[half])
@@ -2150,7 +2153,11 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
             if hints:
                 zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
                 empty = plgpu.layout_cast(empty, row_layout)
-            out, lse = lax.fori_loop(0, chunks, step, (zeros, empty))
+            full, tail = divmod(n, chunk)
+            state = lax.fori_loop(0, full, lambda j, st: step(j, st, chunk), (zeros, empty))
+            if tail:  # the last chunk's states
+                state = step(jnp.int32(full), state, tail)
+            out, lse = state
             rl_s[...] = natural_lse(lse) if natural else lse
             if final is None:
                 res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
