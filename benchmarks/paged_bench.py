@@ -65,7 +65,7 @@ def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffl
     else:
         fn = jax.jit(lambda q, kp, vp, t, lens: jaxattn.paged.attention(
             q, kp, vp, t, lens, backend=backend, layout=layout))
-    sec, _ = report.sampled_seconds(fn, sets, jax.block_until_ready, FLAGS.iters, 2, 20,
+    sec, _ = report.sampled_seconds(fn, sets, jax.block_until_ready, FLAGS.iters, 2, 50,
                                     0.02)
     nbytes = 2 * b * hkv * skv * d * 2
     return {"backend": backend, "B": b, "Skv": skv, "page_size": ps,
