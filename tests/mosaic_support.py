@@ -25,6 +25,19 @@ def bits(x):
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
+def dropped_nan(k, v, keep):
+    """``((k, v) with NaN in K and inf in V at the keys ``keep`` drops, (k, v) zeroed
+    there)``: the second pair is what the Mosaic forward saw when XLA zeroed the
+    dropped keys in a copy before it (``[B, Hkv, Skv, D]``; ``keep`` bool ``[B, Skv]``)."""
+    import jax.numpy as jnp
+
+    from jaxattn.backends.mosaic.forward import zero_dropped_keys
+    drop = ~keep[:, None, :, None]
+    k_nan = jnp.where(drop, jnp.nan, k).astype(k.dtype)
+    v_inf = jnp.where(drop, jnp.inf, v).astype(v.dtype)
+    return (k_nan, v_inf), zero_dropped_keys(k, v, keep)
+
+
 def missing_api(extra: tuple[str, ...] = ()) -> str | None:
     """Why this JAX cannot build the prototypes (``extra``: further plgpu names), or None."""
     try:

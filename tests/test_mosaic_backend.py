@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, np_attention, rand_qkv, rel_err
 from mosaic_support import (
+    dropped_nan,
     missing_api,
     missing_interpret,
     needs_threads,
@@ -168,11 +169,7 @@ def test_key_mask_reads_kv_in_place_on_gpu():
         m[:, 64:128] = False  # a wholly dropped block
         m[:, -1] = True
         keep = jnp.asarray(m)
-        drop = ~keep[:, None, :, None]
-        ks, vs = k[:, :, :skv], v[:, :, :skv]
-        k_nan = jnp.where(drop, jnp.nan, ks).astype(ks.dtype)
-        v_inf = jnp.where(drop, jnp.inf, vs).astype(vs.dtype)
-        kz, vz = mf.zero_dropped_keys(ks, vs, keep)
+        (k_nan, v_inf), (kz, vz) = dropped_nan(k[:, :, :skv], v[:, :, :skv], keep)
         qs = q[:, :, skv - sq:skv]
         for cfg in (mf.MosaicConfig(), mf.MosaicConfig(compute_wgs=1, block_m=64)):
             want = mf.forward(qs, kz, vz, causal=causal, key_padding_mask=keep, config=cfg)

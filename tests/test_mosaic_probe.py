@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mosaic_support import (
     bits,
+    dropped_nan,
     missing_api,
     missing_interpret,
     needs_threads,
@@ -400,20 +401,6 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"btnh (seed {seed})")
 
 
-def _dropped_nan(k, v, keep):
-    """K with NaN and V with inf at the keys ``keep`` drops; and both zeroed there (what
-    the kernel saw before it zeroed them itself: a select copy of the cache per call)."""
-    drop = ~keep[:, None, :, None]
-    k_nan = jnp.where(drop, jnp.nan, k).astype(k.dtype)
-    v_inf = jnp.where(drop, jnp.inf, v).astype(v.dtype)
-    return (k_nan, v_inf), mosaic_zero_dropped(k, v, keep)
-
-
-def mosaic_zero_dropped(k, v, keep):
-    from jaxattn.backends.mosaic.forward import zero_dropped_keys
-    return zero_dropped_keys(k, v, keep)
-
-
 @needs_threads
 @needs_interpret
 def test_interpret_key_mask_reads_kv_in_place(mosaic_fwd):
@@ -433,7 +420,7 @@ def test_interpret_key_mask_reads_kv_in_place(mosaic_fwd):
         m[:, :64] = False  # a wholly dropped block
         m[:, -1] = True  # the decode row's own key
         keep = jnp.asarray(m)
-        nan_kv, zero_kv = _dropped_nan(k, v, keep)
+        nan_kv, zero_kv = dropped_nan(k, v, keep)
         cfg = mosaic_fwd.MosaicConfig(split_decode=split, compute_wgs=1, block_m=64)
         got, want = (mosaic_fwd.forward(q, *kv, causal=causal, interpret=True, config=cfg,
                                         key_padding_mask=keep)

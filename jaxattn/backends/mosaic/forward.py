@@ -931,15 +931,9 @@ class _Forward:
 
         @pl.when(valid < bn)
         def _():
-            if self.layout_hints:
-                x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA)
-                rows = plgpu.broadcasted_iota(jnp.int32, (bn, d), 0,
-                                              layout=plgpu.Layout.WGMMA)
-            else:
-                x = v_t[...]
-                rows = lax.broadcasted_iota(jnp.int32, (bn, d), 0)
-            v_t[...] = jnp.where(rows < valid, x, jnp.zeros_like(x))
-            plgpu.commit_smem()
+            rows = (plgpu.broadcasted_iota(jnp.int32, (bn, d), 0, layout=plgpu.Layout.WGMMA)
+                    if self.layout_hints else lax.broadcasted_iota(jnp.int32, (bn, d), 0))
+            self._keep_v_rows(v_t, rows < valid)
 
     def zero_dropped(self, it: _Item, t, v_t, keep_t):
         """Key mask: V's rows of the keys ``keep_t`` drops set to zero in the slot, in a
@@ -952,14 +946,16 @@ class _Forward:
 
         @pl.when(it.flags_ref[it.bi, t] != 0)
         def _():
-            if self.layout_hints:
-                x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA)
-                kv = plgpu.load(keep_t, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            else:
-                x, kv = v_t[...], keep_t[...]
-            kept = lax.broadcast_in_dim(kv, (bn, d), [0]) != 0.0
-            v_t[...] = jnp.where(kept, x, jnp.zeros_like(x))
-            plgpu.commit_smem()
+            kv = (plgpu.load(keep_t, (), layout=plgpu.Layout.WGMMA.reduce(1))
+                  if self.layout_hints else keep_t[...])
+            self._keep_v_rows(v_t, lax.broadcast_in_dim(kv, (bn, d), [0]) != 0.0)
+
+    def _keep_v_rows(self, v_t, kept):
+        """The V slot ``v_t`` with its elements outside ``kept`` (bool ``[bn, d]``, in the
+        WGMMA layout on the GPU) set to zero, committed for the P V product."""
+        x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
+        v_t[...] = jnp.where(kept, x, jnp.zeros_like(x))
+        plgpu.commit_smem()
 
     def drain(self, bars, loads):
         """The producer's end: wait for the compute warpgroups' last release of every
