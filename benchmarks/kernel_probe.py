@@ -31,6 +31,9 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_bool("causal", True, "Causal.")
 flags.DEFINE_integer("calls", 3, "Calls after the first (compiling) one.")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
+flags.DEFINE_string("peer", None, "Instead of jaxattn: a peer system of benchmarks/systems.py "
+                    "(e.g. torch_cudnn, cudnn), forward or decode, for the same profiler "
+                    "sections beside jaxattn's kernels.")
 flags.DEFINE_string("mosaic_config", None, "With --backend=mosaic: call the Mosaic forward "
                     "with these MosaicConfig fields, key=value[:key=value...] (e.g. "
                     "split_decode_stages=2), instead of the registry's op.")
@@ -44,8 +47,18 @@ def main(argv):
     q = jax.random.normal(ks[0], (b, FLAGS.num_q_heads, sq, d), jnp.bfloat16)
     k = jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
-    op = jaxattn.get_op("attention", backend=FLAGS.backend)
     causal = FLAGS.causal or FLAGS.mode == "decode"
+    if FLAGS.peer is not None:
+        if FLAGS.mode not in ("fwd", "decode"):
+            raise app.UsageError("--peer is for forward or decode")
+        from benchmarks import systems
+        system = systems.make(FLAGS.peer)
+        args = system.prepare(q, k, v)
+        for _ in range(FLAGS.calls + 1):
+            system.sync(system.forward(*args, causal=causal))
+        print(f"kernel_probe: {FLAGS.mode} on {FLAGS.peer}, B={b} Sq={sq} Skv={s} D={d}")
+        return
+    op = jaxattn.get_op("attention", backend=FLAGS.backend)
     if FLAGS.mosaic_config is not None:
         if FLAGS.backend != "mosaic" or FLAGS.mode not in ("fwd", "decode"):
             raise app.UsageError("--mosaic_config is for --backend=mosaic, forward or "
