@@ -372,10 +372,11 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     or zeros, past the group; no padded copy), and flat_out=True the split decode's
     fold storing the group's rows cast in place: the padded call's bits, out and lse,
     for a split decode past one SPLIT, an unsplit decode, two queries per head, a
-    prefill and a chunk; no NaN. Skv a multiple of 8 and not of 64, and 8 or 16
-    stacked rows per group (the two flags' domain: 8-row aligned boxes)."""
-    for b, hq, hkv, sq, skv, split in ((2, 16, 2, 1, schedule.SPLIT + 104, True),
-                                       (1, 16, 2, 1, 296, False),
+    prefill and a chunk; no NaN. Skv a multiple of 8 and not of 64 (flat_kv's domain);
+    4, 3 and 4 stacked rows per group (most groups' first rows off the 8-row grid:
+    flat_q's untiled slot)."""
+    for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 104, True),
+                                       (1, 6, 2, 1, 296, False),
                                        (1, 8, 2, 2, 304, False),
                                        (1, 2, 2, 100, 152, None),
                                        (1, 2, 1, 70, 296, None)):
@@ -452,9 +453,11 @@ def test_key_mask_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
     K or V (only the query's); where Skv is not a multiple of 8 (head h's first key
-    off the tiled box's 8-row grid) the padded copy stays. flat_q as well (8 stacked
-    rows per group): no pad at all in a decode step; with 4 per group the query's
-    pad stays. flat_out: the split decode is its two kernels and free reshapes."""
+    off the tiled box's 8-row grid) the padded copy stays. flat_q as well (the group's
+    rows through an untiled slot): no pad at all in a decode step, 8 or 4 rows per
+    group. flat_out: the split decode is its two kernels and free reshapes. The
+    default row sum (not on wgmma) takes no all-ones operand, which XLA would
+    materialise with a broadcast launch per call."""
     cfg = mosaic_fwd.MosaicConfig(flat_kv=True)
     for b, hkv, sq, skv, copies in ((8, 8, 1, 8200, 0), (2, 8, 100, 8200, 0),
                                     (8, 8, 1, 8193, 1), (1, 1, 1, 8196, 1)):
@@ -473,12 +476,17 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
         text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=flat).as_text()
         assert "stablehlo.pad" not in text, skv
         q4 = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)  # 4 rows a group
-        text4 = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True, config=flat).as_text()
-        assert sum("stablehlo.pad" in line for line in text4.splitlines()) == 1, skv
-        assert text.count("custom_call @mosaic_gpu") == kernels, (b, skv)
-        if kernels == 2:
-            for op in ("slice", "convert", "transpose"):
-                assert f"stablehlo.{op}" not in text, op
+        text4 = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True).as_text()  # defaults
+        for t in (text, text4):
+            assert "stablehlo.pad" not in t and "stablehlo.constant" not in t, skv
+            assert t.count("custom_call @mosaic_gpu") == kernels, (b, skv)
+            if kernels == 2:
+                for op in ("slice", "convert", "transpose", "broadcast"):
+                    assert f"stablehlo.{op}" not in t, op
+    # rowsum="mma" takes its all-ones operand (a constant of the program).
+    mma = mosaic_fwd.MosaicConfig(rowsum="mma")
+    text = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True, config=mma).as_text()
+    assert "stablehlo.constant dense<1.0" in text
     with pytest.raises(ValueError, match="final"):
         mosaic_fwd.fold_tiles(jnp.zeros((1, 2, 8, 64)), jnp.zeros((1, 2, 64)),
                               final=(6, jnp.bfloat16))

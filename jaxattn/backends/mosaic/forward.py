@@ -204,17 +204,17 @@ class MosaicConfig:
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
     #: and their results are never stored), instead of a copy padded to 64 rows per
-    #: group (an XLA launch per decode step). Where the group's rows (``Hq / Hkv *
-    #: Sq``) are a multiple of 8, so every group's first row is on the 8-row grid of
-    #: the tiled box (see ``flat_kv``). A launch choice.
-    flat_q: bool = False
+    #: group (an XLA launch per decode step). The box lands in an untiled SMEM slot
+    #: (any first row: a tiled box starts on the 8-row grid only, see ``flat_kv``) and
+    #: is stored from registers into the tiled Q slot, once per tile. A launch choice.
+    flat_q: bool = True
     #: The split decode's fold kernel stores the group's rows of the output, cast to
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
     #: group's rows from an untiled SMEM tile), instead of 64-row fp32 tiles that XLA
     #: slices and casts (an XLA launch per decode step). Where the group's rows are a
     #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. A launch
     #: choice.
-    flat_out: bool = False
+    flat_out: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -543,7 +543,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     decode rows): Q is ``[B, Hkv * q_rows, D]``, KV head h's tile the 64 rows from row
     ``h * q_rows`` (:attr:`MosaicConfig.flat_q`).
 
-    Returns ``(call, ones_cols)``; the stages are the methods of :class:`_Forward`."""
+    Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
                     causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                     interpret=interpret, position=position, key_mask=key_mask,
@@ -605,7 +605,8 @@ class _Forward:
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
                  kv_rows=None, q_rows=None):
         bn = self.bn = schedule.BLOCK_N
-        if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn):
+        if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
+                                   or cfg.prefetch_q):
             raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows")
         self.q_rows = q_rows
         if kv_rows is not None and (kv_btnh or page_size is not None or k_row0
@@ -758,6 +759,9 @@ class _Forward:
             # by TMA
             plgpu.SMEM((nwg, bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
             if self.state_in or self.state_out else None,
+            # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
+            # before it is stored into the tiled, swizzled Q slot that wgmma reads
+            plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None,
         ]
 
     def layout(self, x, lay):
@@ -1156,14 +1160,22 @@ class _Forward:
         # block ran 27% slower on the H200, docs/mosaic.md).
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
-        if qbuf is None:
+        if qbuf is None and self.q_rows is None:
             plgpu.copy_gmem_to_smem(
-                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh)
-                if self.q_rows is None else
-                q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)], q_s, q_b)
+                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
+                q_s, q_b)
+        elif qbuf is None:  # the group's rows from any row: through an untiled slot
+            q_in = smem[10].at[w]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)],
+                                    q_in, q_b)
         if self.state_in:
             self.issue_state(it)
         plgpu.barrier_wait(q_b)
+        if qbuf is None and self.q_rows is not None:
+            # (once per tile; the untiled slot's reads conflict on SMEM banks)
+            q_s[...] = (plgpu.load(q_in, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                        if self.layout_hints else q_in[...])
+            plgpu.commit_smem()
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
@@ -1314,10 +1326,13 @@ class _Forward:
 
     # -- warp specialisation and the launch ------------------------------------------
 
-    def kernel(self, q_ref, k_ref, v_ref, ones_ref, *rest):
+    def kernel(self, q_ref, k_ref, v_ref, *rest):
         """The CTA: ``compute_wgs`` consumer warpgroups and one producer warpgroup over
         the CTA's items (:meth:`items_of_cta`), sharing the ring's SMEM and barriers."""
         cfg, nwg, stages, bm = self.cfg, self.nwg, self.stages, self.bm
+        ones_ref = None
+        if self.use_mma_rowsum:
+            ones_ref, *rest = rest
         if self.raw_out:
             *rest, o_ref, lse_ref, self.dyn["l_out"] = rest
         elif self.finish_rows:
@@ -1415,8 +1430,11 @@ class _Forward:
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
     def call(self):
-        """``(call, ones_cols)``: the ``plgpu.kernel`` over the grid (a persistent grid
-        takes the greedy table as a last input, bound here)."""
+        """``call(q, k, v, *extra)``: the ``plgpu.kernel`` over the grid, its constant
+        inputs bound: the row sum's all-ones operand where ``rowsum="mma"`` (only there:
+        an unused constant input still costs a launch per call, as XLA materialises a
+        splat constant with a broadcast kernel) and a persistent grid's greedy table,
+        its last input."""
         cfg, b, hq, d, sq = self.cfg, self.b, self.hq, self.d, self.sq
         grid = ((cfg.persistent,) if cfg.persistent else
                 (self.n_tiles, hq, b) if cfg.q_order == "ascending"
@@ -1455,11 +1473,16 @@ class _Forward:
                                            cfg.semantics.capitalize())),
             interpret=self.interpret,
         )
-        if not self.greedy:
-            return call, self.ones_cols
-        table = jnp.asarray(persistent_schedule(np.repeat(self.tile_blocks, hq), b,
-                                                cfg.persistent))
-        return (lambda *args: call(*args, table)), self.ones_cols
+        # Constants of the program (numpy arrays).
+        ones = ((np.ones((self.bn, self.ones_cols), self.dtype),) if self.use_mma_rowsum
+                else ())
+        table = ((persistent_schedule(np.repeat(self.tile_blocks, hq), b, cfg.persistent),)
+                 if self.greedy else ())
+
+        def bound(q, k, v, *extra):
+            return call(q, k, v, *ones, *extra, *table)
+
+        return bound
 
 
 #: ``MosaicConfig(persistent=None)`` runs a persistent grid when no tile has more key
@@ -1685,16 +1708,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         final = ((stacked, q.dtype) if cfg.flat_out and split and not partials
                  and stacked % 4 == 0 and not (btnh and sq > 1) else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
-        q_rows = stacked if (cfg.flat_q and stacked % 8 == 0 and stacked < bn
-                             and not partials) else None
-        call, ones_cols = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
-                                 d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
-                                 gpu_operands=gpu_operands, interpret=interpret,
-                                 position=skv - sq, key_mask=key_mask, dyn_offsets=dyn,
-                                 split_out=split, kv_btnh=kv_btnh,
-                                 carry_in=carry is not None, raw_out=raw,
-                                 state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                                 kv_rows=kv_rows, q_rows=q_rows)
+        q_rows = stacked if (cfg.flat_q and stacked < bn and not partials) else None
+        call = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
+                      d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
+                      gpu_operands=gpu_operands, interpret=interpret,
+                      position=skv - sq, key_mask=key_mask, dyn_offsets=dyn,
+                      split_out=split, kv_btnh=kv_btnh,
+                      carry_in=carry is not None, raw_out=raw,
+                      state_rows=state_rows, page_size=page_size, stack_sq=sq,
+                      kv_rows=kv_rows, q_rows=q_rows)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
@@ -1741,13 +1763,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         sq_pad = -(-(bn - 1 + sq) // rows) * rows
         lead = causal_offsets % bn  # [B], floor mod: 0..63
         offs = causal_offsets - lead  # multiples of BLOCK_N
-        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel, offset=0,
-                                 d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
-                                 gpu_operands=gpu_operands, interpret=interpret,
-                                 key_mask=key_mask, dyn_offsets=True, split_out=partials,
-                                 q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
-                                 raw_out=raw, page_size=page_size,
-                                 state_in=state is not None, state_out=state_out)
+        call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel, offset=0,
+                      d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
+                      gpu_operands=gpu_operands, interpret=interpret,
+                      key_mask=key_mask, dyn_offsets=True, split_out=partials,
+                      q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
+                      raw_out=raw, page_size=page_size,
+                      state_in=state is not None, state_out=state_out)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
@@ -1773,13 +1795,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     else:
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
-        call, ones_cols = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
-                                 offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
-                                 scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                                 interpret=interpret, key_mask=key_mask, split_out=partials,
-                                 q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
-                                 raw_out=raw, state_in=state is not None,
-                                 state_out=state_out, kv_rows=kv_rows)
+        call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
+                      offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
+                      scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                      interpret=interpret, key_mask=key_mask, split_out=partials,
+                      q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
+                      raw_out=raw, state_in=state is not None,
+                      state_out=state_out, kv_rows=kv_rows)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -1804,8 +1826,6 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             k, v = (jnp.pad(x, ((0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
     elif skv_pad != skv:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
-    # A constant of the program (a numpy array): no kernel launch per call.
-    ones = np.ones((bn, ones_cols), q.dtype)
     # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
     # the pages: [num_pages, Hkv, D, page_size]).
     k_in = (k if gpu_operands else jnp.swapaxes(k, 1, 2) if kv_rows is not None else
@@ -1830,7 +1850,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
 
         def unpad(acc, m, l):
             return (*rows_of(acc, m), rows_of(acc, l)[1])
-    return call, (q, k_in, v, ones, *extra), unpad
+    return call, (q, k_in, v, *extra), unpad
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config",
@@ -2016,16 +2036,15 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
     interpret = resolve_interpret(interpret)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    call, ones_cols = _build(b=b, hq=hq, hkv=k.shape[1], sq=n, skv=skv,
-                             offset=int(offset) if causal else 0, d=d, dtype=q.dtype,
-                             causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                             interpret=interpret, state_in=state is not None,
-                             state_out=finish_rows < n,  # all finished: the plain epilogue
-                             finish_rows=finish_rows if finish_rows < n else 0,
-                             q_row0=r0, k_row0=x)
+    call = _build(b=b, hq=hq, hkv=k.shape[1], sq=n, skv=skv,
+                  offset=int(offset) if causal else 0, d=d, dtype=q.dtype,
+                  causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                  interpret=interpret, state_in=state is not None,
+                  state_out=finish_rows < n,  # all finished: the plain epilogue
+                  finish_rows=finish_rows if finish_rows < n else 0,
+                  q_row0=r0, k_row0=x)
     k_in = k if gpu_operands else jnp.swapaxes(k, 2, 3)
-    ones = np.ones((bn, ones_cols), q.dtype)
-    res = call(q, k_in, v, ones, *(state or ()))
+    res = call(q, k_in, v, *(state or ()))
     if finish_rows == n:
         return tuple(res), None
     if finish_rows == 0:
