@@ -25,7 +25,8 @@
 # variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN; e2e: the Qwen3 rollout /
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
 # attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
-# NCU_ARGS), or of each labelled run of NCU_RUNS.
+# NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
+# Skv 1k to 128k) beside the peers, one process per B.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -81,6 +82,24 @@ if has bench; then
   $PY -m benchmarks.attention_bench --out_dir="$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench.txt" | tail -30
   status=$((status | ${PIPESTATUS[0]}))
+fi
+if has grid; then
+  # Issue 26's decode grid: B in GRID_BATCHES, Skv 1k to 128k, jaxattn's backends beside
+  # JAX cuDNN, torch cuDNN and torch flash; one process per B (each writes its own
+  # results). B=128 stops at 32k keys: its K and V alone are 69 GB at 128k, more than the
+  # harness's input sets and their generation hold.
+  for gb in ${GRID_BATCHES:-1 8 32 128}; do
+    lens=${GRID_KV_LENS:-1024,8192,32768,131072}
+    [[ $gb -ge 128 ]] && lens=${lens%,131072}
+    echo "== grid B=$gb Skv=$lens"
+    timeout ${GRID_TIMEOUT:-150} $PY -m benchmarks.attention_bench --modes=decode \
+        --decode_batch=$gb --decode_kv_lens=$lens --iters=5 --sample_ms=20 --reps=50 \
+        --backends=${GRID_BACKENDS:-jaxattn:mosaic,jaxattn:pallas,cudnn,torch_cudnn,torch_flash} \
+        --out_dir="$OUT/grid/b$gb" 2>&1 | grep -v 'Unable to initialize backend' \
+        > "$OUT/grid-b$gb.txt"
+    rc=${PIPESTATUS[0]}; grep '^|' "$OUT/grid-b$gb.txt" | tail -22; echo "rc=$rc"
+    status=$((status | rc))
+  done
 fi
 if has paged; then
   # Paged decode: each backend contiguous and paged (page sizes, layouts), GB/s of K and V.
