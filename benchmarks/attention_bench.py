@@ -161,6 +161,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     if meta.get("copy_GBps"):
         lines += [f"Device-to-device copy bandwidth (read + write): "
                   f"{meta['copy_GBps']:.0f} GB/s", ""]
+    if meta.get("dispatch_floor_ms"):
+        lines += [f"Dispatch floor (a jitted one-add program, back to back): "
+                  f"{meta['dispatch_floor_ms'] * 1e3:.1f} us per call", ""]
     lines += ["| mode | system | B | Hq | Hkv | Sq | Skv | D | causal | ms | TFLOP/s | GB/s "
               "| extra MB | transposes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -248,6 +251,7 @@ def main(argv):
     if "decode" in FLAGS.modes:
         if jax.default_backend() != "cpu":
             meta["copy_GBps"] = report.copy_bandwidth()
+            meta["dispatch_floor_ms"] = report.dispatch_floor_ms()
         for s in kv_lens:
             for name in names:
                 if name == "pallas_mha":

@@ -108,6 +108,19 @@ def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
     return 4.0 * b * hq * pairs * d
 
 
+def dispatch_floor_ms(iters: int = 10, reps: int = 50) -> float:
+    """Milliseconds per call of the smallest jitted program (one add on 1024 floats),
+    called back to back as the binaries call attention: the host's dispatch floor, under
+    which no jitted call's figure can go (what limits the smallest decode points)."""
+    import jax
+    import jax.numpy as jnp
+
+    xs = [(jnp.full((1024,), float(i), jnp.float32),) for i in range(3)]
+    sec, _ = sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready, iters,
+                             3, reps, 0.02)
+    return sec * 1e3
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy, GB/s counting bytes read plus bytes written: the bandwidth
     the binaries put beside their memory-bound figures."""
