@@ -133,14 +133,16 @@ def test_flat_kv_keeps_bits_on_gpu():
     group's queries or zeros) and flat_out=True (the split decode's fold storing the
     group's rows cast in place) give the padded call's bits: decode split and unsplit,
     8, 4 and 3 queries per group (4 and 3: most groups' first rows off the 8-row grid,
-    through flat_q's untiled slot), a prefill and a chunk; no NaN. Skv a
+    through flat_q's untiled slot; unsplit, 8 and 4 rows stored in place through it),
+    a prefill and a chunk; no NaN. Skv a
     multiple of 8 and not of 64 (the flags' domain), and not of 8 (where the padded copy
     stays: on 2026-12-04 flat_kv read other heads' rows there, Skv = 1025)."""
     from jaxattn.backends.mosaic import forward as mf
     q, k, v = rand_qkv(2, 64, 8, 1104, 1104, 128, jnp.bfloat16)
     for hq, sq, end, b in ((64, 1, 1032, 2), (32, 1, 1096, 1), (64, 1, 136, 2),
                            (32, 4, 1104, 2), (64, 100, 1104, 2), (64, 70, 1000, 1),
-                           (64, 1, 1025, 2), (32, 1, 1087, 1), (24, 1, 1096, 2)):
+                           (64, 1, 1025, 2), (32, 1, 1087, 1), (24, 1, 1096, 2),
+                           (32, 1, 1000, 2)):
         qs = q[:b, :hq, end - sq:end]
         ks, vs = k[:b, :, :end], v[:b, :, :end]
         off = dict(flat_kv=False, flat_q=False, flat_out=False)

@@ -212,8 +212,9 @@ class MosaicConfig:
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
     #: group's rows from an untiled SMEM tile), instead of 64-row fp32 tiles that XLA
     #: slices and casts (an XLA launch per decode step). Where the group's rows are a
-    #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. A launch
-    #: choice.
+    #: multiple of 4 (a 16-byte lse copy), not with ``[B, S, H, D]`` and Sq > 1. Without
+    #: splits (with ``flat_q``) the decode kernel stores the group's rows itself, through
+    #: its untiled Q slot, instead of the 64-row tile XLA slices. A launch choice.
     flat_out: bool = True
 
     def __post_init__(self):
@@ -478,7 +479,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0, kv_rows: int | None = None,
-           q_rows: int | None = None):
+           q_rows: int | None = None, rows_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -541,7 +542,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     kv_rows, D]``; K^T ``[B, D, Hkv * kv_rows]`` off the GPU operand path), head h's
     keys at rows ``h * kv_rows`` on (:attr:`MosaicConfig.flat_kv`). ``q_rows`` (stacked
     decode rows): Q is ``[B, Hkv * q_rows, D]``, KV head h's tile the 64 rows from row
-    ``h * q_rows`` (:attr:`MosaicConfig.flat_q`).
+    ``h * q_rows`` (:attr:`MosaicConfig.flat_q`); ``rows_out`` (with ``q_rows``, unsplit):
+    ``out [B, Hkv * q_rows, D]`` and ``lse [B, Hkv * q_rows]``, the tiles' first
+    ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`).
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -552,7 +555,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
                     k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
-                    q_rows=q_rows).call()
+                    q_rows=q_rows, rows_out=rows_out).call()
 
 
 @dataclasses.dataclass
@@ -603,12 +606,16 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None, q_rows=None):
+                 kv_rows=None, q_rows=None, rows_out=False):
         bn = self.bn = schedule.BLOCK_N
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
                                    or cfg.prefetch_q):
             raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows")
         self.q_rows = q_rows
+        if rows_out and (q_rows is None or split_out or state_out or (q_rows * 4) % 16):
+            raise ValueError(f"rows_out stores q_rows (a multiple of 4: a 16-byte lse "
+                             f"copy) rows of an unsplit call, got q_rows={q_rows}")
+        self.rows_out = rows_out
         if kv_rows is not None and (kv_btnh or page_size is not None or k_row0
                                     or not causal):
             raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
@@ -1317,7 +1324,16 @@ class _Forward:
 
     def store_output(self, it: _Item, o_ref, lse_ref, out, lse, rows):
         """The output in the input dtype through the Q tile's SMEM and the natural-log
-        lse."""
+        lse (``rows_out``: the group's rows through the untiled Q slot)."""
+        if self.rows_out:
+            st, r = it.smem[10].at[it.w], self.q_rows
+            st[...] = out.astype(self.dtype)
+            it.lse_s[...] = natural_lse(lse)
+            plgpu.commit_smem()
+            at = (it.bi, pl.ds(it.h * r, r))
+            plgpu.copy_smem_to_gmem(st.at[pl.ds(0, r)], o_ref.at[at])
+            plgpu.copy_smem_to_gmem(it.lse_s.at[pl.ds(0, r)], lse_ref.at[at])
+            return
         it.q_s[...] = out.astype(self.dtype)
         it.lse_s[...] = natural_lse(lse)
         plgpu.commit_smem()
@@ -1455,6 +1471,9 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, f), jnp.float32),
                         jax.ShapeDtypeStruct((b, hq, sq - f, d), jnp.float32),
                         jax.ShapeDtypeStruct((b, hq, sq - f), jnp.float32))
+        elif self.rows_out:  # the groups' rows in place: [B, Hkv * q_rows, ...]
+            out_type = (jax.ShapeDtypeStruct((b, hq * self.q_rows, d), self.dtype),
+                        jax.ShapeDtypeStruct((b, hq * self.q_rows), jnp.float32))
         else:
             out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
                                              else (b, hq, sq, d),
@@ -1709,6 +1728,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                  and stacked % 4 == 0 and not (btnh and sq > 1) else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
         q_rows = stacked if (cfg.flat_q and stacked < bn and not partials) else None
+        # MosaicConfig.flat_out, unsplit: the kernel stores the group's rows in place.
+        rows_out = (cfg.flat_out and q_rows is not None and not split
+                    and stacked % 4 == 0)
         call = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                       d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                       gpu_operands=gpu_operands, interpret=interpret,
@@ -1716,7 +1738,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       split_out=split, kv_btnh=kv_btnh,
                       carry_in=carry is not None, raw_out=raw,
                       state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                      kv_rows=kv_rows, q_rows=q_rows)
+                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
@@ -1754,6 +1776,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              else out.reshape(b, hq, sq, d)), lse.reshape(b, hq, sq))
                 out = out.reshape(b, hkv, r, d).astype(out_dtype)
                 lse = lse.reshape(b, hkv, r)
+            elif rows_out:  # [B, Hkv * stacked, ...]: the group's rows, stored in place
+                out, lse = out.reshape(b, hkv, stacked, d), lse.reshape(b, hkv, stacked)
             out = out[:, :, :stacked].reshape(b, hkv, group, sq, d)
             out = (jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, sq, hq, d) if btnh
                    else out.reshape(b, hq, sq, d))
