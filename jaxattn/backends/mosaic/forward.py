@@ -609,8 +609,9 @@ class _Forward:
                  kv_rows=None, q_rows=None, rows_out=False):
         bn = self.bn = schedule.BLOCK_N
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
-                                   or cfg.prefetch_q):
-            raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows")
+                                   or cfg.prefetch_q or cfg.persistent):
+            raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows "
+                             "without a persistent grid")
         self.q_rows = q_rows
         if rows_out and (q_rows is None or split_out or state_out or (q_rows * 4) % 16):
             raise ValueError(f"rows_out stores q_rows (a multiple of 4: a 16-byte lse "
@@ -1727,7 +1728,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         final = ((stacked, q.dtype) if cfg.flat_out and split and not partials
                  and stacked % 4 == 0 and not (btnh and sq > 1) else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
-        q_rows = stacked if (cfg.flat_q and stacked < bn and not partials) else None
+        q_rows = stacked if (cfg.flat_q and stacked < bn and not partials
+                             and not cfg.persistent) else None
         # MosaicConfig.flat_out, unsplit: the kernel stores the group's rows in place.
         rows_out = (cfg.flat_out and q_rows is not None and not split
                     and stacked % 4 == 0)
