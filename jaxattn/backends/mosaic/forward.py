@@ -206,7 +206,9 @@ class MosaicConfig:
     #: and their results are never stored), instead of a copy padded to 64 rows per
     #: group (an XLA launch per decode step). The box lands in an untiled SMEM slot
     #: (any first row: a tiled box starts on the 8-row grid only, see ``flat_kv``) and
-    #: is stored from registers into the tiled Q slot, once per tile. A launch choice.
+    #: is stored from registers into the tiled Q slot, once per tile. Not with a
+    #: persistent grid (which prefetches each item's Q from the padded layout). A
+    #: launch choice.
     flat_q: bool = True
     #: The split decode's fold kernel stores the group's rows of the output, cast to
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
