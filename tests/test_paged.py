@@ -153,7 +153,9 @@ def _ragged_cache(layout, ps, lens, k, v, seed=0):
 def test_mosaic_reads_pages_in_place_without_a_gather():
     """The Mosaic backend's paged call, lowered for CUDA on this machine: its kernel reads
     the pages (no XLA gather of the cache, no copy of it) for page sizes of a multiple of
-    64 keys and of 8, 16, 32, both layouts; other page sizes gather first."""
+    64 keys and of 8, 16, 32, both layouts, and a decode step is its kernels alone (no
+    XLA op on the table or the lengths: the kernel clamps the entries it reads); other
+    page sizes gather first."""
     from mosaic_support import missing_api
 
     from jaxattn.backends.mosaic import backend as mb
@@ -172,6 +174,10 @@ def test_mosaic_reads_pages_in_place_without_a_gather():
             q, kp, kp, table, lens).lower(lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in text, (ps, layout)
         assert ("gather" not in text) == in_place, (ps, layout)
+        if in_place:  # a decode step is its kernels: the table and lengths as passed
+            ops = {line.split(" = ")[1].split(" ")[0] for line in text.splitlines()
+                   if " = stablehlo." in line}
+            assert ops <= {"stablehlo.custom_call", "stablehlo.reshape"}, (ps, ops)
 
 
 # Interpret mode runs about a second per kernel here: one page size in the default run
@@ -181,7 +187,9 @@ def test_mosaic_reads_pages_in_place_without_a_gather():
                                        pytest.param(128, "NHD", marks=pytest.mark.slow)])
 def test_mosaic_paged_in_place_equals_contiguous(ps, layout):
     """Mosaic interpret mode (or the GPU): ragged lengths across a block edge, NaN in
-    every unused slot and page, decode and a chunk of 3 queries: each row's bits are
+    every unused slot and page, table entries past each sequence's pages out of range
+    (-7 and 10**6: the kernel clamps what it reads), a table width that is not whole
+    key blocks of small pages, decode and a chunk of 3 queries: each row's bits are
     those of its sequence's contiguous call, and nothing is NaN."""
     from mosaic_support import missing_interpret
 
@@ -200,6 +208,11 @@ def test_mosaic_paged_in_place_equals_contiguous(ps, layout):
     q, k, v = rand_qkv(2, 2, 1, 3, 130, 64, jnp.bfloat16,
                        seed=int(np.random.default_rng().integers(2**16)))
     kp, vp, table = _ragged_cache(layout, ps, lens, k, v)
+    junk = np.asarray(table).copy()
+    for b, n in enumerate(lens):
+        unused = junk[b, -(-n // ps):]
+        unused[:] = np.resize([-7, 10**6], unused.shape)
+    table = jnp.asarray(junk)
     for sq in (1, 3):
         out, lse = mf.paged_forward(q[:, :, :sq], kp, vp, table, jnp.asarray(lens, jnp.int32),
                                     scale=0.125, layout=layout, **kw)

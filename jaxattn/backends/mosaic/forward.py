@@ -636,6 +636,10 @@ class _Forward:
                 raise ValueError("paged K/V is served causal, with per-sequence offsets and "
                                  "no key mask")
         self.page_size = page_size
+        #: A paged stacked decode's offsets (query 0's position) are computed from the
+        #: lengths in the kernel, not passed.
+        self.offs_from_lens = (page_size is not None and position is not None
+                               and dyn_offsets)
         #: TMA copies per key block (K and V each): a paged block of small pages is
         #: assembled from several.
         self.copies = 1 if page_size is None or page_size >= bn else bn // page_size
@@ -782,14 +786,21 @@ class _Forward:
         return (lax.axis_index("s") * self.per_split if self.split_out
                 else jnp.int32(0))
 
+    def dyn_offset(self, bi):
+        """Sequence ``bi``'s offset input; a paged stacked decode's is its length less
+        its queries (``offs_from_lens``: no XLA subtraction before the launch)."""
+        if self.offs_from_lens:
+            return self.dyn["lens"][bi] - self.stack_sq
+        return self.dyn["offs"][bi]
+
     def offset_of(self, bi):
-        return (self.dyn["offs"][bi] if self.dyn_offsets and self.position is None
+        return (self.dyn_offset(bi) if self.dyn_offsets and self.position is None
                 else self.offset)
 
     def position_of(self, bi):
         if self.position is None:
             return None
-        return self.dyn["offs"][bi] if self.dyn_offsets else self.position
+        return self.dyn_offset(bi) if self.dyn_offsets else self.position
 
     def block_start(self, x):
         """The start of the BLOCK_N block that holds position ``x`` (floor)."""
@@ -927,12 +938,20 @@ class _Forward:
         if ps is None:
             return [(bi, pl.ds(self.k_row0 + t * bn, bn), None)]
         table = self.dyn["table"]
+        width, last = table.shape[1], self.num_pages - 1
+
+        def page(i):
+            """Entry ``i`` of the sequence's table row, clamped to a real page (entries
+            past its pages, or past the row, hold anything: none of their keys is
+            visible, and V's rows past the length are zeroed in the slot)."""
+            return jnp.clip(table[bi, jnp.minimum(i, width - 1)], 0, last)
+
         if ps >= bn:  # one page holds the block
             k0 = t * bn
-            return [(table[bi, lax.div(k0, jnp.int32(ps))],
+            return [(page(lax.div(k0, jnp.int32(ps))),
                      pl.ds(lax.rem(k0, jnp.int32(ps)), bn), None)]
         per = self.copies  # the block's pages, in key order
-        return [(table[bi, t * per + j], pl.ds(0, ps), pl.ds(j * ps, ps))
+        return [(page(t * per + j), pl.ds(0, ps), pl.ds(j * ps, ps))
                 for j in range(per)]
 
     def zero_tail(self, it: _Item, t, v_t):
@@ -1369,7 +1388,8 @@ class _Forward:
             self.dyn["state"] = (o_in, l_in)
         if self.page_size is not None:
             *rest, self.dyn["table"], self.dyn["lens"] = rest
-        if self.dyn_offsets:
+            self.num_pages = k_ref.shape[0]
+        if self.dyn_offsets and not self.offs_from_lens:
             *rest, self.dyn["offs"] = rest
         keep_ref, flags_ref = rest if self.key_mask else (None, None)
         count, item_at = self.items_of_cta()
@@ -1639,14 +1659,12 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         table, lens, layout = pages
         kv_btnh = layout == "NHD"
         num_pages, hkv_p, page_size, _ = page_dims(k, layout)
-        # Whole key blocks of logical pages; entries past a sequence's pages are never
-        # used for a visible key, and are clamped to a real page.
-        per_block = max(bn // page_size, 1)
-        n_table = -(-table.shape[1] // per_block) * per_block
-        table = jnp.clip(jnp.pad(jnp.asarray(table, jnp.int32),
-                                 ((0, 0), (0, n_table - table.shape[1]))), 0, num_pages - 1)
+        # Whole key blocks of logical pages. Entries past a sequence's pages are never
+        # used for a visible key: the kernel clamps each entry it reads (and its index,
+        # past the row) to a real page, so the table is passed as it is.
+        table = jnp.asarray(table, jnp.int32)
         lens = jnp.asarray(lens, jnp.int32)
-        skv_pages = -(-(n_table * page_size) // bn) * bn
+        skv_pages = -(-(table.shape[1] * page_size) // bn) * bn
         shape = (q.shape[0], hkv_p, skv_pages, q.shape[3])
         check_inputs(q, *(jax.ShapeDtypeStruct(shape, x.dtype) for x in (k, v)))
         if k.shape != v.shape:
@@ -1756,7 +1774,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         else:
             q = jnp.pad(q.reshape(b, hkv, stacked, d),
                         ((0, 0), (0, 0), (0, bn - stacked), (0, 0)))
-        offs = causal_offsets  # query 0's position (a row's: r % Sq more)
+        # Query 0's position (a row's: r % Sq more); paged, the kernel takes it from the
+        # lengths (_Forward.offs_from_lens).
+        offs = causal_offsets if pages is None else None
         out_dtype = q.dtype
 
         def place(x, fill):  # [n, B, Hq, 1, ...] -> [B, Hkv, n, 64, ...]
@@ -1863,7 +1883,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
         flags = (~keep).reshape(b, skv_pad // bn, bn).any(axis=2).astype(jnp.int32)
         extra = (keep.astype(jnp.float32), flags)
-    if dyn:
+    if dyn and offs is not None:
         extra = (*extra, offs)
     if pages is not None:
         extra = (*extra, table, lens)
