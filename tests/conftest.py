@@ -35,6 +35,15 @@ for _flag in _FLAGS:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
+
+if not os.path.exists("/dev/nvidiactl"):
+    # And synchronous dispatch, set before the CPU client starts: an eager backward
+    # (jax.grad, not jitted) otherwise queues many small computations behind an
+    # interpreted kernel while the kernel's warpgroups wait to execute their nested
+    # computations; on 2026-12-04 a clean-clone run hung there a second time, every
+    # thread of the worker blocked in XLA:CPU's execute (docs/mosaic.md, "CPU tests and
+    # the interpreter's deadlock").
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -89,7 +89,8 @@ def missing_threads() -> str | None:
     would arrive at the barrier never runs: measured 2026-12-02 on 2 cores with the
     other core busy, 3 hangs in 6 runs of one backward group, with or without
     synchronous dispatch; with ``PJRT_NPROC=8`` none in 12 (6 synchronous, 6 not).
-    ``tests/conftest.py`` sets it on a CPU-only host before JAX starts."""
+    ``tests/conftest.py`` sets it on a CPU-only host before JAX starts, and synchronous
+    dispatch too (a second kind of hang, docs/mosaic.md)."""
     if interpreter_threads() < INTERPRETER_THREADS:
         return (f"the Mosaic GPU interpreter needs an XLA:CPU thread pool of at least "
                 f"{INTERPRETER_THREADS} threads (PJRT_NPROC={INTERPRETER_THREADS}, set by "
