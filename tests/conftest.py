@@ -6,7 +6,8 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _FLAGS = ["--xla_gpu_deterministic_ops=true"]
-if not os.path.exists("/dev/nvidiactl"):
+_CPU_HOST = not os.path.exists("/dev/nvidiactl")
+if _CPU_HOST:
     # The Mosaic GPU interpreter blocks XLA:CPU pool threads in its barrier callbacks; a
     # pool of as many threads as cores can deadlock it (tests/mosaic_support.py,
     # missing_threads). The pool's size is read when the CPU client starts.
@@ -36,7 +37,7 @@ for _flag in _FLAGS:
 
 import jax  # noqa: E402
 
-if not os.path.exists("/dev/nvidiactl"):
+if _CPU_HOST:
     # And synchronous dispatch, set before the CPU client starts: an eager backward
     # (jax.grad, not jitted) otherwise queues many small computations behind an
     # interpreted kernel while the kernel's warpgroups wait to execute their nested

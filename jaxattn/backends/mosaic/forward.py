@@ -1658,7 +1658,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              "states or a key padding mask")
         table, lens, layout = pages
         kv_btnh = layout == "NHD"
-        num_pages, hkv_p, page_size, _ = page_dims(k, layout)
+        _, hkv_p, page_size, _ = page_dims(k, layout)  # (the kernel reads num_pages)
         # Whole key blocks of logical pages. Entries past a sequence's pages are never
         # used for a visible key: the kernel clamps each entry it reads (and its index,
         # past the row) to a real page, so the table is passed as it is.
@@ -1744,15 +1744,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         # The split decode writes only the group's rows of each split's state (rounded
         # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
         state_rows = -(-stacked // 8) * 8 if split and not partials else None
-        # MosaicConfig.flat_out: the fold stores the group's rows, cast, in place.
-        final = ((stacked, q.dtype) if cfg.flat_out and split and not partials
-                 and stacked % 4 == 0 and not (btnh and sq > 1) else None)
+        # MosaicConfig.flat_out: the group's rows, cast, stored in place (a multiple of
+        # 4 rows: a 16-byte lse copy), by the fold (split) or by the kernel (unsplit).
+        flat_out = cfg.flat_out and not partials and stacked % 4 == 0
+        final = ((stacked, q.dtype) if flat_out and split and not (btnh and sq > 1)
+                 else None)
         # MosaicConfig.flat_q: the group's rows read from [B, Hq * Sq, D] in place.
         q_rows = stacked if (cfg.flat_q and stacked < bn and not partials
                              and not cfg.persistent) else None
-        # MosaicConfig.flat_out, unsplit: the kernel stores the group's rows in place.
-        rows_out = (cfg.flat_out and q_rows is not None and not split
-                    and stacked % 4 == 0)
+        rows_out = flat_out and q_rows is not None and not split
         call = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                       d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                       gpu_operands=gpu_operands, interpret=interpret,
