@@ -125,10 +125,6 @@ LAUNCH_VARIANTS = {
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
     "persistent-7": dict(persistent=7),  # more items per CTA
-    # Intra-warpgroup overlap: S of a block with P V of the one before.
-    "overlap": dict(overlap=True),
-    "overlap-nopingpong": dict(overlap=True, pingpong=False),
-    "overlap-1wg": dict(overlap=True, compute_wgs=1),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

@@ -158,58 +158,6 @@ def test_flat_kv_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_overlap_keeps_bits_on_gpu():
-    """On sm90, MosaicConfig(overlap=True) (block j's S issued with block j - 1's P V,
-    j's softmax while that P V runs) gives the bits of the step-by-step loop: prefill
-    causal and not, a partial last block, a chunk at an offset, a key mask with NaN in
-    the dropped keys, the split decode and the unsplit one, a paged decode on pages of
-    16, D = 64, 128 and 256, one and two compute warpgroups, ping-pong off; no NaN."""
-    from jaxattn.backends.mosaic import forward as mf
-    rng = np.random.default_rng()
-    q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 256, jnp.bfloat16)
-    m = rng.random((2, 1100)) > 0.3
-    m[:, 64:128] = False
-    m[:, -1] = True
-    keep = jnp.asarray(m)
-    (k_nan, v_inf), _ = dropped_nan(k, v, keep)
-    cases = [  # (sq, skv, d, causal, mask, launch)
-        (1000, 1000, 128, True, False, {}), (300, 1100, 128, False, False, {}),
-        (100, 1100, 128, True, False, {}), (300, 1100, 128, False, True, {}),
-        (100, 1100, 128, True, True, {}), (1, 1100, 128, True, False, {}),
-        (1, 1100, 128, True, True, {}), (4, 300, 128, True, False, {}),
-        (500, 500, 64, True, False, {}), (300, 700, 256, True, False, {}),
-        (700, 700, 128, True, False, dict(compute_wgs=1)),
-        (700, 700, 128, True, False, dict(pingpong=False)),
-        (700, 700, 128, False, False, dict(persistent=0)),
-    ]
-    for sq, skv, d, causal, masked, launch in cases:
-        qs = q[:, :, skv - sq:skv, :d]
-        ks, vs = ((k_nan, v_inf) if masked else (k, v))
-        ks, vs = ks[:, :, :skv, :d], vs[:, :, :skv, :d]
-        kw = dict(causal=causal, key_padding_mask=keep[:, :skv] if masked else None)
-        want = mf.forward(qs, ks, vs, config=mf.MosaicConfig(**launch), **kw)
-        got = mf.forward(qs, ks, vs, config=mf.MosaicConfig(overlap=True, **launch), **kw)
-        for x, y in zip(want, got, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, skv, d, launch)
-            assert bits_equal(x, y), (sq, skv, d, causal, masked, launch)
-    # A paged decode on pages of 16 (a block from four pages, V's tail zeroed).
-    lens = np.array([1000, 333], np.int32)
-    pages = k[:, :, :1024, :128].reshape(2, 8, 64, 16, 128).transpose(0, 2, 1, 3, 4)
-    vpages = v[:, :, :1024, :128].reshape(2, 8, 64, 16, 128).transpose(0, 2, 1, 3, 4)
-    pool_k, pool_v = pages.reshape(128, 8, 16, 128), vpages.reshape(128, 8, 16, 128)
-    table = jnp.asarray(np.arange(128, dtype=np.int32).reshape(2, 64))
-    qd = q[:, :, :1, :128]
-    want = mf.paged_forward(qd, pool_k, pool_v, table, jnp.asarray(lens))
-    got = mf.paged_forward(qd, pool_k, pool_v, table, jnp.asarray(lens),
-                           config=mf.MosaicConfig(overlap=True))
-    for x, y in zip(want, got, strict=True):
-        assert not np.isnan(np.asarray(y, np.float32)).any()
-        assert bits_equal(x, y)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
-                    reason=str(mosaic_backend.unavailable_reason()))
 def test_key_mask_reads_kv_in_place_on_gpu():
     """On sm90, a key padding mask with NaN in the dropped keys of K and inf in V's
     (the kernel zeroes V's dropped rows in SMEM; XLA no longer zeroes a copy): the

@@ -450,32 +450,6 @@ def test_key_mask_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
 
 
 @needs_api
-def test_overlap_lowers_for_cuda(mosaic_fwd):
-    """overlap=True (S of a block issued with P V of the one before, kept across the
-    loop in two wgmma accumulators) lowers for CUDA: a causal prefill, a masked
-    non-causal call with a partial block, a split decode, D=64 and 256; its kernel is
-    another than the step-by-step one's, and where it does not apply (rowsum="mma")
-    the flag changes nothing."""
-    on, off = mosaic_fwd.MosaicConfig(overlap=True), mosaic_fwd.MosaicConfig()
-    for b, sq, skv, d, causal, masked in ((1, 512, 512, 128, True, False),
-                                          (1, 256, 1100, 128, False, True),
-                                          (2, 1, 2048, 128, True, False),
-                                          (1, 256, 256, 64, True, False),
-                                          (1, 128, 300, 256, True, False)):
-        q = jax.ShapeDtypeStruct((b, 4, sq, d), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((b, 2, skv, d), jnp.bfloat16)
-        keep = jax.ShapeDtypeStruct((b, skv), jnp.bool_) if masked else None
-        texts = [mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=c,
-                                           key_padding_mask=keep).as_text()
-                 for c in (on, off)]
-        assert all("custom_call @mosaic_gpu" in t for t in texts)
-        assert texts[0] != texts[1], (sq, skv, d)
-    mma = [mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=mosaic_fwd.MosaicConfig(
-        rowsum="mma", overlap=o)).as_text() for o in (True, False)]
-    assert mma[0] == mma[1]
-
-
-@needs_api
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
     K or V (only the query's); where Skv is not a multiple of 8 (head h's first key

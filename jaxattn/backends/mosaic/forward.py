@@ -218,13 +218,6 @@ class MosaicConfig:
     #: splits (with ``flat_q``) the decode kernel stores the group's rows itself, through
     #: its untiled Q slot, instead of the 64-row tile XLA slices. A launch choice.
     flat_out: bool = True
-    #: Intra-warpgroup overlap (FlashAttention-3): a step issues block j's S = Q K^T
-    #: and block j - 1's P V together, and block j's softmax runs while that P V is on
-    #: the tensor cores; the accumulator's rescale by block j's alpha follows. Each row
-    #: sees the same operations in the same order (``acc * alpha`` is still the P V
-    #: wgmma's initial accumulator): a launch choice. On the GPU operand path with
-    #: ``accumulate="inplace"`` and ``rowsum="reduce32"`` only (elsewhere ignored).
-    overlap: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -731,8 +724,6 @@ class _Forward:
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
-        self.overlap = (cfg.overlap and self.inplace and gpu_operands
-                        and not self.use_mma_rowsum)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1140,109 +1131,6 @@ class _Forward:
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l
 
-    def blocks_overlapped(self, it: _Item, n_steps, lo, mid, end, init):
-        """Blocks [lo, end) of a split (unmasked before ``mid``) with intra-warpgroup
-        overlap (``MosaicConfig.overlap``): block ``lo``'s S and softmax alone, then a
-        step per later block ``j`` that issues S_j and P_{j-1} V_{j-1} together, reads
-        S_j while P V runs (``wait_n=1``), takes block j's softmax step and then the
-        accumulator, rescaled by block j's alpha; the last block's P V after the loop.
-        Per row the operations and their order are :meth:`block_step`'s. ``lo < end``.
-        The ring's invariant is :meth:`block_step`'s: block ``lo``'s K was awaited
-        before, block ``end``'s (if the warpgroup has it) is awaited here."""
-        _, k_s, v_s, _, _, _, keep_s, *_ = it.smem
-        k_bar, v_bar, k_free, v_free, _, _, sched, *_ = it.bars
-        bm, bn, d = self.bm, self.bn, self.d
-        acc0, m0, l0 = init
-
-        def keep_of(slot):
-            return keep_s.at[slot] if self.key_mask else None
-
-        def kt(slot):
-            return plgpu.transpose_ref(k_s.at[slot], (1, 0))
-
-        def next_k(t):
-            @pl.when(t + 1 < n_steps)
-            def _():
-                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
-
-        def v_ready(t):
-            """Block t's V in its slot (awaited, its invisible rows zeroed)."""
-            slot = self.slot_of(it, t)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if self.page_size is not None:
-                self.zero_tail(it, t, v_s.at[slot])
-            if self.key_mask:
-                self.zero_dropped(it, t, v_s.at[slot], keep_of(slot))
-
-        def rescale(o_ref, p, alpha, m, l):
-            """The accumulator (P V awaited) times alpha, back into ``o_ref``."""
-            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-            acc = acc * _rows(alpha, acc.shape)
-            if self.cfg.fence:
-                acc, m, l, p = lax.optimization_barrier((acc, m, l, p))
-            o_ref[...] = acc
-            return p, m, l
-
-        def body(s_ref, o_ref):
-            o_ref[...] = acc0
-            # Block lo: S, its softmax step, the rescale (no earlier P V).
-            slot = self.slot_of(it, lo)
-            self.wait_keep(it, lo)
-            plgpu.wgmma(s_ref, it.q_s, kt(slot))
-            if self.pingpong:
-                self.sync(it)
-            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-            plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m, l = lax.cond(
-                lo < mid,
-                lambda: self.softmax_at(it, lo, s, m0, l0, False, keep_of(slot)),
-                lambda: self.softmax_at(it, lo, s, m0, l0, True, keep_of(slot)))
-            if self.pingpong:
-                plgpu.barrier_arrive(sched.at[0])
-            carry = rescale(o_ref, p, alpha, m, l)
-            if self.pingpong:
-                plgpu.barrier_wait(sched.at[0])
-            next_k(lo)
-
-            def step(j, carry, *, masked):
-                p_prev, m, l = carry
-                slot, prev = self.slot_of(it, j), self.slot_of(it, j - 1)
-                self.wait_keep(it, j)
-                s_ref[...] = self.layout(jnp.zeros((bm, bn), jnp.float32),
-                                         plgpu.Layout.WGMMA)
-                plgpu.wgmma(s_ref, it.q_s, kt(slot))
-                v_ready(j - 1)
-                plgpu.wgmma(o_ref, p_prev, v_s.at[prev])
-                if self.pingpong:
-                    self.sync(it)
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                plgpu.barrier_arrive(k_free.at[slot])
-                p, alpha, m, l = self.softmax_at(it, j, s, m, l, masked, keep_of(slot))
-                if self.pingpong:
-                    plgpu.barrier_arrive(sched.at[0])
-                carry = rescale(o_ref, p, alpha, m, l)
-                plgpu.barrier_arrive(v_free.at[prev])
-                if self.pingpong:
-                    plgpu.barrier_wait(sched.at[0])
-                next_k(j)
-                return carry
-
-            first = lo + 1
-            carry = lax.fori_loop(first, lax.max(mid, first),
-                                  functools.partial(step, masked=False), carry)
-            p, m, l = lax.fori_loop(lax.max(mid, first), end,
-                                    functools.partial(step, masked=True), carry)
-            # The last block's P V.
-            last = self.slot_of(it, end - 1)
-            v_ready(end - 1)
-            plgpu.wgmma(o_ref, p, v_s.at[last])
-            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-            plgpu.barrier_arrive(v_free.at[last])
-            return acc, m, l
-
-        return pl.run_scoped(body, plgpu.ACC((bm, bn), jnp.float32),
-                             plgpu.ACC((bm, d), jnp.float32))
-
     # -- the SPLIT fold --------------------------------------------------------------
 
     def split(self, it: _Item, n_steps, si, state, init=None):
@@ -1259,13 +1147,9 @@ class _Forward:
                                 plgpu.Layout.WGMMA),
                     self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
                     self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
-        if self.overlap:
-            acc, m, l = self.blocks_overlapped(it, n_steps, lo, mid, end, init)
-        else:
-            step = functools.partial(self.block_step, it, n_steps)
-            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
-            acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True),
-                                      carry)
+        step = functools.partial(self.block_step, it, n_steps)
+        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+        acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
         if self.raw_out:
             return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
