@@ -79,6 +79,7 @@ from jaxattn.backends.mosaic.forward import (
     _smem_transforms,
     check_inputs,
     interpret_params,
+    load_ref,
     padding,
     reset_interpret_state,
     resolve_interpret,
@@ -277,13 +278,13 @@ class _Layouts:
 
     def tile(self, ref):
         """A 2-D SMEM tile as a WGMMA-layout array."""
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA) if self.hints else ref[...]
+        return load_ref(ref, layout=plgpu.Layout.WGMMA) if self.hints else ref[...]
 
     def vec(self, ref, reduced_axis):
         """A row vector of a ``[M, N]`` WGMMA tile: ``reduced_axis=1`` indexes rows,
         ``0`` indexes columns."""
         if self.hints:
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(reduced_axis))
+            return load_ref(ref, layout=plgpu.Layout.WGMMA.reduce(reduced_axis))
         return ref[...]
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import inspect
 import math
 
 import jax
@@ -291,6 +292,22 @@ def reset_interpret_state() -> None:
         reset_gpu_interpret_mode_state,
     )
     reset_gpu_interpret_mode_state()
+
+
+#: Whether this JAX's ``plgpu.load`` takes the index as a required argument (0.10.x);
+#: later ones read the whole ref it is given and warn when an index is passed
+#: ("Please index the reference via ref.at[idx]").
+_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters.get("idx") is not None
+                     and inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
+def load_ref(ref, *, layout, optimized: bool = True):
+    """The whole SMEM ref ``ref`` in registers, in ``layout`` (``plgpu.load`` with or
+    without its index argument, as this JAX's signature has it)."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def _smem_transforms(cols: int, itemsize: int):
@@ -979,14 +996,14 @@ class _Forward:
 
         @pl.when(it.flags_ref[it.bi, t] != 0)
         def _():
-            kv = (plgpu.load(keep_t, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            kv = (load_ref(keep_t, layout=plgpu.Layout.WGMMA.reduce(1))
                   if self.layout_hints else keep_t[...])
             self._keep_v_rows(v_t, lax.broadcast_in_dim(kv, (bn, d), [0]) != 0.0)
 
     def _keep_v_rows(self, v_t, kept):
         """The V slot ``v_t`` with its elements outside ``kept`` (bool ``[bn, d]``, in the
         WGMMA layout on the GPU) set to zero, committed for the P V product."""
-        x = plgpu.load(v_t, (), layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
+        x = load_ref(v_t, layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
         v_t[...] = jnp.where(kept, x, jnp.zeros_like(x))
         plgpu.commit_smem()
 
@@ -1032,7 +1049,7 @@ class _Forward:
                 visible = cols - rq <= it.position - j * bn
             if self.key_mask:
                 if self.layout_hints:
-                    kv = plgpu.load(keep, (), layout=plgpu.Layout.WGMMA.reduce(0))
+                    kv = load_ref(keep, layout=plgpu.Layout.WGMMA.reduce(0))
                 else:
                     kv = keep[...]
                 kept = lax.broadcast_in_dim(kv, (bm, bn), [1]) != 0.0
@@ -1202,7 +1219,7 @@ class _Forward:
         plgpu.barrier_wait(q_b)
         if qbuf is None and self.q_rows is not None:
             # (once per tile; the untiled slot's reads conflict on SMEM banks)
-            q_s[...] = (plgpu.load(q_in, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
                         if self.layout_hints else q_in[...])
             plgpu.commit_smem()
         if after_q is not None:
@@ -1272,8 +1289,8 @@ class _Forward:
         plgpu.barrier_wait(bars.at[2 * it.w])
         plgpu.barrier_wait(bars.at[2 * it.w + 1])
         if self.layout_hints:
-            return (plgpu.load(o_s, (), layout=plgpu.Layout.WGMMA),
-                    plgpu.load(it.lse_s, (), layout=self.row_layout))
+            return (load_ref(o_s, layout=plgpu.Layout.WGMMA),
+                    load_ref(it.lse_s, layout=self.row_layout))
         return o_s[...], it.lse_s[...]
 
     def load_carry(self, it: _Item):
@@ -1287,9 +1304,9 @@ class _Forward:
             plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
             plgpu.barrier_wait(bar)
         if self.layout_hints:
-            return (plgpu.load(o32_s, (), layout=plgpu.Layout.WGMMA),
-                    plgpu.load(rows_s.at[0], (), layout=self.row_layout),
-                    plgpu.load(rows_s.at[1], (), layout=self.row_layout))
+            return (load_ref(o32_s, layout=plgpu.Layout.WGMMA),
+                    load_ref(rows_s.at[0], layout=self.row_layout),
+                    load_ref(rows_s.at[1], layout=self.row_layout))
         return o32_s[...], rows_s.at[0][...], rows_s.at[1][...]
 
     # -- the epilogue ----------------------------------------------------------------
@@ -2198,8 +2215,8 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                     plgpu.barrier_wait(o_bar.at[slot])
                     plgpu.barrier_wait(l_bar.at[slot])
                     if hints:
-                        xs.append((plgpu.load(o_s.at[slot], (), layout=plgpu.Layout.WGMMA),
-                                   plgpu.load(l_s.at[slot], (), layout=row_layout)))
+                        xs.append((load_ref(o_s.at[slot], layout=plgpu.Layout.WGMMA),
+                                   load_ref(l_s.at[slot], layout=row_layout)))
                     else:
                         xs.append((o_s[slot], l_s[slot]))
                 for x, lx in xs:
