@@ -450,6 +450,38 @@ def test_key_mask_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
 
 
 @needs_api
+def test_split_decode_ring_fits_the_smem(mosaic_fwd):
+    """The split decode stages its fp32 state in the K/V ring's SMEM (a RefUnion) and
+    takes as many ring slots as fit, up to ``split_decode_stages``: 6 unmasked at
+    D=128, 5 with a key mask's keep ring, and any larger request lowers (the kernel
+    takes fewer); the SMEM plan counts a union once, at its largest group."""
+    q = jax.ShapeDtypeStruct((8, 32, 1, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((8, 8, 8192, 128), jnp.bfloat16)
+    keep = jax.ShapeDtypeStruct((8, 8192), jnp.bool_)
+    for mask in (None, keep):
+        for stages in (6, 12):
+            cfg = mosaic_fwd.MosaicConfig(split_decode_stages=stages)
+            text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg,
+                                             key_padding_mask=mask).as_text()
+            assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
+    slots = {}
+    for key_mask in (False, True):
+        f = mosaic_fwd._Forward(
+            b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=jnp.bfloat16,
+            causal=True, scale=0.1, cfg=mosaic_fwd.MosaicConfig(compute_wgs=1, stages=12),
+            gpu_operands=True, interpret=None, position=0, key_mask=key_mask,
+            dyn_offsets=False, split_out=True, state_rows=8, q_rows=4)
+        slots[key_mask] = f.stages
+        assert mosaic_fwd.smem_bytes(f.scratch(())) <= mosaic_fwd.SMEM_LIMIT
+    assert slots == {False: 6, True: 5}
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    a = plgpu.SMEM((6, 64, 128), jnp.bfloat16)
+    u = plgpu.RefUnion((a, a), (plgpu.SMEM((64, 128), jnp.float32),))
+    assert mosaic_fwd.smem_bytes([u, None]) == 6 * 2 * 64 * 128 * 2
+
+
+@needs_api
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
     K or V (only the query's); where Skv is not a multiple of 8 (head h's first key

@@ -155,7 +155,7 @@ class MosaicConfig:
     #: K/V ring slots of the split decode kernel where D <= 128 (one warpgroup: SMEM
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
-    split_decode_stages: int = 4
+    split_decode_stages: int = 6
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -724,6 +724,18 @@ class _Forward:
         self.ones_cols = 16 if gpu_operands else bn
         self.use_mma_rowsum = cfg.rowsum == "mma"
         self.k_shape = ((self.stages, bn, d) if gpu_operands else (self.stages, d, bn))
+        #: The split's fp32 state and its lse rows staged in the K/V ring's SMEM (a
+        #: ``RefUnion``): a CTA of ``split_out`` without ``carry_in`` (which loads its
+        #: carry there before the loop) runs one item, so the ring is idle once its
+        #: last block is consumed; the SMEM of the staging tiles holds more ring slots
+        #: (a launch choice). On the GPU only (the interpreter ignores the SMEM plan).
+        self.ring_union = (split_out and not carry_in and not cfg.persistent
+                           and interpret is None)
+        # A split's CTA: as many of the ring's slots as its SMEM holds (a launch
+        # choice: the same blocks in the same order), at most the configured count.
+        while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > SMEM_LIMIT:
+            self.stages -= 1
+            self.k_shape = (self.stages, *self.k_shape[1:])
 
         persistent = cfg.persistent
         if persistent is None:
@@ -769,21 +781,28 @@ class _Forward:
         """The kernel's SMEM buffers (``qbufs``: ``(2,)`` with the Q prefetch)."""
         bm, bn, d, nwg, dtype, isz = (self.bm, self.bn, self.d, self.nwg, self.dtype,
                                       self.itemsize)
+        k_ring = plgpu.SMEM(self.k_shape, dtype,
+                            transforms=_smem_transforms(self.k_shape[-1], isz))
+        v_ring = plgpu.SMEM((self.stages, bn, d), dtype, transforms=_smem_transforms(d, isz))
+        o32 = (plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
+               if self.split_out else None)
+        rows = plgpu.SMEM((nwg, bm), jnp.float32)
+        if self.ring_union:  # the split's state staged where the ring was
+            k_ring, v_ring, o32, rows = (plgpu.RefUnion((k_ring, v_ring), (o32, rows)),
+                                         None, None, None)
         return [
             plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, isz)),
-            plgpu.SMEM(self.k_shape, dtype,
-                       transforms=_smem_transforms(self.k_shape[-1], isz)),
-            plgpu.SMEM((self.stages, bn, d), dtype, transforms=_smem_transforms(d, isz)),
+            k_ring,
+            v_ring,
             None if self.gpu_operands else
             plgpu.SMEM((nwg, bm, bn), dtype, transforms=_smem_transforms(bn, isz)),
             plgpu.SMEM((bn, self.ones_cols), dtype,
                        transforms=_smem_transforms(self.ones_cols, isz))
             if self.use_mma_rowsum else None,
-            plgpu.SMEM((nwg, bm), jnp.float32),
+            rows,
             plgpu.SMEM((self.stages, bn), jnp.float32) if self.key_mask else None,
             # split_out: the split's fp32 output, staged for its TMA store
-            plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
-            if self.split_out else None,
+            o32,
             # carry_in / raw_out: the running state's m and l rows
             plgpu.SMEM((2, bm), jnp.float32) if self.carry_in or self.raw_out else None,
             # state_in / state_out: each warpgroup's fp32 folded output, loaded / stored
@@ -1429,6 +1448,10 @@ class _Forward:
 
         def body(smem, bars):
             wg = lax.axis_index("wg")
+            if self.ring_union:
+                (k_s, v_s), (o32_s, lse_s) = smem[1]
+                smem = (smem[0], k_s, v_s, smem[3], smem[4], lse_s, smem[6], o32_s,
+                        *smem[8:])
 
             @pl.when(wg < nwg)
             def _():
@@ -1551,6 +1574,19 @@ class _Forward:
 #: S=16384 and S=32768 -2 to -3%, non-causal S=16384 -2% (the items' prologues and
 #: epilogues overlap; the blocks run slower).
 PERSISTENT_MAX_BLOCKS = 64
+#: The most SMEM a CTA's buffers may take (:func:`smem_bytes`): an sm90 CTA's 227 KiB
+#: less what the Mosaic GPU lowering adds for barriers and its own use (2256 to 2320
+#: bytes at 6 to 8 ring slots of the split decode, JAX 0.10.2).
+SMEM_LIMIT = 227 * 1024 - 2560
+
+
+def smem_bytes(scratch) -> int:
+    """The SMEM of a kernel's buffers (``plgpu.SMEM`` or ``RefUnion`` specs, None
+    skipped) as Mosaic GPU lays them out: each starts 1 KiB-aligned."""
+    return sum(-(-math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // 1024) * 1024
+               for x in scratch if x is not None)
+
+
 #: The SMEM the persistent grid's second Q buffer must fit in beside the kernel's other
 #: buffers (an sm90 CTA has 227 KiB; 7 KiB are left for barriers and alignment: the
 #: lowering counted 2 KiB more than these buffers for one launch).
