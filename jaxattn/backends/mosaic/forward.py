@@ -155,7 +155,7 @@ class MosaicConfig:
     #: K/V ring slots of the split decode kernel where D <= 128 (one warpgroup: SMEM
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
-    split_decode_stages: int = 6
+    split_decode_stages: int = 4
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
