@@ -13,7 +13,7 @@ import pytest
 
 #: plgpu names both prototypes use.
 NEEDED = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "barrier_wait",
-          "barrier_arrive", "transpose_ref", "layout_cast", "broadcasted_iota", "ACC", "SMEM",
+          "barrier_arrive", "layout_cast", "broadcasted_iota", "ACC", "SMEM",
           "Barrier", "TilingTransform", "SwizzleTransform", "commit_smem",
           "wait_smem_to_gmem", "LoweringSemantics")
 

@@ -45,7 +45,7 @@ and ``p = 0`` exactly: zero gradients.
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
 
 * True (the Hopper path): ``Q^T``, ``dO^T``, ``K^T``, ``V^T`` are transposed SMEM views
-  (``plgpu.transpose_ref``) and ``p^T``/``ds^T``/``ds`` are wgmma A operands from
+  (a transposed view) and ``p^T``/``ds^T``/``ds`` are wgmma A operands from
   registers.
 * False (the interpret-mode subset, JAX 0.10.2 interpreter): XLA transposes q, dO, k, v
   to ``[..., D, S]`` and TMA loads ``[D, 64]`` tiles, and the A operands are staged
@@ -316,7 +316,9 @@ def _a_operand(x, smem, gpu_operands):
 
 
 def _t(ref):
-    return plgpu.transpose_ref(ref, (1, 0))
+    """The SMEM view ``ref`` (a ``.at[...]`` view) transposed for a wgmma operand
+    (``plgpu.transpose_ref`` is this in JAX 0.10.2 and deprecated from 0.11)."""
+    return ref.transpose((1, 0))
 
 
 # ----------------------------------------------------------------------------- delta

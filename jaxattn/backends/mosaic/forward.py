@@ -41,7 +41,7 @@ kernels): ``exp2``/``log2`` are the approximate ``ex2``/``lg2`` instructions
 Two operand modes (``gpu_operands``); the arithmetic is the same in both:
 
 * True (the Hopper path, for the GPU and for lowering): K^T is a transposed view of
-  the K slot (``plgpu.transpose_ref``) and P is the wgmma A operand from registers.
+  the K slot (a transposed view) and P is the wgmma A operand from registers.
 * False (the interpret-mode subset): the JAX 0.10.2 interpreter supports neither a
   transposed SMEM operand (``TransposeTransform`` has no ``indices``) nor a register A
   operand, so K is pre-transposed by XLA to ``[B, Hkv, D, Skv]`` and TMA-loaded as
@@ -1107,7 +1107,7 @@ class _Forward:
         self.wait_keep(it, t)
 
         def qk(acc_ref):
-            kt = (plgpu.transpose_ref(k_s.at[slot], (1, 0)) if self.gpu_operands
+            kt = (k_s.at[slot].transpose((1, 0)) if self.gpu_operands
                   else k_s.at[slot])
             plgpu.wgmma(acc_ref, it.q_s, kt)
             if self.pingpong:
