@@ -297,9 +297,8 @@ def reset_interpret_state() -> None:
 #: Whether this JAX's ``plgpu.load`` takes the index as a required argument (0.10.x);
 #: later ones read the whole ref it is given and warn when an index is passed
 #: ("Please index the reference via ref.at[idx]").
-_LOAD_TAKES_INDEX = (inspect.signature(plgpu.load).parameters.get("idx") is not None
-                     and inspect.signature(plgpu.load).parameters["idx"].default
-                     is inspect.Parameter.empty)
+_LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_TAKES_INDEX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
 
 
 def load_ref(ref, *, layout, optimized: bool = True):
@@ -723,7 +722,6 @@ class _Forward:
         # swizzle").
         self.ones_cols = 16 if gpu_operands else bn
         self.use_mma_rowsum = cfg.rowsum == "mma"
-        self.k_shape = ((self.stages, bn, d) if gpu_operands else (self.stages, d, bn))
         #: The split's fp32 state and its lse rows staged in the K/V ring's SMEM (a
         #: ``RefUnion``): a CTA of ``split_out`` without ``carry_in`` (which loads its
         #: carry there before the loop) runs one item, so the ring is idle once its
@@ -735,7 +733,6 @@ class _Forward:
         # choice: the same blocks in the same order), at most the configured count.
         while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > SMEM_LIMIT:
             self.stages -= 1
-            self.k_shape = (self.stages, *self.k_shape[1:])
 
         persistent = cfg.persistent
         if persistent is None:
@@ -781,8 +778,9 @@ class _Forward:
         """The kernel's SMEM buffers (``qbufs``: ``(2,)`` with the Q prefetch)."""
         bm, bn, d, nwg, dtype, isz = (self.bm, self.bn, self.d, self.nwg, self.dtype,
                                       self.itemsize)
-        k_ring = plgpu.SMEM(self.k_shape, dtype,
-                            transforms=_smem_transforms(self.k_shape[-1], isz))
+        # K's ring (K^T's off the GPU operand path)
+        k_shape = (self.stages, bn, d) if self.gpu_operands else (self.stages, d, bn)
+        k_ring = plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], isz))
         v_ring = plgpu.SMEM((self.stages, bn, d), dtype, transforms=_smem_transforms(d, isz))
         o32 = (plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
                if self.split_out else None)
@@ -1448,10 +1446,9 @@ class _Forward:
 
         def body(smem, bars):
             wg = lax.axis_index("wg")
-            if self.ring_union:
-                (k_s, v_s), (o32_s, lse_s) = smem[1]
-                smem = (smem[0], k_s, v_s, smem[3], smem[4], lse_s, smem[6], o32_s,
-                        *smem[8:])
+            if self.ring_union:  # the union's refs at the places scratch() gives them
+                smem = list(smem)
+                (smem[1], smem[2]), (smem[7], smem[5]) = smem[1]
 
             @pl.when(wg < nwg)
             def _():
