@@ -158,37 +158,6 @@ def test_flat_kv_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_split_kernel_fold_keeps_bits_on_gpu():
-    """On sm90, the split decode's fold done by the split kernel's last CTA per tile
-    (MosaicConfig.split_fold_max: a GMEM semaphore counts the tile's stored states)
-    gives the fold kernel's bits and the in-kernel fold's: 2 to 33 SPLITs, 4 and 8
-    queries per group, ragged causal offsets (empty splits), one and two queries per
-    head; called again and again on fresh inputs (a late state read, or a count not
-    taken back to zero, would show as other bits or a hang); no NaN."""
-    from jaxattn.backends.mosaic import forward as mf
-    rng = np.random.default_rng()
-    fused = mf.MosaicConfig(split_decode=True, split_fold_max=64)
-    kernel = mf.MosaicConfig(split_decode=True, split_fold_max=0)
-    in_kernel = mf.MosaicConfig(split_decode=False)
-    for b, hq, sq, skv, ragged in ((1, 32, 1, 1100, False), (8, 32, 1, 8192 + 40, False),
-                                   (2, 64, 1, 33 * 1024, False), (3, 32, 2, 5000, True),
-                                   (16, 32, 1, 4096, True)):
-        for _ in range(3):
-            q, k, v = rand_qkv(b, hq, 8, sq, skv, 128, jnp.bfloat16,
-                               seed=int(rng.integers(1 << 30)))
-            offs = (jnp.asarray(rng.integers(0, skv - sq + 1, b), jnp.int32) if ragged
-                    else None)
-            outs = [mf.forward(q, k, v, causal=True, config=cfg, causal_offsets=offs)
-                    for cfg in (fused, kernel, in_kernel)]
-            for name, got in zip(("fold kernel", "in-kernel fold"), outs[1:], strict=True):
-                for x, y in zip(outs[0], got, strict=True):
-                    assert not np.isnan(np.asarray(x, np.float32)).any(), (b, skv)
-                    assert bits_equal(x, y), (b, hq, sq, skv, ragged, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
-                    reason=str(mosaic_backend.unavailable_reason()))
 def test_key_mask_reads_kv_in_place_on_gpu():
     """On sm90, a key padding mask with NaN in the dropped keys of K and inf in V's
     (the kernel zeroes V's dropped rows in SMEM; XLA no longer zeroes a copy): the

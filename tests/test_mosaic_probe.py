@@ -463,16 +463,7 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
             cfg = mosaic_fwd.MosaicConfig(split_decode_stages=stages)
             text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg,
                                              key_padding_mask=mask).as_text()
-            assert text.count("custom_call @mosaic_gpu") == 1  # the split kernel folds
-    # The split kernel's own fold (split_fold_max) takes its slots in the ring's union.
-    f = mosaic_fwd._Forward(
-        b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=jnp.bfloat16,
-        causal=True, scale=0.1, cfg=mosaic_fwd.MosaicConfig(compute_wgs=1, stages=4),
-        gpu_operands=True, interpret=None, position=0, key_mask=False,
-        dyn_offsets=False, split_out=True, state_rows=8, q_rows=4,
-        fold_out=(4, jnp.bfloat16))
-    assert f.stages == 4
-    assert mosaic_fwd.smem_bytes(f.scratch(())) <= mosaic_fwd.SMEM_LIMIT
+            assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
     slots = {}
     for key_mask in (False, True):
         f = mosaic_fwd._Forward(
@@ -510,11 +501,8 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
                    if "stablehlo.pad" in line and f"x{skv}x128x" in line]
         assert len(kv_pads) == copies, (b, hkv, sq, skv)
     # With flat_q too, a decode step's program pads nothing (K, V nor the group's rows);
-    # with flat_out, the split decode's program is its two kernels and free reshapes,
-    # or (split_fold_max, the default) the split kernel alone, beside the zeros of its
-    # tiles' semaphores (Pallas fills a kernel's GMEM semaphores per call).
-    flat = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True,
-                                   split_fold_max=0)
+    # with flat_out, the split decode's program is its two kernels and free reshapes.
+    flat = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)
     for b, skv, kernels in ((8, 8200, 2), (2, 296, 1), (32, 8200, 1)):
         q = jax.ShapeDtypeStruct((b, 64, 1, 128), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((b, 8, skv, 128), jnp.bfloat16)
@@ -522,17 +510,11 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
         assert "stablehlo.pad" not in text, skv
         q4 = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)  # 4 rows a group
         text4 = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True).as_text()  # defaults
-        for t, n in ((text, kernels), (text4, 1)):
-            assert "stablehlo.pad" not in t, skv
-            assert t.count("custom_call @mosaic_gpu") == n, (b, skv)
-            for op in ("slice", "convert", "transpose"):
+        for t in (text, text4):
+            assert "stablehlo.pad" not in t and "stablehlo.constant" not in t, skv
+            assert t.count("custom_call @mosaic_gpu") == kernels, (b, skv)
+            for op in ("slice", "convert", "transpose", "broadcast"):
                 assert f"stablehlo.{op}" not in t, (op, b, skv)
-            zeros = [line for line in t.splitlines()
-                     if "stablehlo.constant" in line or "stablehlo.broadcast" in line]
-            split = b * 8 < mosaic_fwd.SPLIT_DECODE_BELOW_CTAS and skv > 1024
-            assert len(zeros) == (2 if split and t is text4 else 0), (b, skv, zeros)
-            assert all("i32" in line and "dense<0>" in line or "broadcast_in_dim" in line
-                       for line in zeros), zeros
     # rowsum="mma" takes its all-ones operand (a constant of the program).
     mma = mosaic_fwd.MosaicConfig(rowsum="mma")
     text = mosaic_fwd.lower_for_cuda(q4, k, k, causal=True, config=mma).as_text()
@@ -781,16 +763,14 @@ def test_split_decode_lowers_for_cuda(mosaic_fwd, causal):
     q = jax.ShapeDtypeStruct((2, 32, 1, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 8, 5000, 128), jnp.bfloat16)
     text = mosaic_fwd.lower_for_cuda(q, k, k, causal=causal,
-                                     config=mosaic_fwd.MosaicConfig(split_decode=True,
-                                                                    split_fold_max=0)
+                                     config=mosaic_fwd.MosaicConfig(split_decode=True)
                                      ).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
     # The fold reads the split kernel's tile-major states in place (no split-major copy).
     assert "stablehlo.transpose" not in text
     # The default (split_decode=None) splits where B * Hkv is below
     # SPLIT_DECODE_BELOW_CTAS (16 here) and folds in the kernel from there on.
-    # The split kernel folds its tiles' states itself up to split_fold_max SPLITs.
-    for b, n in ((2, 1), (-(-mosaic_fwd.SPLIT_DECODE_BELOW_CTAS // 8), 1)):
+    for b, n in ((2, 2), (-(-mosaic_fwd.SPLIT_DECODE_BELOW_CTAS // 8), 1)):
         qb = jax.ShapeDtypeStruct((b, 32, 1, 128), jnp.bfloat16)
         kb = jax.ShapeDtypeStruct((b, 8, 5000, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(qb, kb, kb, causal=causal).as_text()

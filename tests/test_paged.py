@@ -175,13 +175,9 @@ def test_mosaic_reads_pages_in_place_without_a_gather():
         assert "custom_call @mosaic_gpu" in text, (ps, layout)
         assert ("gather" not in text) == in_place, (ps, layout)
         if in_place:  # a decode step is its kernels: the table and lengths as passed
-            # (beside the zeros Pallas fills the split kernel's tile semaphores with)
             ops = {line.split(" = ")[1].split(" ")[0] for line in text.splitlines()
                    if " = stablehlo." in line}
-            assert ops <= {"stablehlo.custom_call", "stablehlo.reshape",
-                           "stablehlo.constant", "stablehlo.broadcast_in_dim"}, (ps, ops)
-            assert all("xi32>" in line for line in text.splitlines()
-                       if "stablehlo.broadcast_in_dim" in line), ps
+            assert ops <= {"stablehlo.custom_call", "stablehlo.reshape"}, (ps, ops)
 
 
 # Interpret mode runs about a second per kernel here: one page size in the default run

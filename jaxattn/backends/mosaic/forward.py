@@ -65,8 +65,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -188,16 +186,6 @@ class MosaicConfig:
     #: computed alike in each). None: split D while the tiles do not fill the GPU
     #: (:func:`fold_launch`). A launch choice.
     fold_cols: int | None = None
-    #: The split decode's fold done by the split kernel itself where a tile has at
-    #: most this many SPLITs: each split's CTA stores its state and counts it on a
-    #: GMEM semaphore of its (batch, KV head) tile; the tile's last split's CTA (the
-    #: last launched) waits for the count, folds the tile's states in key order with
-    #: the fold kernel's merges, and stores the group's rows cast, so the step is one
-    #: launch. Longer chains go to the fold kernel, which spreads D over more CTAs
-    #: (:func:`fold_launch`). 0: always the fold kernel. On the GPU only (the
-    #: interpreter has no semaphores), D <= 128, with ``flat_out``. A launch choice:
-    #: the same merges in the same order.
-    split_fold_max: int = 32
     #: A causal call whose last key block is partial (Skv not a multiple of 64) reads
     #: K and V through the free reshape ``[B, Hkv * Skv, D]``
     #: instead of a copy padded to whole blocks: the last block's rows past Skv are the
@@ -263,8 +251,6 @@ class MosaicConfig:
                                            or self.fold_cols & (self.fold_cols - 1)):
             raise ValueError(f"fold_cols must be a power of two >= 16 or None, got "
                              f"{self.fold_cols}")
-        if self.split_fold_max < 0:
-            raise ValueError(f"split_fold_max must be >= 0, got {self.split_fold_max}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -321,19 +307,6 @@ def load_ref(ref, *, layout, optimized: bool = True):
     if _LOAD_TAKES_INDEX:
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
-
-
-def _fence_proxy_async_global():
-    """``fence.proxy.async.global``: global memory accesses of the generic proxy (the
-    semaphore's acquire) ordered before those of the async proxy (TMA loads) that
-    follow."""
-    @plgpu.inline_mgpu()
-    def fence(ctx):
-        del ctx
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "",
-                        has_side_effects=True)
-
-    fence()
 
 
 def _smem_transforms(cols: int, itemsize: int):
@@ -524,8 +497,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0, kv_rows: int | None = None,
-           q_rows: int | None = None, rows_out: bool = False,
-           fold_out: tuple[int, object] | None = None):
+           q_rows: int | None = None, rows_out: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -591,12 +563,6 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ``h * q_rows`` (:attr:`MosaicConfig.flat_q`); ``rows_out`` (with ``q_rows``, unsplit):
     ``out [B, Hkv * q_rows, D]`` and ``lse [B, Hkv * q_rows]``, the tiles' first
     ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`).
-    ``fold_out=(r, dtype)`` (``split_out`` with ``state_rows``, one tile of rows, GPU
-    only): the kernel also folds each tile's split states in key order in the tile's
-    last split's CTA, once a GMEM semaphore has counted the others' stored states
-    (:attr:`MosaicConfig.split_fold_max`), and returns only the folded tiles' first
-    ``r`` rows: ``out [B * Hq * r, D]`` in ``dtype`` and the natural-log ``lse [B * Hq *
-    r]``, as :func:`fold_tiles` with ``final=(r, dtype)`` stores them.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -607,7 +573,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
                     k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
-                    q_rows=q_rows, rows_out=rows_out, fold_out=fold_out).call()
+                    q_rows=q_rows, rows_out=rows_out).call()
 
 
 @dataclasses.dataclass
@@ -658,7 +624,7 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None, q_rows=None, rows_out=False, fold_out=None):
+                 kv_rows=None, q_rows=None, rows_out=False):
         bn = self.bn = schedule.BLOCK_N
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
                                    or cfg.prefetch_q or cfg.persistent):
@@ -698,15 +664,6 @@ class _Forward:
             raise ValueError(f"state_rows (a multiple of 8 up to {bn}) is for split_out "
                              f"states of one tile of {bn} rows, got {state_rows} at sq={sq}")
         self.state_rows = state_rows
-        if fold_out is not None and (state_rows is None or carry_in or raw_out
-                                     or interpret is not None or cfg.persistent
-                                     or d > 128 or fold_out[0] > state_rows
-                                     or (fold_out[0] * 4) % 16):
-            raise ValueError(f"fold_out=(r, dtype) folds the split states of one tile "
-                             f"(state_rows) in the kernel, on the GPU, D <= 128, r a "
-                             f"multiple of 4 up to state_rows={state_rows}, got "
-                             f"{fold_out} at D={d}")
-        self.fold_out = fold_out
         if (carry_in or raw_out) and not split_out:
             raise ValueError("carry_in and raw_out are split_out's")
         self.carry_in, self.raw_out = carry_in, raw_out
@@ -829,16 +786,8 @@ class _Forward:
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
         if self.ring_union:  # the split's state staged where the ring was
-            groups = [(k_ring, v_ring), (o32, rows)]
-            if self.fold_out is not None:  # then the tile's fold (fold_last), there too
-                groups.append((
-                    # two state slots: the states' rows and lse rows, TMA-loaded
-                    plgpu.SMEM((2, bm, d), jnp.float32, transforms=_smem_transforms(d, 4)),
-                    plgpu.SMEM((2, bm), jnp.float32),
-                    # the folded rows, cast, and their lse, stored by TMA
-                    plgpu.SMEM((bm, d), self.fold_out[1]),
-                    plgpu.SMEM((bm,), jnp.float32)))
-            k_ring, v_ring, o32, rows = plgpu.RefUnion(*groups), None, None, None
+            k_ring, v_ring, o32, rows = (plgpu.RefUnion((k_ring, v_ring), (o32, rows)),
+                                         None, None, None)
         return [
             plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, isz)),
             k_ring,
@@ -1314,8 +1263,6 @@ class _Forward:
             state = self.split(it, n_steps, lax.axis_index("s"), None,
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
-            if self.fold_out is not None:
-                self.fold_last(it, o_ref, lse_ref)
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
@@ -1378,70 +1325,6 @@ class _Forward:
                     load_ref(rows_s.at[0], layout=self.row_layout),
                     load_ref(rows_s.at[1], layout=self.row_layout))
         return o32_s[...], rows_s.at[0][...], rows_s.at[1][...]
-
-    # -- the fold in the split kernel (fold_out) -----------------------------------
-
-    def fold_last(self, it: _Item, o_ref, lse_ref):
-        """``fold_out``: after the split's state is stored (the epilogue waited for its
-        writes), every split but the tile's last counts it on the tile's semaphore; the
-        last split's CTA, launched after the others (the split is the grid's fastest
-        axis), waits for the count (taking it back to zero), loads the tile's states
-        in key order through two SMEM slots and folds them with :func:`kernel_merge`
-        from the empty state, as :func:`_build_fold` does (the same merges in the same
-        order: the fold kernel's bits), then stores the first ``r`` rows cast and their
-        natural-log lse."""
-        n, (r, dtype) = self.n_splits_all, self.fold_out
-        rows = self.state_rows
-        si = lax.axis_index("s")
-        tile = (it.bi * self.hq + it.h) * self.n_tiles + lax.div(it.q0, jnp.int32(self.rows_cta))
-        sem = self.dyn["sems"].at[tile]
-        last = si == n - 1
-
-        @pl.when(jnp.logical_not(last))
-        def _():
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-
-        @pl.when(last)
-        def _():
-            plgpu.semaphore_wait(sem, n - 1, decrement=True, memory_scope="gpu")
-            _fence_proxy_async_global()  # the states' reads by TMA after the wait
-            fo_s, fl_s, fin_s, frl_s = self.fold_smem
-            loaded, read = it.bars[10], it.bars[11]
-
-            def issue(i):
-                slot = lax.rem(i, jnp.int32(2))
-                plgpu.copy_gmem_to_smem(o_ref.at[it.bi, it.h, i, pl.ds(0, rows)],
-                                        fo_s.at[slot, pl.ds(0, rows)], loaded.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[it.bi, it.h, i], fl_s.at[slot],
-                                        loaded.at[slot])
-
-            issue(jnp.int32(0))
-            if n > 1:
-                issue(jnp.int32(1))
-
-            def step(i, state):
-                slot = lax.rem(i, jnp.int32(2))
-                plgpu.barrier_wait(loaded.at[slot])
-                x = load_ref(fo_s.at[slot], layout=plgpu.Layout.WGMMA)
-                lx = load_ref(fl_s.at[slot], layout=self.row_layout)
-                # every thread has read the slot before its next load lands there
-                plgpu.barrier_arrive(read.at[slot])
-                plgpu.barrier_wait(read.at[slot])
-                pl.when(i + 2 < n)(lambda: issue(i + 2))
-                return kernel_merge(*state, x, lx)
-
-            init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32),
-                                plgpu.Layout.WGMMA),
-                    self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32),
-                                self.row_layout))
-            out, lse = lax.fori_loop(0, n, step, init)
-            fo_ref, fl_ref = self.dyn["fold_out"]
-            fin_s[...] = out.astype(dtype)
-            frl_s[...] = natural_lse(lse)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(fin_s.at[pl.ds(0, r)], fo_ref.at[pl.ds(tile * r, r)])
-            plgpu.copy_smem_to_gmem(frl_s.at[pl.ds(0, r)], fl_ref.at[pl.ds(tile * r, r)])
-            plgpu.wait_smem_to_gmem(0)
 
     # -- the epilogue ----------------------------------------------------------------
 
@@ -1527,13 +1410,6 @@ class _Forward:
         elif self.finish_rows:
             *rest, o_ref, lse_ref, so_ref, sl_ref = rest
             self.dyn["state_out"] = (so_ref, sl_ref)
-        elif self.fold_out is not None:  # the split states, then the folded rows
-            *rest, o_ref, lse_ref, fo_ref, fl_ref = rest
-            self.dyn["fold_out"] = (fo_ref, fl_ref)
-            # One count per tile of the splits whose states are stored; global: the
-            # tile's last split's CTA takes it back to zero as its wait ends.
-            self.dyn["sems"] = pl.get_global(
-                plgpu.SemaphoreType.REGULAR((self.b * self.hq * self.n_tiles,)))
         else:
             *rest, o_ref, lse_ref = rest
         if self.carry_in:
@@ -1566,17 +1442,13 @@ class _Forward:
             plgpu.Barrier(num_barriers=1) if self.carry_in else None,  # carry loaded
             # state_in: per compute warpgroup, its state's output and lse loaded
             plgpu.Barrier(num_barriers=2 * nwg) if self.state_in else None,
-            # fold_out: a state slot loaded (its rows and its lse), a slot read
-            plgpu.Barrier(num_arrivals=2, num_barriers=2) if self.fold_out else None,
-            plgpu.Barrier(num_barriers=2) if self.fold_out else None,
         )
 
         def body(smem, bars):
             wg = lax.axis_index("wg")
             if self.ring_union:  # the union's refs at the places scratch() gives them
                 smem = list(smem)
-                (smem[1], smem[2]), (smem[7], smem[5]), *fold = smem[1]
-                self.fold_smem = fold[0] if fold else None
+                (smem[1], smem[2]), (smem[7], smem[5]) = smem[1]
 
             @pl.when(wg < nwg)
             def _():
@@ -1652,11 +1524,6 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
-            if self.fold_out is not None:  # the folded tiles' first rows
-                fr, fdtype = self.fold_out
-                out_type = (*out_type,
-                            jax.ShapeDtypeStruct((b * hq * self.n_tiles * fr, d), fdtype),
-                            jax.ShapeDtypeStruct((b * hq * self.n_tiles * fr,), jnp.float32))
             grid, grid_names = (n, *grid), ("s", *grid_names)
         elif self.finish_rows:  # (out, lse) of the finished rows, then the state's
             f = self.finish_rows
@@ -1692,9 +1559,7 @@ class _Forward:
                  if self.greedy else ())
 
         def bound(q, k, v, *extra):
-            outs = call(q, k, v, *ones, *extra, *table)
-            # fold_out: the folded rows only (the split states are the fold's input)
-            return outs[2:] if self.fold_out is not None else outs
+            return call(q, k, v, *ones, *extra, *table)
 
         return bound
 
@@ -1938,11 +1803,6 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         q_rows = stacked if (cfg.flat_q and stacked < bn and not partials
                              and not cfg.persistent) else None
         rows_out = flat_out and q_rows is not None and not split
-        # MosaicConfig.split_fold_max: the split kernel folds its tiles' states itself
-        # (one launch) where the chain of merges is short enough for one CTA.
-        n_splits = -(-skv_kernel // schedule.SPLIT)
-        fold_out = (final if final is not None and interpret is None and d <= 128
-                    and not cfg.persistent and n_splits <= cfg.split_fold_max else None)
         call = _build(b=b, hq=hkv, hkv=hkv, sq=bn, skv=skv_kernel, offset=0,
                       d=d, dtype=q.dtype, causal=causal, scale=scale, cfg=cfg,
                       gpu_operands=gpu_operands, interpret=interpret,
@@ -1950,8 +1810,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       split_out=split, kv_btnh=kv_btnh,
                       carry_in=carry is not None, raw_out=raw,
                       state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
-                      fold_out=fold_out)
+                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
@@ -1982,11 +1841,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 return (jnp.moveaxis(out[:, :, :, :group], 2, 0).reshape(n, b, hq, 1, d),
                         jnp.moveaxis(lse[:, :, :, :group], 2, 0).reshape(n, b, hq, 1))
             if split:  # [B, Hkv, n_splits, R, ...]: fold the splits in key order
-                if fold_out is None:  # (else the split kernel folded them)
-                    n, r = out.shape[2], out.shape[3]
-                    out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
-                                          lse.reshape(b * hkv, n, bn), interpret=interpret,
-                                          config=cfg, final=final)
+                n, r = out.shape[2], out.shape[3]
+                out, lse = fold_tiles(out.reshape(b * hkv, n, r, d),
+                                      lse.reshape(b * hkv, n, bn), interpret=interpret,
+                                      config=cfg, final=final)
                 if final is not None:  # the fold stored [B, Hq, Sq, ...] itself
                     return ((out.reshape(b, sq, hq, d) if btnh
                              else out.reshape(b, hq, sq, d)), lse.reshape(b, hq, sq))
