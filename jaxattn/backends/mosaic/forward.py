@@ -141,7 +141,7 @@ class MosaicConfig:
     #: tile is loaded while this item runs (FlashAttention-3's persistent prologue
     #: overlap), instead of after this item's output store. The same operations.
     #: None: with a persistent grid, where the second Q buffer fits the SMEM
-    #: (:data:`SMEM_BUDGET`).
+    #: (:func:`smem_bytes` within :data:`SMEM_LIMIT`).
     prefetch_q: bool | None = None
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
@@ -742,9 +742,8 @@ class _Forward:
         self.cfg = cfg  # scratch() reads it below
         prefetch_q = cfg.prefetch_q
         if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
-            prefetch_q = bool(persistent) and sum(
-                math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                for x in self.scratch((2,)) if x is not None) <= SMEM_BUDGET
+            prefetch_q = (bool(persistent)
+                          and smem_bytes(self.scratch((2,))) <= SMEM_LIMIT)
         cfg = self.cfg = dataclasses.replace(cfg, persistent=persistent,
                                              prefetch_q=prefetch_q and bool(persistent))
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
@@ -1584,10 +1583,6 @@ def smem_bytes(scratch) -> int:
                for x in scratch if x is not None)
 
 
-#: The SMEM the persistent grid's second Q buffer must fit in beside the kernel's other
-#: buffers (an sm90 CTA has 227 KiB; 7 KiB are left for barriers and alignment: the
-#: lowering counted 2 KiB more than these buffers for one launch).
-SMEM_BUDGET = 220 * 1024
 #: The SM count assumed when JAX's device does not say (an H100 / H200 has 132).
 DEFAULT_SM_COUNT = 132
 
