@@ -191,7 +191,9 @@ top = max(ours, key=lambda i: us[i])
 last = [j for j in ours if rows[j][n] == rows[top][n]][-1]
 first = max(j for j in range(last + 1) if rows[j][n] == rows[top][n] and
             (j == 0 or rows[j - 1][n] != rows[top][n]))
-# NCU_RANK=k: the k-th longest of the last call (1: the longest).
+# NCU_RANK=k: the k-th longest launch from the first of the last runs of the longest
+# kernel on (a window that may hold several calls: the fold of the split decode is rank 5 at
+# B=1 131072 keys, not 2; 1: the longest).
 rank = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 mine = sorted((j for j in ours if j >= first), key=lambda j: -us[j])
 i = mine[min(rank, len(mine)) - 1]
