@@ -45,7 +45,7 @@ and ``p = 0`` exactly: zero gradients.
 Two operand modes (``gpu_operands``), same arithmetic, both lower for CUDA:
 
 * True (the Hopper path): ``Q^T``, ``dO^T``, ``K^T``, ``V^T`` are transposed SMEM views
-  (a transposed view) and ``p^T``/``ds^T``/``ds`` are wgmma A operands from
+  (:func:`_t`) and ``p^T``/``ds^T``/``ds`` are wgmma A operands from
   registers.
 * False (the interpret-mode subset, JAX 0.10.2 interpreter): XLA transposes q, dO, k, v
   to ``[..., D, S]`` and TMA loads ``[D, 64]`` tiles, and the A operands are staged

@@ -41,7 +41,8 @@ kernels): ``exp2``/``log2`` are the approximate ``ex2``/``lg2`` instructions
 Two operand modes (``gpu_operands``); the arithmetic is the same in both:
 
 * True (the Hopper path, for the GPU and for lowering): K^T is a transposed view of
-  the K slot (a transposed view) and P is the wgmma A operand from registers.
+  the K slot (the slot ref's ``.transpose((1, 0))``) and P is the wgmma A operand from
+  registers.
 * False (the interpret-mode subset): the JAX 0.10.2 interpreter supports neither a
   transposed SMEM operand (``TransposeTransform`` has no ``indices``) nor a register A
   operand, so K is pre-transposed by XLA to ``[B, Hkv, D, Skv]`` and TMA-loaded as
