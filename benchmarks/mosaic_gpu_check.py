@@ -70,6 +70,12 @@ flags.DEFINE_bool("decode_masked", False, "Also time --decode_speed with a key p
 flags.DEFINE_list("decode_variants", [],
                   "More Mosaic decode launches timed by --decode_speed (name[:key=value...], "
                   "MosaicConfig fields), e.g. split-s4:split_decode=True:stages=4.")
+flags.DEFINE_string("decode_baseline", None,
+                    "Path of another version of jaxattn/backends/mosaic/forward.py (e.g. "
+                    "`git show REV:jaxattn/backends/mosaic/forward.py > old.py`): its "
+                    "default decode timed by --decode_speed as 'mosaic:baseline' in the "
+                    "same rounds, its bits compared (a change's before and after in one "
+                    "process).")
 flags.DEFINE_list("bwd_variants", ["default", "inplace:accumulate=inplace",
                                    "dkdv1:dkdv_wgs=1", "dq1:dq_wgs=1",
                                    "noregs:registers=None"],
@@ -430,6 +436,19 @@ def time_speed(results: list) -> None:
             print(row, flush=True)
 
 
+@functools.cache
+def _baseline_forward():
+    """--decode_baseline's module (the other version of the Mosaic forward, loaded beside
+    this one under another name; it shares jaxattn's other modules)."""
+    import importlib.util
+    import sys
+    name = "jaxattn_baseline_forward"
+    spec = importlib.util.spec_from_file_location(name, FLAGS.decode_baseline)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def time_decode(results: list) -> None:
     """Decode: one query per head against Skv keys, causal, bf16, Hq=32, Hkv=8, D=128;
     GB/s counts the K and V bytes read (the floor of a decode step)."""
@@ -457,6 +476,9 @@ def time_decode(results: list) -> None:
             name, kw = _variant(vspec)
             fns[f"mosaic:{name}"] = functools.partial(
                 mf.forward, causal=True, scale=scale, config=mf.MosaicConfig(**kw))
+        if FLAGS.decode_baseline:
+            fns["mosaic:baseline"] = functools.partial(
+                _baseline_forward().forward, causal=True, scale=scale)
         if FLAGS.decode_masked:
             keep = jnp.broadcast_to(jnp.arange(s) >= 100, (b, s))
 

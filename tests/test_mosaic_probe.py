@@ -716,6 +716,42 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
         mosaic_fwd.fold_partials(jnp.zeros((2, 3, 64)), jnp.zeros((2, 4)))
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_fold_tiles_reads_only_the_state_rows(mosaic_fwd):
+    """The split decode's fold of tile-major states (fold_tiles: each tile's R state
+    rows folded in fold_layout, a chunk of states a copy) equals the same merges under
+    XLA in bits: R 8 and 16, state counts that leave a partial last chunk, launch
+    choices (slots, columns), the final cast; the lses past each state's R rows (the
+    split kernel's 64-row tile) hold NaN and are never merged."""
+    seed = np.random.SeedSequence().entropy % 2**31
+    rng = np.random.default_rng(seed)
+    bm = schedule.BLOCK_N
+    for t, n, r, d in ((2, 5, 8, 64), (3, 11, 16, 128), (1, 1, 8, 64)):
+        outs = rng.standard_normal((t, n, r, d)).astype(np.float32)
+        lses = np.full((t, n, bm), np.nan, np.float32)
+        lses[:, :, :r] = 3 * rng.standard_normal((t, n, r))
+        empty = rng.random((t, n, r)) < 0.3
+        lses[:, :, :r][empty] = -np.inf
+        outs[empty] = 0.0
+        ro, rl = jax.vmap(_xla_kernel_fold)(jnp.asarray(outs), jnp.asarray(lses[:, :, :r]))
+        for slots, cols in ((None, None), (2, d), (4, 16), (2 * n + 2, 32)):
+            cfg = mosaic_fwd.MosaicConfig(fold_slots=slots, fold_cols=cols)
+            fo, fl = mosaic_fwd.fold_tiles(jnp.asarray(outs), jnp.asarray(lses),
+                                           interpret=True, config=cfg)
+            assert fo.shape == (t, r, d) and fl.shape == (t, r)
+            assert not np.isnan(np.asarray(fo)).any() and not np.isnan(np.asarray(fl)).any()
+            err = f"t={t} n={n} r={r} slots={slots} cols={cols} (seed {seed})"
+            np.testing.assert_array_equal(bits(fo), bits(ro), err_msg=err)
+            np.testing.assert_array_equal(bits(fl), bits(rl), err_msg=err)
+        fo, fl = mosaic_fwd.fold_tiles(jnp.asarray(outs), jnp.asarray(lses), interpret=True,
+                                       final=(4, jnp.bfloat16))
+        assert fo.shape == (t * 4, d) and fo.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(bits(fo), bits(ro[:, :4].reshape(t * 4, d)
+                                                     .astype(jnp.bfloat16)), err_msg=err)
+        np.testing.assert_array_equal(bits(fl), bits(rl[:, :4].reshape(t * 4)), err_msg=err)
+
+
 @needs_api
 @pytest.mark.parametrize("d", [64, 128])
 def test_fold_on_lowers_for_cuda_in_the_forward_kernel(mosaic_fwd, d):

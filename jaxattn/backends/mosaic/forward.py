@@ -388,11 +388,13 @@ def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
     return (jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype))
 
 
-def _rows(x, shape):
+def _rows(x, shape, layout=None):
     """``x[:, None]`` broadcast to ``shape`` in one step (Mosaic GPU cannot hold the
     ``[M, 1]`` intermediate of ``x[..., None]``: "Tiling ... does not apply to shape
-    (M, 1)")."""
-    return lax.broadcast_in_dim(x, shape, [0])
+    (M, 1)"), in ``layout`` where given (a register layout Mosaic GPU cannot infer from
+    the rows', such as :func:`fold_layout`'s)."""
+    out = lax.broadcast_in_dim(x, shape, [0])
+    return out if layout is None else plgpu.layout_cast(out, layout)
 
 
 def finalize_rows(acc, m, l, log=jnp.log, reciprocal=False):
@@ -413,11 +415,14 @@ def finalize_rows(acc, m, l, log=jnp.log, reciprocal=False):
     return out, lse
 
 
-def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.log):
+def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.log,
+               layout=None):
     """:func:`jaxattn.merge.merge` for ``[M, D]`` tiles, with the same floating-point
     operations in the same order (see :func:`finalize_rows`); ``exp=jnp.exp2,
-    log=jnp.log2``: the same in base 2."""
+    log=jnp.log2``: the same in base 2. ``layout``: the tiles' register layout, where
+    Mosaic GPU cannot infer it from the rows' (:func:`_rows`)."""
     shape = out_left.shape
+    rows = functools.partial(_rows, layout=layout)
     m = jnp.maximum(lse_left, lse_right)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
     w_left = exp(lse_left - m_safe)
@@ -425,13 +430,13 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
     total = w_left + w_right
     total_safe = jnp.where(total == 0.0, 1.0, total)
     lse = m_safe + log(total_safe)
-    a_left = _rows(w_left / total_safe, shape)
-    a_right = _rows(w_right / total_safe, shape)
+    a_left = rows(w_left / total_safe, shape)
+    a_right = rows(w_right / total_safe, shape)
     out = out_left * a_left + out_right * a_right
     left_empty = lse_left == NEG_INF
     right_empty = lse_right == NEG_INF
-    out = jnp.where(_rows(right_empty, shape), out_left,
-                    jnp.where(_rows(left_empty, shape), out_right, out))
+    out = jnp.where(rows(right_empty, shape), out_left,
+                    jnp.where(rows(left_empty, shape), out_right, out))
     lse = jnp.where(right_empty, lse_left, jnp.where(left_empty, lse_right, lse))
     return out, lse
 
@@ -456,11 +461,11 @@ def kernel_finalize(acc, m, l, normalize="divide"):
                          reciprocal=normalize == "reciprocal")
 
 
-def kernel_merge(*states):
+def kernel_merge(*states, layout=None):
     """:func:`merge_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
     if KERNEL_LSE_BASE2:
-        return merge_rows(*states, exp=jnp.exp2, log=jnp.log2)
-    return merge_rows(*states)
+        return merge_rows(*states, exp=jnp.exp2, log=jnp.log2, layout=layout)
+    return merge_rows(*states, layout=layout)
 
 
 def natural_lse(lse):
@@ -2177,24 +2182,43 @@ def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
     return min(slots, 2 * max(1, -(-n // 2))), cols
 
 
+def fold_layout(rows: int, cols: int):
+    """The fold kernel's register layout for a tile-major state's ``[rows, cols]``
+    (``rows`` a multiple of 8, ``cols`` of 16): each warp holds two rows of every eight,
+    16 lanes a row, ``cols / 16`` elements a lane in vectors of up to 4. A thread
+    holds ``rows / 8`` rows, so it computes the merges' row weights for ``rows / 8``
+    rows (the WGMMA layout's 64-row tile: two rows a thread, whatever the state's
+    rows). A launch choice: the same operations per element."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    v = min(4, cols // 16)
+    lay = fa.TiledLayout(fa.Tiling(((8, 16 * v), (2, 16 * v), (1, v))), warp_dims=(-6,),
+                         lane_dims=(-4, -3), vector_dim=-1,
+                         _check_canonical=False).canonicalize()
+    return plgpu.Layout.TILED(lay.tiling, warp_dims=lay.warp_dims,
+                              lane_dims=lay.lane_dims, vector_dim=lay.vector_dim)
+
+
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
                 natural: bool = True, slots: int = 2, cols: int | None = None,
                 final: tuple[int, object] | None = None):
-    """The fold kernel: one CTA per 64-row tile and ``cols`` columns of D (``d / cols``
+    """The fold kernel: one CTA per tile of rows and ``cols`` columns of D (``d / cols``
     CTAs per tile; each computes the rows' weights alike and folds its columns), one
     warpgroup walking the ``n`` states in order through ``slots`` SMEM slots in two
-    halves (a chunk of ``slots / 2`` states merged from one half while the next chunk's
-    loads land in the other; one warpgroup sync per chunk, not per state), the running
-    state in registers, merged by :func:`kernel_merge` (the forward's merge), the lse
-    converted to natural-log units at the store (by the first column's CTA). The
-    states are ``[n, rows, D]`` and ``[n, rows]``, or with ``tile_major`` ``[rows / 64,
-    n, state_rows, D]`` and ``[rows / 64, n, 64]`` (the split decode's own layout, read
-    in place; a tile's output rows past ``state_rows`` are not read and come out
-    unspecified). ``final=(r, dtype)`` (tile-major): only each tile's first ``r`` rows
-    are stored, the output cast to ``dtype``, as ``out [rows / 64 * r, D]`` and ``lse
-    [rows / 64 * r]`` (the decode's ``[B, Hq, Sq, ...]`` in memory: no slice and cast
-    after the kernel)."""
+    halves (a chunk of ``slots / 2`` states, loaded by one TMA copy of the outputs and
+    one of the lses on one barrier, merged from one half while the next chunk lands in
+    the other; one barrier wait and one warpgroup sync per chunk), the running state in
+    registers, merged by :func:`kernel_merge` (the forward's merge), the lse converted
+    to natural-log units at the store (by the first column's CTA).
+
+    The states are ``[n, rows, D]`` and ``[n, rows]`` (64-row tiles in the WGMMA
+    layout), or with ``tile_major`` ``[rows / 64, n, state_rows, D]`` and ``[rows / 64,
+    n, 64]`` (the split decode's own layout, read in place): then a CTA folds a tile's
+    ``state_rows`` rows only, in :func:`fold_layout`, and the result is ``[rows / 64 *
+    state_rows, D]``. ``final=(r, dtype)`` (tile-major): only each tile's first ``r``
+    rows are stored, the output cast to ``dtype``, as ``out [rows / 64 * r, D]`` and
+    ``lse [rows / 64 * r]`` (the decode's ``[B, Hq, Sq, ...]`` in memory: no slice and
+    cast after the kernel)."""
     bm = schedule.BLOCK_N
     cols = d if cols is None else cols
     if final is not None and (not tile_major or final[0] > state_rows
@@ -2204,66 +2228,75 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     if slots < 2 or slots % 2:
         raise ValueError(f"the fold's slots must be an even number >= 2, got {slots}")
     chunk = slots // 2
-    chunks = -(-n // chunk)
+    full, tail = divmod(n, chunk)
+    chunks = full + (tail > 0)
     hints = interpret is None
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    tm = state_rows if tile_major else bm  # a CTA's rows
+    if tile_major:
+        layout = fold_layout(tm, cols)
+        row_layout = layout.reduce(1)
+        o_transforms = ()
+    else:
+        layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+        o_transforms = _smem_transforms(cols, 4)
+    tiles = rows // bm
 
     def kernel(o_ref, l_ref, out_ref, lse_ref):
-        r0 = lax.axis_index("t") * bm
+        t = lax.axis_index("t")
         c = lax.axis_index("c")
         dcols = pl.ds(c * cols, cols)
 
-        def body(o_s, l_s, rl_s, o_bar, l_bar, free, fin_s=None):
-            def issue(i):
-                slot = lax.rem(i, jnp.int32(slots))
+        def body(o_s, l_s, rl_s, bars, free, fin_s=None):
+            def issue(j, count):  # chunk j's ``count`` (static) states into half j % 2
+                s0, i0 = lax.rem(j, jnp.int32(2)) * chunk, j * chunk
+                bar = bars.at[lax.rem(j, jnp.int32(2))]
                 if tile_major:  # out: the tile's first state_rows rows (the others unused)
-                    at, dst = (lax.axis_index("t"), i), pl.ds(0, state_rows)
-                    plgpu.copy_gmem_to_smem(o_ref.at[(*at, dst, dcols)],
-                                            o_s.at[slot, dst], o_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(l_ref.at[at], l_s.at[slot], l_bar.at[slot])
-                    return
-                plgpu.copy_gmem_to_smem(o_ref.at[i, pl.ds(r0, bm), dcols], o_s.at[slot],
-                                        o_bar.at[slot])
-                plgpu.copy_gmem_to_smem(l_ref.at[i, pl.ds(r0, bm)], l_s.at[slot],
-                                        l_bar.at[slot])
+                    src_o = o_ref.at[t, pl.ds(i0, count), pl.ds(0, tm), dcols]
+                    src_l = l_ref.at[t, pl.ds(i0, count)]  # all 64 (a copy's bytes
+                    # are a multiple of 128 in Pallas)
+                else:
+                    src_o = o_ref.at[pl.ds(i0, count), pl.ds(t * bm, bm), dcols]
+                    src_l = l_ref.at[pl.ds(i0, count), pl.ds(t * bm, bm)]
+                plgpu.copy_gmem_to_smem(src_o, o_s.at[pl.ds(s0, count)], bar)
+                plgpu.copy_gmem_to_smem(src_l, l_s.at[pl.ds(s0, count)], bar)
 
-            def issue_chunk(j):  # states [j * chunk, (j + 1) * chunk) into half j % 2
-                for u in range(chunk):
-                    i = j * chunk + u
-                    pl.when(i < n)(lambda i=i: issue(i))
+            def issue_any(j):  # chunk j, if there is one (j dynamic)
+                pl.when(j < full)(lambda: issue(j, chunk))
+                if tail:
+                    pl.when(j == full)(lambda: issue(j, tail))
 
-            def step(j, state, count):  # chunk j's first ``count`` states (static)
-                # awaited and read, then merged in order (unrolled: the merges' loads
-                # and independent work interleave; the same operations in the same
-                # order), then its half released (every thread has read it: an
-                # arrival each, observed here) and refilled with chunk j + 2 while
-                # chunk j + 1 is merged.
+            def step(j, state, count):  # chunk j's ``count`` states (static)
+                # awaited (one barrier: both copies) and read, then merged in order
+                # (unrolled: the merges' loads and independent work interleave; the
+                # same operations in the same order), then its half released (every
+                # thread has read it: an arrival each, observed here) and refilled
+                # with chunk j + 2 while chunk j + 1 is merged.
+                half = lax.rem(j, jnp.int32(2))
+                plgpu.barrier_wait(bars.at[half])
                 xs = []
                 for u in range(count):
-                    slot = lax.rem(j * chunk + u, jnp.int32(slots))
-                    plgpu.barrier_wait(o_bar.at[slot])
-                    plgpu.barrier_wait(l_bar.at[slot])
+                    slot = half * chunk + u
                     if hints:
-                        xs.append((load_ref(o_s.at[slot], layout=plgpu.Layout.WGMMA),
-                                   load_ref(l_s.at[slot], layout=row_layout)))
+                        xs.append((load_ref(o_s.at[slot], layout=layout),
+                                   load_ref(l_s.at[slot, pl.ds(0, tm)],
+                                            layout=row_layout)))
                     else:
-                        xs.append((o_s[slot], l_s[slot]))
+                        xs.append((o_s[slot], l_s[slot, pl.ds(0, tm)]))
                 for x, lx in xs:
-                    state = kernel_merge(*state, x, lx)
-                half = lax.rem(j, jnp.int32(2))
+                    state = kernel_merge(*state, x, lx,
+                                         layout=layout if hints and tile_major else None)
                 plgpu.barrier_arrive(free.at[half])
                 plgpu.barrier_wait(free.at[half])
-                pl.when(j + 2 < chunks)(lambda: issue_chunk(j + 2))
+                issue_any(j + 2)
                 return state
 
             for j in range(min(2, chunks)):
-                issue_chunk(jnp.int32(j))
-            zeros = jnp.zeros((bm, cols), jnp.float32)
-            empty = jnp.full((bm,), NEG_INF, jnp.float32)
+                issue(jnp.int32(j), chunk if j < full else tail)
+            zeros = jnp.zeros((tm, cols), jnp.float32)
+            empty = jnp.full((tm,), NEG_INF, jnp.float32)
             if hints:
-                zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+                zeros = plgpu.layout_cast(zeros, layout)
                 empty = plgpu.layout_cast(empty, row_layout)
-            full, tail = divmod(n, chunk)
             state = lax.fori_loop(0, full, lambda j, st: step(j, st, chunk), (zeros, empty))
             if tail:  # the last chunk's states
                 state = step(jnp.int32(full), state, tail)
@@ -2273,16 +2306,15 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 res_s = o_s.at[0]  # every load is consumed: slot 0 stages the result
                 res_s[...] = out
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(r0, bm), dcols])
-                lse_dst, lse_src = lse_ref.at[pl.ds(r0, bm)], rl_s
+                plgpu.copy_smem_to_gmem(res_s, out_ref.at[pl.ds(t * tm, tm), dcols])
+                lse_dst, lse_src = lse_ref.at[pl.ds(t * tm, tm)], rl_s
             else:  # the tile's first r rows, cast, through an untiled SMEM tile
                 r = final[0]
                 fin_s[...] = out.astype(final[1])
                 plgpu.commit_smem()
-                t0 = lax.axis_index("t") * r
                 plgpu.copy_smem_to_gmem(fin_s.at[pl.ds(0, r)],
-                                        out_ref.at[pl.ds(t0, r), dcols])
-                lse_dst, lse_src = lse_ref.at[pl.ds(t0, r)], rl_s.at[pl.ds(0, r)]
+                                        out_ref.at[pl.ds(t * r, r), dcols])
+                lse_dst, lse_src = lse_ref.at[pl.ds(t * r, r)], rl_s.at[pl.ds(0, r)]
 
             @pl.when(c == 0)
             def _():
@@ -2292,22 +2324,21 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
 
         pl.run_scoped(
             body,
-            plgpu.SMEM((slots, bm, cols), jnp.float32, transforms=_smem_transforms(cols, 4)),
+            plgpu.SMEM((slots, tm, cols), jnp.float32, transforms=o_transforms),
             plgpu.SMEM((slots, bm), jnp.float32),
-            plgpu.SMEM((bm,), jnp.float32),
-            plgpu.Barrier(num_barriers=slots),
-            plgpu.Barrier(num_barriers=slots),
+            plgpu.SMEM((tm,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a chunk landed (two copies)
             plgpu.Barrier(num_barriers=2),  # a half read (an arrival per thread)
-            *(() if final is None else (plgpu.SMEM((bm, cols), final[1]),)),
+            *(() if final is None else (plgpu.SMEM((tm, cols), final[1]),)),
         )
 
-    out_rows = rows if final is None else rows // bm * final[0]
+    out_rows = tiles * (tm if final is None else final[0])
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((out_rows, d),
                                        jnp.float32 if final is None else final[1]),
                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)),
-        grid=(rows // bm, d // cols),
+        grid=(tiles, d // cols),
         grid_names=("t", "c"),
         compiler_params=plgpu.CompilerParams(
             approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -2378,7 +2409,7 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
                            final=final)(outs, lses)
     if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
         return out, lse
-    return out.reshape(t, bm, d)[:, :r], lse.reshape(t, bm)[:, :r]
+    return out.reshape(t, r, d), lse.reshape(t, r)
 
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
