@@ -56,9 +56,11 @@ flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
                   "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("tail_probe", False, "Non-causal tail padding taken apart (probe_tails).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
-flags.DEFINE_list("decode_speed", [], "B:Skv points: time decode (one query per head, "
-                  "Hq=32, Hkv=8, D=128, bf16) of the Mosaic forward (in-kernel fold and "
-                  "split_decode) beside the Pallas backend; GB/s of K and V read.")
+flags.DEFINE_list("decode_speed", [], "B:Skv[:Sq[:Hq:Hkv]] points: time decode (Sq "
+                  "queries per head, default 1, speculative verification above; Hq=32, "
+                  "Hkv=8 unless given; D=128, bf16, causal) of the Mosaic forward "
+                  "(in-kernel fold and split_decode) beside the Pallas backend; GB/s of K "
+                  "and V read.")
 flags.DEFINE_integer("decode_rounds", 3, "Rounds of --decode_speed: every system timed "
                      "once a round (--iters samples), in an order rotated each round; "
                      "the median of the rounds' medians, and each round's.")
@@ -450,15 +452,19 @@ def _baseline_forward():
 
 
 def time_decode(results: list) -> None:
-    """Decode: one query per head against Skv keys, causal, bf16, Hq=32, Hkv=8, D=128;
-    GB/s counts the K and V bytes read (the floor of a decode step)."""
+    """Decode: Sq queries per head (1 unless a point says; speculative verification
+    above) against Skv keys, causal, bf16, Hq=32, Hkv=8 unless a point says, D=128; GB/s
+    counts the K and V bytes read (the floor of a decode step)."""
     from jaxattn.backends.mosaic import forward as mf
     from jaxattn.backends.pallas import forward as pt
-    hq, hkv, d = 32, 8, 128
+    d = 128
     scale = 1 / np.sqrt(d)
     for spec in FLAGS.decode_speed:
-        b, s = (int(x) for x in spec.split(":"))
-        sets = [_inputs(b, hq, hkv, 1, s, d, seed=7 + i)[:3] for i in range(3)]
+        fields = [int(x) for x in spec.split(":")]
+        if len(fields) not in (2, 3, 5):
+            raise ValueError(f"--decode_speed takes B:Skv[:Sq[:Hq:Hkv]], got {spec!r}")
+        b, s, sq, hq, hkv = (fields + [1, 32, 8][len(fields) - 2:])[:5]
+        sets = [_inputs(b, hq, hkv, sq, s, d, seed=7 + i)[:3] for i in range(3)]
         kv_bytes = 2 * b * hkv * s * d * 2
         fns = {
             "pallas": lambda q, k, v: pt.forward(q, k, v, causal=True, scale=scale,
@@ -495,7 +501,8 @@ def time_decode(results: list) -> None:
         # timed one after the other read 57.5 and 71.2 us).
         outs, rows, jitted = {}, {}, {}
         for name, fn in fns.items():
-            row = rows[name] = {"kind": "decode-speed", "system": name, "B": b, "Skv": s}
+            row = rows[name] = {"kind": "decode-speed", "system": name, "B": b, "Skv": s,
+                                "Sq": sq, "Hq": hq, "Hkv": hkv}
             try:
                 jitted[name] = jax.jit(fn)
                 outs[name] = jax.block_until_ready(jitted[name](*sets[0]))
