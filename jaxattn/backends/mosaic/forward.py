@@ -2248,8 +2248,8 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
 
         def body(o_s, l_s, rl_s, bars, free, fin_s=None):
             def issue(j, count):  # chunk j's ``count`` (static) states into half j % 2
-                s0, i0 = lax.rem(j, jnp.int32(2)) * chunk, j * chunk
-                bar = bars.at[lax.rem(j, jnp.int32(2))]
+                half = lax.rem(j, jnp.int32(2))
+                s0, i0, bar = half * chunk, j * chunk, bars.at[half]
                 if tile_major:  # out: the tile's first state_rows rows (the others unused)
                     src_o = o_ref.at[t, pl.ds(i0, count), pl.ds(0, tm), dcols]
                     src_l = l_ref.at[t, pl.ds(i0, count)]  # all 64 (a copy's bytes
