@@ -721,13 +721,15 @@ def test_interpret_split_partials_fold_kernel(mosaic_fwd):
 def test_interpret_fold_tiles_reads_only_the_state_rows(mosaic_fwd):
     """The split decode's fold of tile-major states (fold_tiles: each tile's R state
     rows folded in fold_layout, a chunk of states a copy) equals the same merges under
-    XLA in bits: R 8 and 16, state counts that leave a partial last chunk, launch
-    choices (slots, columns), the final cast; the lses past each state's R rows (the
+    XLA in bits: R 8 to 64 (powers of two, as the split decode writes, and 24), state
+    counts that leave a partial last chunk, launch choices (slots, columns), the final
+    cast; the lses past each state's R rows (the
     split kernel's 64-row tile) hold NaN and are never merged."""
     seed = np.random.SeedSequence().entropy % 2**31
     rng = np.random.default_rng(seed)
     bm = schedule.BLOCK_N
-    for t, n, r, d in ((2, 5, 8, 64), (3, 11, 16, 128), (1, 1, 8, 64)):
+    for t, n, r, d in ((2, 5, 8, 64), (3, 11, 16, 128), (1, 1, 8, 64), (1, 3, 32, 64),
+                       (1, 2, 24, 64), (1, 3, 64, 64)):
         outs = rng.standard_normal((t, n, r, d)).astype(np.float32)
         lses = np.full((t, n, bm), np.nan, np.float32)
         lses[:, :, :r] = 3 * rng.standard_normal((t, n, r))

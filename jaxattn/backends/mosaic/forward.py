@@ -1793,8 +1793,11 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         if split and not partials and d <= 128:
             cfg = dataclasses.replace(cfg, stages=cfg.split_decode_stages)
         # The split decode writes only the group's rows of each split's state (rounded
-        # up to 8); CP's partial states keep the whole tile (their unpad reads 64 rows).
-        state_rows = -(-stacked // 8) * 8 if split and not partials else None
+        # up to a power of two from 8: the fold kernel's fold_layout then gives each
+        # thread one row); CP's partial states keep the whole tile (their unpad reads
+        # 64 rows).
+        state_rows = (max(8, 1 << (stacked - 1).bit_length()) if split and not partials
+                      else None)
         # MosaicConfig.flat_out: the group's rows, cast, stored in place (a multiple of
         # 4 rows: a 16-byte lse copy), by the fold (split) or by the kernel (unsplit).
         flat_out = cfg.flat_out and not partials and stacked % 4 == 0
@@ -2184,15 +2187,20 @@ def fold_launch(n: int, tiles: int, d: int, config: MosaicConfig | None = None):
 
 def fold_layout(rows: int, cols: int):
     """The fold kernel's register layout for a tile-major state's ``[rows, cols]``
-    (``rows`` a multiple of 8, ``cols`` of 16): each warp holds two rows of every eight,
-    16 lanes a row, ``cols / 16`` elements a lane in vectors of up to 4. A thread
-    holds ``rows / 8`` rows, so it computes the merges' row weights for ``rows / 8``
-    rows (the WGMMA layout's 64-row tile: two rows a thread, whatever the state's
-    rows). A launch choice: the same operations per element."""
+    (``rows`` a multiple of 8 below 64, ``cols`` of 16): tiles of ``t`` rows, the
+    largest power of two up to 32 that divides ``rows``, each row held by ``128 / t``
+    lanes (``cols * t / 128`` elements a lane, in vectors of up to 4), each warp a
+    quarter of the tile's rows. A thread holds ``rows / t`` rows, so it computes the
+    merges' row weights for ``rows / t`` rows: one where ``rows`` is a power of two, as
+    the split decode's ``state_rows`` is (the WGMMA layout's 64-row tile, which the fold
+    keeps for 64 rows: two rows a thread). A launch choice: the same operations per
+    element."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    v = min(4, cols // 16)
-    lay = fa.TiledLayout(fa.Tiling(((8, 16 * v), (2, 16 * v), (1, v))), warp_dims=(-6,),
-                         lane_dims=(-4, -3), vector_dim=-1,
+    t = next(t for t in (32, 16, 8) if rows % t == 0)
+    lanes = 128 // t
+    v = min(4, cols // lanes)
+    lay = fa.TiledLayout(fa.Tiling(((t, lanes * v), (t // 4, lanes * v), (1, v))),
+                         warp_dims=(-6,), lane_dims=(-4, -3), vector_dim=-1,
                          _check_canonical=False).canonicalize()
     return plgpu.Layout.TILED(lay.tiling, warp_dims=lay.warp_dims,
                               lane_dims=lay.lane_dims, vector_dim=lay.vector_dim)
@@ -2212,13 +2220,14 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     to natural-log units at the store (by the first column's CTA).
 
     The states are ``[n, rows, D]`` and ``[n, rows]`` (64-row tiles in the WGMMA
-    layout), or with ``tile_major`` ``[rows / 64, n, state_rows, D]`` and ``[rows / 64,
-    n, 64]`` (the split decode's own layout, read in place): then a CTA folds a tile's
-    ``state_rows`` rows only, in :func:`fold_layout`, and the result is ``[rows / 64 *
-    state_rows, D]``. ``final=(r, dtype)`` (tile-major): only each tile's first ``r``
-    rows are stored, the output cast to ``dtype``, as ``out [rows / 64 * r, D]`` and
-    ``lse [rows / 64 * r]`` (the decode's ``[B, Hq, Sq, ...]`` in memory: no slice and
-    cast after the kernel)."""
+    layout), or with ``tile_major`` ``[rows / 64 * n, state_rows, D]`` and ``[rows / 64
+    * n, 64]`` (the split decode's own layout, read in place, its tile and split axes
+    merged: a chunk's copy then has three dimensions, five once tiled in SMEM): then a
+    CTA folds a tile's ``state_rows`` rows only, in :func:`fold_layout` below 64, and
+    the result is ``[rows / 64 * state_rows, D]``. ``final=(r, dtype)`` (tile-major):
+    only each tile's first ``r`` rows are stored, the output cast to ``dtype``, as
+    ``out [rows / 64 * r, D]`` and ``lse [rows / 64 * r]`` (the decode's ``[B, Hq, Sq,
+    ...]`` in memory: no slice and cast after the kernel)."""
     bm = schedule.BLOCK_N
     cols = d if cols is None else cols
     if final is not None and (not tile_major or final[0] > state_rows
@@ -2232,7 +2241,8 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
     chunks = full + (tail > 0)
     hints = interpret is None
     tm = state_rows if tile_major else bm  # a CTA's rows
-    if tile_major:
+    if tm < bm:  # (64 rows: the WGMMA layout, two rows a thread; fold_layout's two
+        # lanes a row conflict on SMEM banks)
         layout = fold_layout(tm, cols)
         row_layout = layout.reduce(1)
         o_transforms = ()
@@ -2250,10 +2260,10 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
             def issue(j, count):  # chunk j's ``count`` (static) states into half j % 2
                 half = lax.rem(j, jnp.int32(2))
                 s0, i0, bar = half * chunk, j * chunk, bars.at[half]
-                if tile_major:  # out: the tile's first state_rows rows (the others unused)
-                    src_o = o_ref.at[t, pl.ds(i0, count), pl.ds(0, tm), dcols]
-                    src_l = l_ref.at[t, pl.ds(i0, count)]  # all 64 (a copy's bytes
-                    # are a multiple of 128 in Pallas)
+                if tile_major:  # [T * n, state_rows, D], [T * n, 64]: the lses whole
+                    # (a copy's bytes are a multiple of 128 in Pallas)
+                    src_o = o_ref.at[pl.ds(t * n + i0, count), pl.ds(0, tm), dcols]
+                    src_l = l_ref.at[pl.ds(t * n + i0, count)]
                 else:
                     src_o = o_ref.at[pl.ds(i0, count), pl.ds(t * bm, bm), dcols]
                     src_l = l_ref.at[pl.ds(i0, count), pl.ds(t * bm, bm)]
@@ -2284,7 +2294,7 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                         xs.append((o_s[slot], l_s[slot, pl.ds(0, tm)]))
                 for x, lx in xs:
                     state = kernel_merge(*state, x, lx,
-                                         layout=layout if hints and tile_major else None)
+                                         layout=layout if hints and tm < bm else None)
                 plgpu.barrier_arrive(free.at[half])
                 plgpu.barrier_wait(free.at[half])
                 issue_any(j + 2)
@@ -2406,7 +2416,7 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
     slots, cols = fold_launch(n, t, d, config)
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
                            tile_major=True, state_rows=r, slots=slots, cols=cols,
-                           final=final)(outs, lses)
+                           final=final)(outs.reshape(t * n, r, d), lses.reshape(t * n, bm))
     if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
         return out, lse
     return out.reshape(t, r, d), lse.reshape(t, r)
