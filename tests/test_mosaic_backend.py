@@ -210,6 +210,27 @@ def test_stacked_queries_equal_prefill_rows_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_split_decode_state_rows_keep_bits_on_gpu():
+    """On sm90 the split decode's states of every power-of-two row count the fold kernel
+    tiles (8, 16 and 32 rows in ``fold_layout``, 64 in the WGMMA layout; from 4, 6, 12,
+    20, 24 and 64 stacked rows) fold to the in-kernel fold's bits, out and lse, over
+    three SPLITs with ragged per-sequence offsets (the second sequence's later split
+    empty); no NaN."""
+    from jaxattn.backends.mosaic import forward as mf
+    for hq, sq in ((32, 1), (16, 3), (32, 3), (32, 5), (64, 3), (64, 8)):
+        q, k, v = rand_qkv(2, hq, 8, sq, 2100, 128, jnp.bfloat16)
+        offs = jnp.asarray([2100 - sq, 1000], jnp.int32)
+        for kw in ({}, {"causal_offsets": offs}):
+            want, got = (mf.forward(q, k, v, causal=True, config=mf.MosaicConfig(
+                split_decode=split), **kw) for split in (False, True))
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (hq, sq)
+                assert bits_equal(x, y), (hq, sq, list(kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):
