@@ -348,15 +348,16 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (the partial states folded outside) gives the bits of the
     in-kernel fold, past one SPLIT, with a key padding mask and with per-sequence
     offsets (the second sequence's row sits in the first SPLIT: its other split is
-    empty): one CTA per split, and the persistent split grid (``split_decode_ctas``) of
-    3 CTAs over the 4 (batch, split) items (runs of 1, 1 and 2, the last crossing from
-    one sequence to the next: its K/V ring runs on) and of 5 (one CTA without items)."""
+    empty): one CTA per split, and the persistent split grid (``split_decode_ctas``)
+    over the 4 (batch, split) items: one CTA (its ring running on from one sequence to
+    the next, its Q kept for a sequence's second split and loaded again for the next
+    sequence), 3 (runs of 1, 1 and 2) and 5 (one CTA without items)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
     offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
     cfgs = [mosaic_fwd.MosaicConfig(split_decode=False)] + [
-        mosaic_fwd.MosaicConfig(split_decode=True, split_decode_ctas=n) for n in (0, 3, 5)]
+        mosaic_fwd.MosaicConfig(split_decode=True, split_decode_ctas=n) for n in (0, 1, 3, 5)]
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
         want, *outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c,
                                           **kw) for c in cfgs]

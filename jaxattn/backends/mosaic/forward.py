@@ -1236,13 +1236,15 @@ class _Forward:
         return part if state is None else kernel_merge(*state, *part)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
-                 flags_ref=None, qbuf=None, after_q=None, si=None):
+                 flags_ref=None, qbuf=None, after_q=None, si=None, load_q=None):
         """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
         splits folded in order (:meth:`split`), the blocks only the CTA's other
         warpgroup needs released, and the :meth:`epilogue`. ``base``: the K/V loads of
         the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
         the Q buffer already being loaded for this item, and ``after_q``, called once
-        this item's Q is in (it starts the next item's load)."""
+        this item's Q is in (it starts the next item's load). ``si``: the item's split
+        (``split_out``); ``load_q`` (the persistent split grid): whether to load the Q
+        tile (False: the CTA's last item had the same rows, and Q is in its slot)."""
         q_s, _, _, p_s, _, lse_s, *_ = smem
         q_bar = bars[4]
         if qbuf is None:
@@ -1268,22 +1270,35 @@ class _Forward:
         # block ran 27% slower on the H200, docs/mosaic.md).
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
-        if qbuf is None and self.q_rows is None:
-            plgpu.copy_gmem_to_smem(
-                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
-                q_s, q_b)
-        elif qbuf is None:  # the group's rows from any row: through an untiled slot
-            q_in = smem[10].at[w]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)],
-                                    q_in, q_b)
-        if self.state_in:
-            self.issue_state(it)
-        plgpu.barrier_wait(q_b)
-        if qbuf is None and self.q_rows is not None:
-            # (once per tile; the untiled slot's reads conflict on SMEM banks)
-            q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
-                        if self.layout_hints else q_in[...])
-            plgpu.commit_smem()
+        q_in = smem[10].at[w] if self.q_rows is not None else None
+
+        def copy_q():
+            if qbuf is None and self.q_rows is None:
+                plgpu.copy_gmem_to_smem(
+                    tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
+                    q_s, q_b)
+            elif qbuf is None:  # the group's rows from any row: through an untiled slot
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)], q_in, q_b)
+
+        def land_q():
+            plgpu.barrier_wait(q_b)
+            if qbuf is None and self.q_rows is not None:
+                # (once per tile; the untiled slot's reads conflict on SMEM banks)
+                q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
+                            if self.layout_hints else q_in[...])
+                plgpu.commit_smem()
+
+        if load_q is None:
+            copy_q()
+            if self.state_in:
+                self.issue_state(it)
+            land_q()
+        else:  # the persistent split grid: Q stays while the item's rows are the last's
+            @pl.when(load_q)
+            def _():
+                copy_q()
+                land_q()
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
@@ -1390,6 +1405,8 @@ class _Forward:
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
         elif self.split_out:
             o32_s, lse_s = it.smem[7], it.lse_s
+            if self.split_ctas:  # the last item's state store has read the staging tiles
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o32_s[...] = out
             lse_s[...] = lse
             plgpu.commit_smem()
@@ -1412,7 +1429,9 @@ class _Forward:
             self.store_state(it, o_ref, lse_ref, out, lse, rows)
         else:
             self.store_output(it, o_ref, lse_ref, out, lse, rows)
-        plgpu.wait_smem_to_gmem(0)
+        if not self.split_ctas:  # (the persistent split grid: before the staging tiles'
+            # next write, and at the CTA's end)
+            plgpu.wait_smem_to_gmem(0)
 
     def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
         """The folded state, fp32, the lse in the kernels' base (``state_out``)."""
@@ -1512,6 +1531,10 @@ class _Forward:
                 def one(k, loads):  # loads: the ring's position (the CTA's loads so far)
                     tile0, h, bi, _, hi_cta, si = item_at(k)
                     lo = self.split_lo(si)
+                    load_q = None
+                    if self.split_ctas:  # Q is loaded where the rows change
+                        t0, h0, b0, *_ = item_at(lax.max(k - 1, 0))
+                        load_q = (k == 0) | (t0 != tile0) | (h0 != h) | (b0 != bi)
                     qbuf = after_q = None
                     if cfg.prefetch_q:
                         qbuf = lax.rem(k, jnp.int32(2))
@@ -1529,10 +1552,12 @@ class _Forward:
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
                     self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
-                                  hi_cta, loads - lo, flags_ref, qbuf, after_q, si)
+                                  hi_cta, loads - lo, flags_ref, qbuf, after_q, si, load_q)
                     return loads + (hi_cta - lo)
 
                 lax.fori_loop(0, count, one, jnp.int32(0))
+                if self.split_ctas:  # the last state's store
+                    plgpu.wait_smem_to_gmem(0)
 
             @pl.when(wg == nwg)
             def _():
