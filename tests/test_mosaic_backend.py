@@ -231,38 +231,6 @@ def test_split_decode_state_rows_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_split_decode_grids_keep_bits_on_gpu():
-    """On sm90 the split decode's grids (MosaicConfig.split_decode_ctas: one CTA per
-    split, the persistent grid the default takes past one wave of items, and an uneven
-    one of 7 CTAs whose runs cross from one KV head and sequence to the next) give the
-    in-kernel fold's bits, out and lse: 160 items (B=4, 8 KV heads, 5 SPLITs), one
-    query per head and 8 with a group of 8 (64 state rows), ragged per-sequence
-    offsets (one sequence's later splits empty) with a key padding mask whose dropped
-    keys are NaN; no NaN out."""
-    from jaxattn.backends.mosaic import forward as mf
-    rng = np.random.default_rng()
-    for hq, sq in ((32, 1), (64, 8)):
-        q, k, v = rand_qkv(4, hq, 8, sq, 5000, 128, jnp.bfloat16)
-        m = rng.random((4, 5000)) > 0.2
-        m[:, -300:] = True  # every row's own keys kept
-        keep = jnp.asarray(m)
-        (k_nan, v_inf), _ = dropped_nan(k, v, keep)
-        offs = jnp.asarray([5000 - sq, 1500, 4095, 64], jnp.int32)
-        for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
-            kk, vv = (k_nan, v_inf) if kw else (k, v)
-            want = mf.forward(q, kk, vv, causal=True,
-                              config=mf.MosaicConfig(split_decode=False), **kw)
-            for ctas in (None, 0, 7):
-                got = mf.forward(q, kk, vv, causal=True, config=mf.MosaicConfig(
-                    split_decode=True, split_decode_ctas=ctas), **kw)
-                for x, y in zip(want, got, strict=True):
-                    assert not np.isnan(np.asarray(y, np.float32)).any(), (hq, sq, ctas)
-                    assert bits_equal(x, y), (hq, sq, list(kw), ctas)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
-                    reason=str(mosaic_backend.unavailable_reason()))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):

@@ -238,28 +238,3 @@ def test_mosaic_paged_in_place_every_page_size_on_gpu():
     assert all(r.equal for r in res), res
     for ps, layout in [(16, "NHD"), (64, "HND"), (256, "NHD")]:
         test_mosaic_paged_in_place_equals_contiguous(ps, layout)  # ragged, both paths
-
-
-@pytest.mark.gpu
-def test_mosaic_paged_split_grids_keep_bits_on_gpu():
-    """On the GPU, the paged split decode past one wave of items (B=4, 8 KV heads, 5
-    SPLITs: the persistent split grid by default) gives the bits of one CTA per split
-    and of the in-kernel fold: ragged lengths (one sequence within its first SPLIT),
-    16-key NHD pages and 128-key HND pages, NaN in unused slots and pages."""
-    from jaxattn.backends.mosaic import backend as mb
-    from jaxattn.backends.mosaic import forward as mf
-    if mb.unavailable_reason() is not None:
-        pytest.skip(mb.unavailable_reason())
-    lens = np.array([5000, 1500, 4097, 70])
-    q, k, v = rand_qkv(4, 32, 8, 1, 5000, 128, jnp.bfloat16,
-                       seed=int(np.random.default_rng().integers(2**16)))
-    for ps, layout in ((16, "NHD"), (128, "HND")):
-        kp, vp, table = _ragged_cache(layout, ps, lens, k, v)
-        outs = [mf.paged_forward(q, kp, vp, table, jnp.asarray(lens, jnp.int32),
-                                 scale=0.1, layout=layout, config=cfg)
-                for cfg in (mf.MosaicConfig(split_decode=False), None,
-                            mf.MosaicConfig(split_decode_ctas=0))]
-        for got in outs[1:]:
-            assert not np.isnan(np.asarray(got[0], np.float32)).any(), (ps, layout)
-            for x, y in zip(outs[0], got, strict=True):
-                assert bits_equal(x, y), (ps, layout)

@@ -157,14 +157,6 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
-    #: The split decode's grid: 0, one CTA per (split, KV head, batch); n > 0, n CTAs
-    #: each running a contiguous run of those items (the splits of one KV head in key
-    #: order, then the next head's), its K/V ring running on from one item to the next
-    #: (FlashDecoding's CTAs stream a long range of keys each; one CTA per split pays a
-    #: CTA's start and its last blocks' drain every 1024 keys). None: the SM count where
-    #: there are more items than SMs, else 0. A launch choice: each split's operations
-    #: are the same.
-    split_decode_ctas: int | None = None
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -250,9 +242,6 @@ class MosaicConfig:
         if self.normalize not in ("divide", "reciprocal"):
             raise ValueError(f"normalize must be 'divide' or 'reciprocal', got "
                              f"{self.normalize!r}")
-        if self.split_decode_ctas is not None and self.split_decode_ctas < 0:
-            raise ValueError(f"split_decode_ctas must be >= 0 (a CTA count), got "
-                             f"{self.split_decode_ctas}")
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
@@ -614,7 +603,6 @@ class _Item:
     hi: object = None  #: key blocks [0, hi) visited
     full: object = None  #: blocks [0, full) unmasked for every row
     tile_indices: object = None
-    si: object = None  #: split_out: the item's split
 
 
 class _Forward:
@@ -740,24 +728,13 @@ class _Forward:
         # swizzle").
         self.ones_cols = 16 if gpu_operands else bn
         self.use_mma_rowsum = cfg.rowsum == "mma"
-        #: The split decode's persistent grid (MosaicConfig.split_decode_ctas: the
-        #: calls with ``state_rows``): CTA c runs the items [c * N // n, (c + 1) * N // n)
-        #: of the N (batch, head, tile, split) items in that order (the split fastest),
-        #: its K/V ring running on across them.
-        self.n_items = (-(-self.total // schedule.BLOCKS_PER_SPLIT) * self.n_tiles * hq * b
-                        if split_out else 0)
-        ctas = cfg.split_decode_ctas
-        if ctas is None:
-            ctas = sm_count() if interpret is None and self.n_items > sm_count() else 0
-        self.split_ctas = ctas if state_rows is not None else 0
         #: The split's fp32 state and its lse rows staged in the K/V ring's SMEM (a
         #: ``RefUnion``): a CTA of ``split_out`` without ``carry_in`` (which loads its
-        #: carry there before the loop) and not on the persistent split grid runs one
-        #: item, so the ring is idle once its last block is consumed; the SMEM of the
-        #: staging tiles holds more ring slots (a launch choice). On the GPU only (the
-        #: interpreter ignores the SMEM plan).
+        #: carry there before the loop) runs one item, so the ring is idle once its
+        #: last block is consumed; the SMEM of the staging tiles holds more ring slots
+        #: (a launch choice). On the GPU only (the interpreter ignores the SMEM plan).
         self.ring_union = (split_out and not carry_in and not cfg.persistent
-                           and not self.split_ctas and interpret is None)
+                           and interpret is None)
         # A split's CTA: as many of the ring's slots as its SMEM holds (a launch
         # choice: the same blocks in the same order), at most the configured count.
         while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > SMEM_LIMIT:
@@ -843,9 +820,10 @@ class _Forward:
     def layout(self, x, lay):
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
-    def split_lo(self, si):
-        """The first block of split ``si`` (split_out), else 0."""
-        return si * self.per_split if self.split_out else jnp.int32(0)
+    def split_lo(self):
+        """The first block of the CTA's split (split_out), else 0."""
+        return (lax.axis_index("s") * self.per_split if self.split_out
+                else jnp.int32(0))
 
     def dyn_offset(self, bi):
         """Sequence ``bi``'s offset input; a paged stacked decode's is its length less
@@ -896,11 +874,10 @@ class _Forward:
 
     # -- the tile schedule -----------------------------------------------------------
 
-    def item(self, qi, h, bi, si=None):
-        """(tile0, h, bi, kvh, hi_cta, si) of the tile ``qi`` (in launch order) of head
-        ``h`` of batch ``bi`` (``split_out``: its split ``si``): where the item's rows
-        start, its KV head and the key blocks [split_lo(si), hi_cta) any of the CTA's
-        rows visits."""
+    def item(self, qi, h, bi):
+        """(tile0, h, bi, kvh, hi_cta) of the tile ``qi`` (in launch order) of head
+        ``h`` of batch ``bi``: where the item's rows start, its KV head and the key
+        blocks [0, hi_cta) any of the CTA's rows visits."""
         if self.cfg.q_order == "descending":
             qi = (self.n_tiles - 1) - qi
         tile0 = qi * self.rows_cta
@@ -909,10 +886,10 @@ class _Forward:
             tile0 if pos is None else tile0 * 0 + self.last_block_start(pos),
             block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
             causal=self.causal)
-        if self.split_out:  # the item's split only: blocks [lo, end)
-            lo = self.split_lo(si)
-            hi_cta = lax.max(lax.min(lo + self.per_split, hi_cta), lo)
-        return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta, si
+        if self.split_out:  # the CTA's split only: blocks [lo, end)
+            hi_cta = lax.max(lax.min(self.split_lo() + self.per_split, hi_cta),
+                             self.split_lo())
+        return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta
 
     def items_of_cta(self):
         """Tile schedule: the CTA's items as ``(count, item_at(k))``. One item per CTA
@@ -921,25 +898,9 @@ class _Forward:
         (:func:`persistent_schedule`, computed on the host: the items in the order of
         the plain grid, each given to the CTA free first by a count of its key
         blocks)."""
-        if self.split_ctas:  # a contiguous run of the (batch, head, tile, split) items
-            cta, n, n_items = lax.axis_index("cta"), self.split_ctas, self.n_items
-            first = lax.div(cta * n_items, jnp.int32(n))
-            last = lax.div((cta + 1) * n_items, jnp.int32(n))
-            splits, tiles = self.n_splits_all, self.n_tiles
-
-            def at_run(k):
-                t = first + k
-                r = lax.div(t, jnp.int32(splits))
-                return self.item(lax.rem(r, jnp.int32(tiles)),
-                                 lax.rem(lax.div(r, jnp.int32(tiles)), jnp.int32(self.hq)),
-                                 lax.div(r, jnp.int32(tiles * self.hq)),
-                                 lax.rem(t, jnp.int32(splits)))
-
-            return last - first, at_run
         if not self.cfg.persistent:
             qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
-            si = lax.axis_index("s") if self.split_out else None
-            return jnp.int32(1), lambda k: self.item(qi, h, bi, si)
+            return jnp.int32(1), lambda k: self.item(qi, h, bi)
         cta = lax.axis_index("cta")
         table = self.dyn["sched"]  # row cta: [count, item, item, ...]
         hq, n_tiles = self.hq, self.n_tiles
@@ -954,8 +915,8 @@ class _Forward:
 
     # -- the K/V producer ring -------------------------------------------------------
 
-    def producer(self, k_ref, v_ref, smem, bars, kvh, bi, lo, hi, base, keep_ref=None):
-        """K/V producer ring, one item: key blocks [lo, hi) into the ring, block
+    def producer(self, k_ref, v_ref, smem, bars, kvh, bi, hi, base, keep_ref=None):
+        """K/V producer ring, one item: key blocks [split_lo(), hi) into the ring, block
         t at ring position ``base + t``, each slot once the compute warpgroups have
         released it (the "consumed" barriers); with a key mask, each block's keep
         values with its V (they are read up to the softmax, V's slot is released after
@@ -996,7 +957,7 @@ class _Forward:
                                         m_bar.at[slot])
             return None
 
-        lax.fori_loop(lo, hi, load, None)
+        lax.fori_loop(self.split_lo(), hi, load, None)
 
     def flat_rows(self, kvh, rows):
         """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
@@ -1236,15 +1197,13 @@ class _Forward:
         return part if state is None else kernel_merge(*state, *part)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
-                 flags_ref=None, qbuf=None, after_q=None, si=None, load_q=None):
+                 flags_ref=None, qbuf=None, after_q=None):
         """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
         splits folded in order (:meth:`split`), the blocks only the CTA's other
         warpgroup needs released, and the :meth:`epilogue`. ``base``: the K/V loads of
         the CTA's earlier items (the ring's position). With ``prefetch_q``: ``qbuf``,
         the Q buffer already being loaded for this item, and ``after_q``, called once
-        this item's Q is in (it starts the next item's load). ``si``: the item's split
-        (``split_out``); ``load_q`` (the persistent split grid): whether to load the Q
-        tile (False: the CTA's last item had the same rows, and Q is in its slot)."""
+        this item's Q is in (it starts the next item's load)."""
         q_s, _, _, p_s, _, lse_s, *_ = smem
         q_bar = bars[4]
         if qbuf is None:
@@ -1253,8 +1212,7 @@ class _Forward:
             q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * self.nwg + w]
         it = _Item(w=w, q_s=q_s, q_b=q_b, lse_s=lse_s.at[w],
                    p_s=None if p_s is None else p_s.at[w], smem=smem, bars=bars,
-                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref,
-                   si=si)
+                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref)
         it.offset, it.position = self.offset_of(bi), self.position_of(bi)
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
@@ -1270,35 +1228,22 @@ class _Forward:
         # block ran 27% slower on the H200, docs/mosaic.md).
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
-        q_in = smem[10].at[w] if self.q_rows is not None else None
-
-        def copy_q():
-            if qbuf is None and self.q_rows is None:
-                plgpu.copy_gmem_to_smem(
-                    tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
-                    q_s, q_b)
-            elif qbuf is None:  # the group's rows from any row: through an untiled slot
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)], q_in, q_b)
-
-        def land_q():
-            plgpu.barrier_wait(q_b)
-            if qbuf is None and self.q_rows is not None:
-                # (once per tile; the untiled slot's reads conflict on SMEM banks)
-                q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
-                            if self.layout_hints else q_in[...])
-                plgpu.commit_smem()
-
-        if load_q is None:
-            copy_q()
-            if self.state_in:
-                self.issue_state(it)
-            land_q()
-        else:  # the persistent split grid: Q stays while the item's rows are the last's
-            @pl.when(load_q)
-            def _():
-                copy_q()
-                land_q()
+        if qbuf is None and self.q_rows is None:
+            plgpu.copy_gmem_to_smem(
+                tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
+                q_s, q_b)
+        elif qbuf is None:  # the group's rows from any row: through an untiled slot
+            q_in = smem[10].at[w]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)],
+                                    q_in, q_b)
+        if self.state_in:
+            self.issue_state(it)
+        plgpu.barrier_wait(q_b)
+        if qbuf is None and self.q_rows is not None:
+            # (once per tile; the untiled slot's reads conflict on SMEM banks)
+            q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
+                        if self.layout_hints else q_in[...])
+            plgpu.commit_smem()
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
@@ -1306,8 +1251,8 @@ class _Forward:
             pl.when(w == 1)(lambda: self.sync(it))
 
         # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
-        first_step = self.split_lo(si)
-        n_steps = (lax.min(it.hi, first_step + self.per_split) if self.split_out
+        first_step = self.split_lo()
+        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
                    else it.hi)
         n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
 
@@ -1318,9 +1263,9 @@ class _Forward:
         init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
                 self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout))
         if self.split_out:
-            # The item's split only (blocks [lo, min(lo + per_split, hi)), none when lo
+            # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
             # >= hi: then finalize gives (0, -inf)); the fold happens outside.
-            state = self.split(it, n_steps, si, None,
+            state = self.split(it, n_steps, lax.axis_index("s"), None,
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
@@ -1376,7 +1321,7 @@ class _Forward:
         registers in the accumulator's and the rows' layouts."""
         acc_in, m_in, l_in = self.dyn["carry"]
         bar, o32_s, rows_s = it.bars[8].at[0], it.smem[7], it.smem[8]
-        at = (it.bi, it.h, it.si, pl.ds(it.q0, self.bm))
+        at = (it.bi, it.h, lax.axis_index("s"), pl.ds(it.q0, self.bm))
         for src, dst in ((acc_in, o32_s), (m_in, rows_s.at[0]), (l_in, rows_s.at[1])):
             plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
             plgpu.barrier_wait(bar)
@@ -1399,18 +1344,16 @@ class _Forward:
             rows_s.at[0][...] = lse
             rows_s.at[1][...] = l
             plgpu.commit_smem()
-            at = (it.bi, it.h, it.si, rows)
+            at = (it.bi, it.h, lax.axis_index("s"), rows)
             plgpu.copy_smem_to_gmem(o32_s, o_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[0], lse_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
         elif self.split_out:
             o32_s, lse_s = it.smem[7], it.lse_s
-            if self.split_ctas:  # the last item's state store has read the staging tiles
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o32_s[...] = out
             lse_s[...] = lse
             plgpu.commit_smem()
-            si = it.si
+            si = lax.axis_index("s")
             o_rows = rows
             if self.state_rows is not None:  # the tile's first rows of out only (the
                 # lse row stays whole: a TMA copy moves a multiple of 128 bytes)
@@ -1429,9 +1372,7 @@ class _Forward:
             self.store_state(it, o_ref, lse_ref, out, lse, rows)
         else:
             self.store_output(it, o_ref, lse_ref, out, lse, rows)
-        if not self.split_ctas:  # (the persistent split grid: before the staging tiles'
-            # next write, and at the CTA's end)
-            plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0)
 
     def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
         """The folded state, fp32, the lse in the kernels' base (``state_out``)."""
@@ -1528,13 +1469,8 @@ class _Forward:
                         smem[0].at[buf, wg],
                         bars[4].at[buf * nwg + wg])
 
-                def one(k, loads):  # loads: the ring's position (the CTA's loads so far)
-                    tile0, h, bi, _, hi_cta, si = item_at(k)
-                    lo = self.split_lo(si)
-                    load_q = None
-                    if self.split_ctas:  # Q is loaded where the rows change
-                        t0, h0, b0, *_ = item_at(lax.max(k - 1, 0))
-                        load_q = (k == 0) | (t0 != tile0) | (h0 != h) | (b0 != bi)
+                def one(k, base):
+                    tile0, h, bi, _, hi_cta = item_at(k)
                     qbuf = after_q = None
                     if cfg.prefetch_q:
                         qbuf = lax.rem(k, jnp.int32(2))
@@ -1548,16 +1484,14 @@ class _Forward:
                             # was awaited at that item's end.
                             @pl.when(k + 1 < count)
                             def _():
-                                t1, h1, b1, *_ = item_at(k + 1)
+                                t1, h1, b1, _, _ = item_at(k + 1)
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
                     self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
-                                  hi_cta, loads - lo, flags_ref, qbuf, after_q, si, load_q)
-                    return loads + (hi_cta - lo)
+                                  hi_cta, base, flags_ref, qbuf, after_q)
+                    return base + hi_cta
 
-                lax.fori_loop(0, count, one, jnp.int32(0))
-                if self.split_ctas:  # the last state's store
-                    plgpu.wait_smem_to_gmem(0)
+                lax.fori_loop(0, count, one, -self.split_lo())
 
             @pl.when(wg == nwg)
             def _():
@@ -1566,14 +1500,13 @@ class _Forward:
                 if self.use_mma_rowsum:
                     plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
 
-                def one(k, loads):
-                    _, _, bi, kvh, hi_cta, si = item_at(k)
-                    lo = self.split_lo(si)
-                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, lo, hi_cta,
-                                  loads - lo, keep_ref)
-                    return loads + (hi_cta - lo)
+                def one(k, base):
+                    _, _, bi, kvh, hi_cta = item_at(k)
+                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base,
+                                  keep_ref)
+                    return base + hi_cta
 
-                self.drain(bars, lax.fori_loop(0, count, one, jnp.int32(0)))
+                self.drain(bars, lax.fori_loop(0, count, one, -self.split_lo()))
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
@@ -1596,8 +1529,7 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
-            grid, grid_names = (((self.split_ctas,), ("cta",)) if self.split_ctas
-                                else ((n, *grid), ("s", *grid_names)))
+            grid, grid_names = (n, *grid), ("s", *grid_names)
         elif self.finish_rows:  # (out, lse) of the finished rows, then the state's
             f = self.finish_rows
             out_type = (jax.ShapeDtypeStruct((b, hq, f, d), self.dtype),
