@@ -231,6 +231,45 @@ def test_split_decode_state_rows_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_pdl_chains_keep_bits_on_gpu():
+    """On sm90, kernels launched as programmatic dependents (``pdl``, the default) read
+    what the kernel before them wrote and write only after it has read: eight decode
+    steps in one program, each step's query the last step's output (split kernel, then
+    the fold reading its states; the next split kernel rewriting them), and the forward
+    and backward of a prefill (the delta kernel reading the forward's output, dK/dV
+    and dQ reading delta), equal in bits to ``pdl=False``, on fresh inputs, twice; no
+    NaN. On JAX 0.11 and later the kernels are launched with the PDL attribute."""
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.mosaic import forward as mf
+
+    def decode(q, k, v, cfg):
+        for _ in range(8):
+            q = mf.forward(q, k, v, causal=True, config=cfg)[0]
+        return (q,)
+
+    def train(q, k, v, cfg):
+        out, lse = mf.forward(q, k, v, causal=True, config=cfg)
+        grads = mb.backward(q, k, v, out, lse, out, causal=True,
+                            config=mb.BwdConfig(pdl=cfg.pdl))
+        return (out, lse, *grads)
+
+    for fn, shape in ((decode, (2, 32, 8, 1, 20000, 128)),
+                      (train, (2, 8, 2, 1024, 1024, 128))):
+        for _ in range(2):
+            q, k, v = rand_qkv(*shape, jnp.bfloat16)
+            want, got = (jax.jit(fn, static_argnums=3)(q, k, v, mf.MosaicConfig(pdl=pdl))
+                         for pdl in (False, True))
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), fn
+                assert bits_equal(x, y), fn
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
+        text = jax.jit(decode, static_argnums=3).lower(q, k, v, mf.MosaicConfig()).as_text()
+        assert "uses_pdl" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):
@@ -316,6 +355,36 @@ def test_forward_and_gradient_lower_for_cuda(d):
     text = f.trace(q, k, k, mask).lower(lowering_platforms=("cuda",)).as_text()
     # forward, delta, dK/dV (dK and dV at D > 128), dQ
     assert text.count("custom_call @mosaic_gpu") == (5 if d > 128 else 4)
+
+
+@needs_api
+def test_every_kernel_waits_for_the_one_before_it():
+    """``pdl`` (the default): every kernel of a step (the forward, the gradient's delta,
+    dK/dV and dQ; the split decode and its fold) runs ``griddepcontrol.wait`` and then
+    ``griddepcontrol.launch_dependents`` once, in the lowering for CUDA; with
+    ``pdl=False`` none does."""
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.mosaic import forward as mf
+    q = jax.ShapeDtypeStruct((2, 4, 100, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 150, 128), jnp.bfloat16)
+    qd = jax.ShapeDtypeStruct((1, 4, 1, 128), jnp.bfloat16)
+    kd = jax.ShapeDtypeStruct((1, 2, 16384, 128), jnp.bfloat16)
+    for pdl in (True, False):
+        fcfg, bcfg = mf.MosaicConfig(pdl=pdl), mb.BwdConfig(pdl=pdl)
+
+        def step(q, k, v, fcfg=fcfg, bcfg=bcfg):
+            out, lse = mf.forward(q, k, v, causal=True, scale=0.3, config=fcfg)
+            return out, mb.backward(q, k, v, out, lse, out, causal=True, scale=0.3,
+                                    config=bcfg)
+
+        def decode(q, k, v, fcfg=fcfg):
+            return mf.forward(q, k, v, causal=True, scale=0.3, config=fcfg)
+
+        for fn, args, kernels in ((step, (q, k, k), 4), (decode, (qd, kd, kd), 2)):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("custom_call @mosaic_gpu") == kernels
+            for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+                assert text.count(instruction) == (kernels if pdl else 0), (pdl, fn)
 
 
 @needs_threads

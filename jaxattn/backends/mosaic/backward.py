@@ -79,6 +79,7 @@ from jaxattn.backends.mosaic.forward import (
     _smem_transforms,
     check_inputs,
     interpret_params,
+    launch,
     load_ref,
     padding,
     reset_interpret_state,
@@ -165,6 +166,9 @@ class BwdConfig:
     #: bits); None: only where D > 128 (two 64 x 256 fp32 accumulators per warpgroup do
     #: not fit in registers).
     split_dkdv: bool | None = None
+    #: Programmatic dependent launch, as ``MosaicConfig.pdl``
+    #: (:func:`~jaxattn.backends.mosaic.forward.launch`). A launch choice.
+    pdl: bool = True
 
     def __post_init__(self):
         if self.stages < 1:
@@ -353,8 +357,8 @@ def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret, btnh=False):
                              plgpu.SMEM((bm,), jnp.float32)],
                       plgpu.Barrier(num_barriers=3))
 
-    return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+    return launch(
+        kernel, pdl=cfg.pdl, out_type=jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
         grid=(sq // bm, hq, b), grid_names=("q", "h", "b"),
         compiler_params=_compiler_params(cfg), interpret=interpret)
 
@@ -723,8 +727,8 @@ class _DkdvKernel:
         kv_grad = jax.ShapeDtypeStruct(
             (self.b, self.skv, self.hkv, self.d) if self.btnh
             else (self.b, self.hkv, self.skv, self.d), self.dtype)
-        return plgpu.kernel(
-            self.kernel, out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
+        return launch(
+            self.kernel, pdl=self.cfg.pdl, out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
             grid=(self.skv // (self.nwg * BLOCK_KV), self.hkv, self.b),
             grid_names=("kv", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",
@@ -1046,8 +1050,9 @@ class _DqKernel:
     def build(self):
         """The launch: one CTA per (``nwg`` query tiles, query head, batch), ``nwg + 1``
         warpgroups."""
-        return plgpu.kernel(
+        return launch(
             self.kernel,
+            pdl=self.cfg.pdl,
             out_type=jax.ShapeDtypeStruct(
                 (self.b, self.sq, self.hq, self.d) if self.btnh
                 else (self.b, self.hq, self.sq, self.d),

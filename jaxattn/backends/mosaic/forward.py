@@ -220,6 +220,14 @@ class MosaicConfig:
     #: splits (with ``flat_q``) the decode kernel stores the group's rows itself, through
     #: its untiled Q slot, instead of the 64-row tile XLA slices. A launch choice.
     flat_out: bool = True
+    #: Programmatic dependent launch (:func:`launch`): each CTA first waits for the
+    #: grids before it in the stream (``griddepcontrol.wait``, before any global
+    #: memory access), then lets the next kernel's launch begin, so a kernel's launch
+    #: and prologue overlap the tail of the one before it (the split decode's fold
+    #: after its split kernel, one decode step after the last). Needs JAX 0.11 (whose
+    #: Pallas launches a kernel that waits with the PDL attribute; on JAX 0.10 the
+    #: instructions are no-ops); not in interpret mode. A launch choice.
+    pdl: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -261,6 +269,26 @@ class MosaicConfig:
         """Query rows per CTA."""
         return self.block_m * self.compute_wgs
 
+
+
+def launch(body, *, pdl: bool, interpret, **kwargs):
+    """``plgpu.kernel(body, interpret=interpret, **kwargs)``; with ``pdl`` (and not
+    interpreting) every thread of a CTA first runs ``griddepcontrol.wait`` (the grids
+    before this one in the stream have completed and their writes are visible: the
+    kernel reads and writes global memory only after it) and then
+    ``griddepcontrol.launch_dependents`` (the next kernel, if launched with the PDL
+    attribute, may start its CTAs once every CTA here has passed this point). JAX 0.11
+    launches a kernel that waits with that attribute; JAX 0.10 launches it plainly,
+    where both instructions do nothing."""
+    if pdl and interpret is None:
+        inner = body
+
+        def body(*refs):
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
+            inner(*refs)
+
+    return plgpu.kernel(body, interpret=interpret, **kwargs)
 
 
 def interpret_params():
@@ -1544,8 +1572,9 @@ class _Forward:
                                              else (b, hq, sq, d),
                                              jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-        call = plgpu.kernel(
+        call = launch(
             self.kernel,
+            pdl=cfg.pdl,
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
@@ -2209,7 +2238,7 @@ def fold_layout(rows: int, cols: int):
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
                 natural: bool = True, slots: int = 2, cols: int | None = None,
-                final: tuple[int, object] | None = None):
+                final: tuple[int, object] | None = None, pdl: bool = True):
     """The fold kernel: one CTA per tile of rows and ``cols`` columns of D (``d / cols``
     CTAs per tile; each computes the rows' weights alike and folds its columns), one
     warpgroup walking the ``n`` states in order through ``slots`` SMEM slots in two
@@ -2343,8 +2372,9 @@ def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
         )
 
     out_rows = tiles * (tm if final is None else final[0])
-    return plgpu.kernel(
+    return launch(
         kernel,
+        pdl=pdl,
         out_type=(jax.ShapeDtypeStruct((out_rows, d),
                                        jnp.float32 if final is None else final[1]),
                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)),
@@ -2389,10 +2419,10 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     rows = max(-(-r // bm) * bm, bm)
     o = jnp.pad(outs.reshape(n, r, d), ((0, 0), (0, rows - r), (0, 0)))
     lse = jnp.pad(lses.reshape(n, r), ((0, 0), (0, rows - r)), constant_values=NEG_INF)
-    approx = (config or MosaicConfig()).approx_math
+    cfg = config or MosaicConfig()
     slots, cols = fold_launch(n, rows // bm, d, config)
-    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), approx,
-                           natural=natural, slots=slots, cols=cols)(o, lse)
+    out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), cfg.approx_math,
+                           natural=natural, slots=slots, cols=cols, pdl=cfg.pdl)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
@@ -2412,11 +2442,12 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
         raise ValueError(f"outs must be [T, n, R (8 to {bm}, a multiple of 8), D in "
                          f"{HEAD_DIMS}] and lses [T, n, {bm}], got {outs.shape}, "
                          f"{lses.shape}")
-    approx = (config or MosaicConfig()).approx_math
+    cfg = config or MosaicConfig()
     slots, cols = fold_launch(n, t, d, config)
-    out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), approx,
+    out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), cfg.approx_math,
                            tile_major=True, state_rows=r, slots=slots, cols=cols,
-                           final=final)(outs.reshape(t * n, r, d), lses.reshape(t * n, bm))
+                           final=final, pdl=cfg.pdl)(outs.reshape(t * n, r, d),
+                                                     lses.reshape(t * n, bm))
     if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
         return out, lse
     return out.reshape(t, r, d), lse.reshape(t, r)
