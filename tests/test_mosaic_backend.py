@@ -232,13 +232,14 @@ def test_split_decode_state_rows_keep_bits_on_gpu():
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_pdl_chains_keep_bits_on_gpu():
-    """On sm90, kernels launched as programmatic dependents (``pdl``, the default) read
-    what the kernel before them wrote and write only after it has read: eight decode
-    steps in one program, each step's query the last step's output (split kernel, then
-    the fold reading its states; the next split kernel rewriting them), and the forward
-    and backward of a prefill (the delta kernel reading the forward's output, dK/dV
-    and dQ reading delta), equal in bits to ``pdl=False``, on fresh inputs, twice; no
-    NaN. On JAX 0.11 and later the kernels are launched with the PDL attribute."""
+    """On sm90, kernels launched as programmatic dependents (``pdl``) read what the
+    kernel before them wrote and write only after it has read: eight decode steps in one
+    program, each step's query the last step's output (split kernel, then the fold
+    reading its states; the next split kernel rewriting them), and the forward and
+    backward of a prefill (the delta kernel reading the forward's output, dK/dV and dQ
+    reading delta), in every mode (and the fold's own), equal in bits to ``"off"``, on
+    fresh inputs, twice; no NaN. On JAX 0.11 and later the kernels are launched with
+    the PDL attribute."""
     from jaxattn.backends.mosaic import backward as mb
     from jaxattn.backends.mosaic import forward as mf
 
@@ -253,15 +254,18 @@ def test_pdl_chains_keep_bits_on_gpu():
                             config=mb.BwdConfig(pdl=cfg.pdl))
         return (out, lse, *grads)
 
+    modes = [{"pdl": "off"}, *({"pdl": m} for m in mf.PDL_MODES if m != "off"),
+             {"pdl": "trigger", "fold_pdl": "wait"}]
     for fn, shape in ((decode, (2, 32, 8, 1, 20000, 128)),
                       (train, (2, 8, 2, 1024, 1024, 128))):
         for _ in range(2):
             q, k, v = rand_qkv(*shape, jnp.bfloat16)
-            want, got = (jax.jit(fn, static_argnums=3)(q, k, v, mf.MosaicConfig(pdl=pdl))
-                         for pdl in (False, True))
-            for x, y in zip(want, got, strict=True):
-                assert not np.isnan(np.asarray(y, np.float32)).any(), fn
-                assert bits_equal(x, y), fn
+            want, *gots = (jax.jit(fn, static_argnums=3)(q, k, v, mf.MosaicConfig(**kw))
+                           for kw in modes)
+            for got in gots:
+                for x, y in zip(want, got, strict=True):
+                    assert not np.isnan(np.asarray(y, np.float32)).any(), fn
+                    assert bits_equal(x, y), fn
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
         text = jax.jit(decode, static_argnums=3).lower(q, k, v, mf.MosaicConfig()).as_text()
         assert "uses_pdl" in text
@@ -370,7 +374,8 @@ def test_every_kernel_waits_for_the_one_before_it():
     qd = jax.ShapeDtypeStruct((1, 4, 1, 128), jnp.bfloat16)
     kd = jax.ShapeDtypeStruct((1, 2, 16384, 128), jnp.bfloat16)
     for pdl in (True, False):
-        fcfg, bcfg = mf.MosaicConfig(pdl=pdl), mb.BwdConfig(pdl=pdl)
+        mode = "both" if pdl else "off"
+        fcfg, bcfg = mf.MosaicConfig(pdl=mode), mb.BwdConfig(pdl=mode)
 
         def step(q, k, v, fcfg=fcfg, bcfg=bcfg):
             out, lse = mf.forward(q, k, v, causal=True, scale=0.3, config=fcfg)

@@ -75,6 +75,7 @@ from jaxattn import schedule
 from jaxattn.backends.common import LOG2E
 from jaxattn.backends.mosaic.forward import (
     HEAD_DIMS,
+    PDL_MODES,
     _along,
     _smem_transforms,
     check_inputs,
@@ -166,13 +167,16 @@ class BwdConfig:
     #: bits); None: only where D > 128 (two 64 x 256 fp32 accumulators per warpgroup do
     #: not fit in registers).
     split_dkdv: bool | None = None
-    #: Programmatic dependent launch, as ``MosaicConfig.pdl``
-    #: (:func:`~jaxattn.backends.mosaic.forward.launch`). A launch choice.
-    pdl: bool = True
+    #: Programmatic dependent launch, as ``MosaicConfig.pdl`` ("both", "wait",
+    #: "trigger" or "off"; :func:`~jaxattn.backends.mosaic.forward.launch`). A launch
+    #: choice.
+    pdl: str = "both"
 
     def __post_init__(self):
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"pdl must be one of {PDL_MODES}, got {self.pdl!r}")
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):
@@ -728,7 +732,8 @@ class _DkdvKernel:
             (self.b, self.skv, self.hkv, self.d) if self.btnh
             else (self.b, self.hkv, self.skv, self.d), self.dtype)
         return launch(
-            self.kernel, pdl=self.cfg.pdl, out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
+            self.kernel, pdl=self.cfg.pdl,
+            out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
             grid=(self.skv // (self.nwg * BLOCK_KV), self.hkv, self.b),
             grid_names=("kv", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",

@@ -77,6 +77,10 @@ from jaxattn.validation import as_bhsd
 NEG_INF = float("-inf")
 
 
+#: :func:`launch`'s modes (``MosaicConfig.pdl``).
+PDL_MODES = ("both", "wait", "trigger", "off")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch parameters and the arithmetic choices of the kernel.
@@ -220,14 +224,17 @@ class MosaicConfig:
     #: splits (with ``flat_q``) the decode kernel stores the group's rows itself, through
     #: its untiled Q slot, instead of the 64-row tile XLA slices. A launch choice.
     flat_out: bool = True
-    #: Programmatic dependent launch (:func:`launch`): each CTA first waits for the
-    #: grids before it in the stream (``griddepcontrol.wait``, before any global
-    #: memory access), then lets the next kernel's launch begin, so a kernel's launch
-    #: and prologue overlap the tail of the one before it (the split decode's fold
-    #: after its split kernel, one decode step after the last). Needs JAX 0.11 (whose
-    #: Pallas launches a kernel that waits with the PDL attribute; on JAX 0.10 the
-    #: instructions are no-ops); not in interpret mode. A launch choice.
-    pdl: bool = True
+    #: Programmatic dependent launch (:func:`launch`), the kernels' part in it: "both"
+    #: (each CTA first waits for the grids before it in the stream, before any global
+    #: memory access, then lets the next kernel's launch begin: a kernel's launch and
+    #: prologue overlap the tail of the one before it), "wait" (only the wait: the next
+    #: kernel starts when this one ends), "trigger" (only the early start of the next
+    #: one; this kernel is launched plainly, after the one before it) or "off". JAX
+    #: 0.11's Pallas launches a kernel that waits with the PDL attribute; on JAX 0.10
+    #: the instructions are no-ops. Not in interpret mode. A launch choice.
+    pdl: str = "both"
+    #: The fold kernel's part (split decode, CP), as ``pdl``; None: ``pdl``'s.
+    fold_pdl: str | None = None
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -260,6 +267,10 @@ class MosaicConfig:
                                            or self.fold_cols & (self.fold_cols - 1)):
             raise ValueError(f"fold_cols must be a power of two >= 16 or None, got "
                              f"{self.fold_cols}")
+        for name in ("pdl", "fold_pdl"):
+            if getattr(self, name) not in PDL_MODES + ((None,) if name == "fold_pdl" else ()):
+                raise ValueError(f"{name} must be one of {PDL_MODES}, got "
+                                 f"{getattr(self, name)!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -271,21 +282,26 @@ class MosaicConfig:
 
 
 
-def launch(body, *, pdl: bool, interpret, **kwargs):
-    """``plgpu.kernel(body, interpret=interpret, **kwargs)``; with ``pdl`` (and not
-    interpreting) every thread of a CTA first runs ``griddepcontrol.wait`` (the grids
-    before this one in the stream have completed and their writes are visible: the
-    kernel reads and writes global memory only after it) and then
+def launch(body, *, pdl: str, interpret, **kwargs):
+    """``plgpu.kernel(body, interpret=interpret, **kwargs)`` in programmatic dependent
+    launch (not when interpreting): with ``pdl`` "both" or "wait", every thread of a CTA
+    first runs ``griddepcontrol.wait`` (the grids before this one in the stream have
+    completed and their writes are visible: the kernel touches global memory only
+    after it); with "both" or "trigger" it then runs
     ``griddepcontrol.launch_dependents`` (the next kernel, if launched with the PDL
     attribute, may start its CTAs once every CTA here has passed this point). JAX 0.11
     launches a kernel that waits with that attribute; JAX 0.10 launches it plainly,
     where both instructions do nothing."""
-    if pdl and interpret is None:
+    if pdl not in PDL_MODES:
+        raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
+    if pdl != "off" and interpret is None:
         inner = body
 
         def body(*refs):
-            plgpu.griddepcontrol_wait()
-            plgpu.griddepcontrol_launch_dependents()
+            if pdl in ("both", "wait"):
+                plgpu.griddepcontrol_wait()
+            if pdl in ("both", "trigger"):
+                plgpu.griddepcontrol_launch_dependents()
             inner(*refs)
 
     return plgpu.kernel(body, interpret=interpret, **kwargs)
@@ -2238,7 +2254,7 @@ def fold_layout(rows: int, cols: int):
 def _build_fold(n: int, rows: int, d: int, interpret, approx_math: bool,
                 tile_major: bool = False, state_rows: int = schedule.BLOCK_N,
                 natural: bool = True, slots: int = 2, cols: int | None = None,
-                final: tuple[int, object] | None = None, pdl: bool = True):
+                final: tuple[int, object] | None = None, pdl: str = "both"):
     """The fold kernel: one CTA per tile of rows and ``cols`` columns of D (``d / cols``
     CTAs per tile; each computes the rows' weights alike and folds its columns), one
     warpgroup walking the ``n`` states in order through ``slots`` SMEM slots in two
@@ -2422,7 +2438,8 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     cfg = config or MosaicConfig()
     slots, cols = fold_launch(n, rows // bm, d, config)
     out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), cfg.approx_math,
-                           natural=natural, slots=slots, cols=cols, pdl=cfg.pdl)(o, lse)
+                           natural=natural, slots=slots, cols=cols,
+                           pdl=cfg.fold_pdl or cfg.pdl)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
@@ -2446,8 +2463,8 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
     slots, cols = fold_launch(n, t, d, config)
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), cfg.approx_math,
                            tile_major=True, state_rows=r, slots=slots, cols=cols,
-                           final=final, pdl=cfg.pdl)(outs.reshape(t * n, r, d),
-                                                     lses.reshape(t * n, bm))
+                           final=final, pdl=cfg.fold_pdl or cfg.pdl)(
+                               outs.reshape(t * n, r, d), lses.reshape(t * n, bm))
     if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
         return out, lse
     return out.reshape(t, r, d), lse.reshape(t, r)
