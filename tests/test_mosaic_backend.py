@@ -255,7 +255,7 @@ def test_pdl_chains_keep_bits_on_gpu():
         return (out, lse, *grads)
 
     modes = [{"pdl": "off"}, *({"pdl": m} for m in mf.PDL_MODES if m != "off"),
-             {"pdl": "trigger", "fold_pdl": "wait"}]
+             {"pdl": "trigger", "fold_pdl": "wait"}, {"split_pdl": "both"}]
     for fn, shape in ((decode, (2, 32, 8, 1, 20000, 128)),
                       (train, (2, 8, 2, 1024, 1024, 128))):
         for _ in range(2):
@@ -363,10 +363,11 @@ def test_forward_and_gradient_lower_for_cuda(d):
 
 @needs_api
 def test_every_kernel_waits_for_the_one_before_it():
-    """``pdl`` (the default): every kernel of a step (the forward, the gradient's delta,
-    dK/dV and dQ; the split decode and its fold) runs ``griddepcontrol.wait`` and then
-    ``griddepcontrol.launch_dependents`` once, in the lowering for CUDA; with
-    ``pdl=False`` none does."""
+    """``pdl="both"`` (the default): every kernel of a step (the forward, the gradient's
+    delta, dK/dV and dQ; the split decode and its fold) runs ``griddepcontrol.wait``
+    once in the lowering for CUDA, and each but the split decode's split kernel (whose
+    fold is not started early: ``split_pdl``) then ``griddepcontrol.launch_dependents``;
+    with ``pdl="off"`` none does."""
     from jaxattn.backends.mosaic import backward as mb
     from jaxattn.backends.mosaic import forward as mf
     q = jax.ShapeDtypeStruct((2, 4, 100, 128), jnp.bfloat16)
@@ -385,11 +386,13 @@ def test_every_kernel_waits_for_the_one_before_it():
         def decode(q, k, v, fcfg=fcfg):
             return mf.forward(q, k, v, causal=True, scale=0.3, config=fcfg)
 
-        for fn, args, kernels in ((step, (q, k, k), 4), (decode, (qd, kd, kd), 2)):
+        for fn, args, kernels, triggers in ((step, (q, k, k), 4, 4),
+                                            (decode, (qd, kd, kd), 2, 1)):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("custom_call @mosaic_gpu") == kernels
-            for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-                assert text.count(instruction) == (kernels if pdl else 0), (pdl, fn)
+            assert text.count("griddepcontrol.wait") == (kernels if pdl else 0), (pdl, fn)
+            assert (text.count("griddepcontrol.launch_dependents")
+                    == (triggers if pdl else 0)), (pdl, fn)
 
 
 @needs_threads

@@ -235,6 +235,14 @@ class MosaicConfig:
     pdl: str = "both"
     #: The fold kernel's part (split decode, CP), as ``pdl``; None: ``pdl``'s.
     fold_pdl: str | None = None
+    #: The part of a kernel that writes split states (``split_out``: the split decode's
+    #: split kernel, CP's), which the fold kernel reads next; None: ``pdl``'s without
+    #: its early trigger ("both" -> "wait", "trigger" -> "off"). On the H200 (JAX
+    #: 0.11.2, 2026-12-04, notes "2026-12-04 (seventh)") the fold's CTAs started early
+    #: beside the split kernel's last wave cost the step 4 to 9% (B=8 32768 keys 286.5
+    #: against 275.4 us, B=1 131072 169.2 against 155.7), while the next step's split
+    #: kernel started during the fold gained 0 to 2%.
+    split_pdl: str | None = None
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -267,8 +275,8 @@ class MosaicConfig:
                                            or self.fold_cols & (self.fold_cols - 1)):
             raise ValueError(f"fold_cols must be a power of two >= 16 or None, got "
                              f"{self.fold_cols}")
-        for name in ("pdl", "fold_pdl"):
-            if getattr(self, name) not in PDL_MODES + ((None,) if name == "fold_pdl" else ()):
+        for name in ("pdl", "fold_pdl", "split_pdl"):
+            if getattr(self, name) not in PDL_MODES + ((None,) if name != "pdl" else ()):
                 raise ValueError(f"{name} must be one of {PDL_MODES}, got "
                                  f"{getattr(self, name)!r}")
         if self.q_order not in ("ascending", "descending"):
@@ -1588,9 +1596,12 @@ class _Forward:
                                              else (b, hq, sq, d),
                                              jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        pdl = cfg.pdl
+        if self.split_out:
+            pdl = cfg.split_pdl or {"both": "wait", "trigger": "off"}.get(pdl, pdl)
         call = launch(
             self.kernel,
-            pdl=cfg.pdl,
+            pdl=pdl,
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
