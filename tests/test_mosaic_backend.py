@@ -255,8 +255,7 @@ def test_pdl_chains_keep_bits_on_gpu():
         return (out, lse, *grads)
 
     modes = [{"pdl": "off"}, *({"pdl": m} for m in mf.PDL_MODES if m != "off"),
-             {"pdl": "trigger", "fold_pdl": "wait"}, {"split_pdl": "both"},
-             {"split_pdl": "late"}]
+             {"pdl": "trigger", "fold_pdl": "wait"}, {"split_pdl": "both"}]
     for fn, shape in ((decode, (2, 32, 8, 1, 20000, 128)),
                       (train, (2, 8, 2, 1024, 1024, 128))):
         for _ in range(2):

@@ -78,7 +78,7 @@ NEG_INF = float("-inf")
 
 
 #: :func:`launch`'s modes (``MosaicConfig.pdl``).
-PDL_MODES = ("both", "late", "wait", "trigger", "off")
+PDL_MODES = ("both", "wait", "trigger", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,10 +228,8 @@ class MosaicConfig:
     #: (each CTA first waits for the grids before it in the stream, before any global
     #: memory access, then lets the next kernel's launch begin: a kernel's launch and
     #: prologue overlap the tail of the one before it), "wait" (only the wait: the next
-    #: kernel starts when this one ends), "late" (the wait, and the trigger at the
-    #: CTA's end: the next kernel's CTAs start only once every CTA here is finishing),
-    #: "trigger" (only the early start of the next one; this kernel is launched
-    #: plainly, after the one before it) or "off". JAX
+    #: kernel starts when this one ends), "trigger" (only the early start of the next
+    #: one; this kernel is launched plainly, after the one before it) or "off". JAX
     #: 0.11's Pallas launches a kernel that waits with the PDL attribute; on JAX 0.10
     #: the instructions are no-ops. Not in interpret mode. A launch choice.
     pdl: str = "both"
@@ -299,23 +297,20 @@ def launch(body, *, pdl: str, interpret, **kwargs):
     completed and their writes are visible: the kernel touches global memory only
     after it); with "both" or "trigger" it then runs
     ``griddepcontrol.launch_dependents`` (the next kernel, if launched with the PDL
-    attribute, may start its CTAs once every CTA here has passed this point); with
-    "late" it waits first and triggers after the CTA's work. JAX 0.11 launches a kernel
-    that waits with that attribute; JAX 0.10 launches it plainly, where both
-    instructions do nothing."""
+    attribute, may start its CTAs once every CTA here has passed this point). JAX 0.11
+    launches a kernel that waits with that attribute; JAX 0.10 launches it plainly,
+    where both instructions do nothing."""
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
     if pdl != "off" and interpret is None:
         inner = body
 
         def body(*refs):
-            if pdl in ("both", "late", "wait"):
+            if pdl in ("both", "wait"):
                 plgpu.griddepcontrol_wait()
             if pdl in ("both", "trigger"):
                 plgpu.griddepcontrol_launch_dependents()
             inner(*refs)
-            if pdl == "late":
-                plgpu.griddepcontrol_launch_dependents()
 
     return plgpu.kernel(body, interpret=interpret, **kwargs)
 
@@ -1603,8 +1598,7 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
         pdl = cfg.pdl
         if self.split_out:
-            pdl = cfg.split_pdl or {"both": "wait", "late": "wait",
-                                    "trigger": "off"}.get(pdl, pdl)
+            pdl = cfg.split_pdl or {"both": "wait", "trigger": "off"}.get(pdl, pdl)
         call = launch(
             self.kernel,
             pdl=pdl,
