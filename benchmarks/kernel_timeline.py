@@ -1,0 +1,109 @@
+"""The GPU timeline of back-to-back decode steps: each kernel's start, end and the gap
+(or overlap) before it, per Mosaic launch configuration (H200).
+
+    python3 -m benchmarks.kernel_timeline --batch=1 --seq_len=131072 \\
+        --configs=default:,off:pdl=off,foldearly:split_pdl=both
+
+Nsight Compute replays each kernel alone, so it cannot show two kernels of a stream
+running at once (programmatic dependent launch, ``MosaicConfig.pdl``); this records
+the kernels as they ran, through CUPTI (PyTorch's profiler, which sees every kernel of
+the process, JAX's included). Per configuration it prints each kernel name's median
+duration and the median gap before it (negative: it started before the kernel before
+it ended), and writes every kernel's times to ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from benchmarks import report
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch", 1, "Batch.")
+flags.DEFINE_integer("seq_len", 131072, "Keys (Skv).")
+flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dim.")
+flags.DEFINE_integer("steps", 20, "Decode steps timed back to back (two input sets).")
+flags.DEFINE_list("configs", ["default:", "off:pdl=off"], "name:MosaicConfig fields "
+                  "(key=value[:key=value...]) per configuration.")
+flags.DEFINE_string("out_dir", None, "Write timeline.json here.")
+
+
+def kernels(prof) -> list[tuple[str, int, int]]:
+    """``(name, start_ns, end_ns)`` of the CUDA kernels a torch profile recorded, in
+    start order."""
+    import torch
+    rows = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
+            rows.append((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
+    return sorted(rows, key=lambda r: r[1])
+
+
+def summary(rows) -> dict:
+    """Per kernel name: launches, median duration and median gap before it (us)."""
+    out = {}
+    for i, (name, start, end) in enumerate(rows):
+        s = out.setdefault(name, {"durations": [], "gaps": []})
+        s["durations"].append((end - start) / 1e3)
+        if i:
+            s["gaps"].append((start - rows[i - 1][2]) / 1e3)
+    return {name: {"launches": len(s["durations"]),
+                   "median_us": statistics.median(s["durations"]),
+                   "median_gap_before_us": statistics.median(s["gaps"]) if s["gaps"] else None}
+            for name, s in out.items()}
+
+
+def main(argv):
+    del argv
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jaxattn.backends.mosaic import forward as mf
+    if not torch.cuda.is_available():
+        raise app.UsageError("kernel_timeline records GPU kernels: no CUDA device here")
+    b, s, d = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim
+    sets = []
+    for i in range(2):
+        ks = jax.random.split(jax.random.PRNGKey(i), 3)
+        sets.append((jax.random.normal(ks[0], (b, FLAGS.num_q_heads, 1, d), jnp.bfloat16),
+                     jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16),
+                     jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)))
+    results = {}
+    for spec in FLAGS.configs:
+        name, _, fields = spec.partition(":")
+        cfg = mf.MosaicConfig(**report.config_fields(fields))
+        fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(q, k, v, causal=True, config=cfg))
+        for x in sets:  # compile and warm up
+            jax.block_until_ready(fn(*x))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = [fn(*sets[i % 2]) for i in range(FLAGS.steps)]
+            jax.block_until_ready(outs)
+        rows = kernels(prof)
+        if not rows:
+            raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
+                               "with JAX in this process?)")
+        results[name] = {"config": fields, "kernels": rows, "summary": summary(rows),
+                         "span_us": (rows[-1][2] - rows[0][1]) / 1e3}
+        print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
+              f"{results[name]['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)
+        for kname, st in results[name]["summary"].items():
+            gap = st["median_gap_before_us"]
+            print(f"  {st['launches']:4d} x {st['median_us']:9.2f} us, gap before "
+                  f"{'-' if gap is None else f'{gap:8.2f}'} us  {kname[:90]}", flush=True)
+    if FLAGS.out_dir:
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.out_dir, "timeline.json"), "w") as f:
+            json.dump({"B": b, "Skv": s, "Hq": FLAGS.num_q_heads, "Hkv": FLAGS.num_kv_heads,
+                       "D": d, "steps": FLAGS.steps, "results": results}, f)
+
+
+if __name__ == "__main__":
+    app.run(main)
