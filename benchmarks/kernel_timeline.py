@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +44,6 @@ def kernels(prof) -> list[tuple[str, int, int]]:
         if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0:
             rows.append((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
     return sorted(rows, key=lambda r: r[1])
-
-
-def summary(rows) -> dict:
-    """Per kernel name: launches, median duration and median gap before it (us)."""
-    out = {}
-    for i, (name, start, end) in enumerate(rows):
-        s = out.setdefault(name, {"durations": [], "gaps": []})
-        s["durations"].append((end - start) / 1e3)
-        if i:
-            s["gaps"].append((start - rows[i - 1][2]) / 1e3)
-    return {name: {"launches": len(s["durations"]),
-                   "median_us": statistics.median(s["durations"]),
-                   "median_gap_before_us": statistics.median(s["gaps"]) if s["gaps"] else None}
-            for name, s in out.items()}
 
 
 def main(argv):
@@ -90,7 +75,8 @@ def main(argv):
         if not rows:
             raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
                                "with JAX in this process?)")
-        results[name] = {"config": fields, "kernels": rows, "summary": summary(rows),
+        results[name] = {"config": fields, "kernels": rows,
+                         "summary": report.timeline_summary(rows),
                          "span_us": (rows[-1][2] - rows[0][1]) / 1e3}
         print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
               f"{results[name]['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)

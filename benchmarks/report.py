@@ -95,6 +95,22 @@ def sampled_seconds(fn: Callable, inputs: list, sync: Callable, iters: int, warm
     return statistics.median(times), reps
 
 
+def timeline_summary(rows) -> dict:
+    """``rows``: ``(name, start_ns, end_ns)`` of kernels in start order -> per kernel
+    name, its launches, median duration and the median gap before it in us (negative
+    where it started before the kernel before it ended; none before the first)."""
+    out = {}
+    for i, (name, start, end) in enumerate(rows):
+        s = out.setdefault(name, {"durations": [], "gaps": []})
+        s["durations"].append((end - start) / 1e3)
+        if i:
+            s["gaps"].append((start - rows[i - 1][2]) / 1e3)
+    return {name: {"launches": len(s["durations"]),
+                   "median_us": statistics.median(s["durations"]),
+                   "median_gap_before_us": statistics.median(s["gaps"]) if s["gaps"] else None}
+            for name, s in out.items()}
+
+
 def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
     """Matmul FLOPs of one forward (2 matmuls), counting visible pairs only when causal."""
     if causal:

@@ -51,15 +51,16 @@ def test_jaxattn_backend_off_its_platform_is_unsupported():
         systems.make("jaxattn:mosaic")
 
 
-def test_kernel_timeline_summary_counts_gaps_and_overlaps():
-    """``kernel_timeline.summary``: per kernel name, the launches, the median duration and
-    the median gap before it in us, negative where a kernel started before the one
-    before it ended (programmatic dependent launch); none before the first kernel."""
-    from benchmarks import kernel_timeline
+def test_timeline_summary_counts_gaps_and_overlaps():
+    """``report.timeline_summary`` (``benchmarks/kernel_timeline.py``'s): per kernel
+    name, the launches, the median duration and the median gap before it in us,
+    negative where a kernel started before the one before it ended (programmatic
+    dependent launch); none before the first kernel."""
+    from benchmarks import report
     rows = [("split", 0, 100_000), ("fold", 101_500, 110_000),
             ("split", 109_000, 209_000), ("fold", 212_000, 220_000),
             ("split", 221_000, 321_000)]
-    got = kernel_timeline.summary(rows)
+    got = report.timeline_summary(rows)
     assert got["split"] == {"launches": 3, "median_us": 100.0,
                             "median_gap_before_us": 0.0}  # median of -1.0 and 1.0
     assert got["fold"] == {"launches": 2, "median_us": 8.25,
