@@ -75,10 +75,10 @@ from jaxattn import schedule
 from jaxattn.backends.common import LOG2E
 from jaxattn.backends.mosaic.forward import (
     HEAD_DIMS,
-    PDL_MODES,
     _along,
     _smem_transforms,
     check_inputs,
+    check_pdl,
     interpret_params,
     launch,
     load_ref,
@@ -175,8 +175,7 @@ class BwdConfig:
     def __post_init__(self):
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.pdl not in PDL_MODES:
-            raise ValueError(f"pdl must be one of {PDL_MODES}, got {self.pdl!r}")
+        check_pdl("pdl", self.pdl)
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):

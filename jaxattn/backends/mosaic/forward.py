@@ -81,6 +81,13 @@ NEG_INF = float("-inf")
 PDL_MODES = ("both", "wait", "trigger", "off")
 
 
+def check_pdl(name: str, mode, *, optional: bool = False) -> None:
+    """A ValueError naming ``name`` unless ``mode`` is one of :data:`PDL_MODES` (or None,
+    where ``optional``)."""
+    if mode not in PDL_MODES + ((None,) if optional else ()):
+        raise ValueError(f"{name} must be one of {PDL_MODES}, got {mode!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch parameters and the arithmetic choices of the kernel.
@@ -276,9 +283,7 @@ class MosaicConfig:
             raise ValueError(f"fold_cols must be a power of two >= 16 or None, got "
                              f"{self.fold_cols}")
         for name in ("pdl", "fold_pdl", "split_pdl"):
-            if getattr(self, name) not in PDL_MODES + ((None,) if name != "pdl" else ()):
-                raise ValueError(f"{name} must be one of {PDL_MODES}, got "
-                                 f"{getattr(self, name)!r}")
+            check_pdl(name, getattr(self, name), optional=name != "pdl")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -287,6 +292,17 @@ class MosaicConfig:
     def rows(self) -> int:
         """Query rows per CTA."""
         return self.block_m * self.compute_wgs
+
+    @property
+    def fold_launch_pdl(self) -> str:
+        """The fold kernel's ``pdl`` mode (``fold_pdl``, else ``pdl``)."""
+        return self.fold_pdl or self.pdl
+
+    @property
+    def split_launch_pdl(self) -> str:
+        """A ``split_out`` kernel's ``pdl`` mode (``split_pdl``, else ``pdl`` without
+        its early trigger)."""
+        return self.split_pdl or {"both": "wait", "trigger": "off"}.get(self.pdl, self.pdl)
 
 
 
@@ -300,8 +316,7 @@ def launch(body, *, pdl: str, interpret, **kwargs):
     attribute, may start its CTAs once every CTA here has passed this point). JAX 0.11
     launches a kernel that waits with that attribute; JAX 0.10 launches it plainly,
     where both instructions do nothing."""
-    if pdl not in PDL_MODES:
-        raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
+    check_pdl("pdl", pdl)
     if pdl != "off" and interpret is None:
         inner = body
 
@@ -1596,12 +1611,9 @@ class _Forward:
                                              else (b, hq, sq, d),
                                              jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-        pdl = cfg.pdl
-        if self.split_out:
-            pdl = cfg.split_pdl or {"both": "wait", "trigger": "off"}.get(pdl, pdl)
         call = launch(
             self.kernel,
-            pdl=pdl,
+            pdl=cfg.split_launch_pdl if self.split_out else cfg.pdl,
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
@@ -2450,7 +2462,7 @@ def fold_partials(outs, lses, *, interpret=False, config: MosaicConfig | None = 
     slots, cols = fold_launch(n, rows // bm, d, config)
     out, lse = _build_fold(n, rows, d, resolve_interpret(interpret), cfg.approx_math,
                            natural=natural, slots=slots, cols=cols,
-                           pdl=cfg.fold_pdl or cfg.pdl)(o, lse)
+                           pdl=cfg.fold_launch_pdl)(o, lse)
     return out[:r].reshape(*lead, d), lse[:r].reshape(lead)
 
 
@@ -2474,7 +2486,7 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
     slots, cols = fold_launch(n, t, d, config)
     out, lse = _build_fold(n, t * bm, d, resolve_interpret(interpret), cfg.approx_math,
                            tile_major=True, state_rows=r, slots=slots, cols=cols,
-                           final=final, pdl=cfg.fold_pdl or cfg.pdl)(
+                           final=final, pdl=cfg.fold_launch_pdl)(
                                outs.reshape(t * n, r, d), lses.reshape(t * n, bm))
     if final is not None:  # ``final=(r', dtype)``: [T * r', D] in dtype and [T * r']
         return out, lse
