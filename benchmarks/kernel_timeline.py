@@ -76,14 +76,18 @@ def main(argv):
             raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
                                "with JAX in this process?)")
         results[name] = {"config": fields, "kernels": rows,
-                         "summary": report.timeline_summary(rows),
+                         "summary": report.timeline_summary(rows, FLAGS.steps),
                          "span_us": (rows[-1][2] - rows[0][1]) / 1e3}
         print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
               f"{results[name]['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)
-        for kname, st in results[name]["summary"].items():
-            gap = st["median_gap_before_us"]
+        summary = dict(results[name]["summary"])
+        print(f"  step {summary.pop('step_us') or 0:.2f} us (median)", flush=True)
+        for kname, st in summary.items():
+            gap, end = st["median_gap_before_us"], st["median_end_after_us"]
             print(f"  {st['launches']:4d} x {st['median_us']:9.2f} us, gap before "
-                  f"{'-' if gap is None else f'{gap:8.2f}'} us  {kname[:90]}", flush=True)
+                  f"{'-' if gap is None else f'{gap:8.2f}'} us, ends "
+                  f"{'-' if end is None else f'{end:8.2f}'} us after the one before  "
+                  f"{kname[:80]}", flush=True)
     if FLAGS.out_dir:
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         with open(os.path.join(FLAGS.out_dir, "timeline.json"), "w") as f:

@@ -95,20 +95,33 @@ def sampled_seconds(fn: Callable, inputs: list, sync: Callable, iters: int, warm
     return statistics.median(times), reps
 
 
-def timeline_summary(rows) -> dict:
-    """``rows``: ``(name, start_ns, end_ns)`` of kernels in start order -> per kernel
-    name, its launches, median duration and the median gap before it in us (negative
-    where it started before the kernel before it ended; none before the first)."""
+def timeline_summary(rows, steps: int = 1) -> dict:
+    """``rows``: ``(name, start_ns, end_ns)`` of kernels in start order, ``steps`` steps
+    of the same kernels -> per kernel of a step (keyed ``"i:name"``, its place in the
+    step: every Mosaic kernel has one name), its launches, median duration, the median
+    gap before it (negative where it started before the kernel before it ended; none
+    before the first) and the median time from the end of the kernel before it to its
+    own end, in us; ``"step_us"``: the median time from one step's first kernel's start
+    to the next's."""
+    if steps < 1 or len(rows) % steps:
+        raise ValueError(f"{len(rows)} kernels are not {steps} steps of equal length")
+    per = len(rows) // steps
     out = {}
     for i, (name, start, end) in enumerate(rows):
-        s = out.setdefault(name, {"durations": [], "gaps": []})
+        s = out.setdefault(f"{i % per}:{name}", {"durations": [], "gaps": [], "ends": []})
         s["durations"].append((end - start) / 1e3)
         if i:
             s["gaps"].append((start - rows[i - 1][2]) / 1e3)
-    return {name: {"launches": len(s["durations"]),
-                   "median_us": statistics.median(s["durations"]),
-                   "median_gap_before_us": statistics.median(s["gaps"]) if s["gaps"] else None}
-            for name, s in out.items()}
+            s["ends"].append((end - rows[i - 1][2]) / 1e3)
+    med = statistics.median
+    summary = {key: {"launches": len(s["durations"]), "median_us": med(s["durations"]),
+                     "median_gap_before_us": med(s["gaps"]) if s["gaps"] else None,
+                     "median_end_after_us": med(s["ends"]) if s["ends"] else None}
+               for key, s in out.items()}
+    firsts = [rows[i][1] for i in range(0, len(rows), per)]
+    summary["step_us"] = (med([(b - a) / 1e3 for a, b in zip(firsts, firsts[1:])])
+                          if len(firsts) > 1 else None)
+    return summary
 
 
 def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:

@@ -52,16 +52,22 @@ def test_jaxattn_backend_off_its_platform_is_unsupported():
 
 
 def test_timeline_summary_counts_gaps_and_overlaps():
-    """``report.timeline_summary`` (``benchmarks/kernel_timeline.py``'s): per kernel
-    name, the launches, the median duration and the median gap before it in us,
-    negative where a kernel started before the one before it ended (programmatic
-    dependent launch); none before the first kernel."""
+    """``report.timeline_summary`` (``benchmarks/kernel_timeline.py``'s): per kernel of
+    a step, keyed by its place (kernels of one name told apart), the launches, the
+    median duration, the median gap before it in us (negative where a kernel started
+    before the one before it ended: programmatic dependent launch; none before the
+    first), the median end after the one before's, and the step's period."""
     from benchmarks import report
-    rows = [("split", 0, 100_000), ("fold", 101_500, 110_000),
-            ("split", 109_000, 209_000), ("fold", 212_000, 220_000),
-            ("split", 221_000, 321_000)]
-    got = report.timeline_summary(rows)
-    assert got["split"] == {"launches": 3, "median_us": 100.0,
-                            "median_gap_before_us": 0.0}  # median of -1.0 and 1.0
-    assert got["fold"] == {"launches": 2, "median_us": 8.25,
-                           "median_gap_before_us": 2.25}  # median of 1.5 and 3.0
+    rows = [("k", 0, 100_000), ("k", 101_500, 110_000),
+            ("k", 109_000, 209_000), ("k", 206_000, 220_000),
+            ("k", 221_000, 321_000), ("k", 320_000, 331_000)]
+    got = report.timeline_summary(rows, steps=3)
+    assert got["0:k"] == {"launches": 3, "median_us": 100.0,
+                          "median_gap_before_us": 0.0,  # median of -1.0 and 1.0
+                          "median_end_after_us": 100.0}
+    assert got["1:k"] == {"launches": 3, "median_us": 11.0,  # 8.5, 14, 11
+                          "median_gap_before_us": -1.0,  # 1.5, -3, -1
+                          "median_end_after_us": 10.0}  # 10, 11, 10
+    assert got["step_us"] == 110.5  # 109 and 112
+    with pytest.raises(ValueError, match="not 4 steps"):
+        report.timeline_summary(rows, steps=4)
