@@ -119,7 +119,7 @@ def timeline_summary(rows, steps: int = 1) -> dict:
                      "median_end_after_us": med(s["ends"]) if s["ends"] else None}
                for key, s in out.items()}
     firsts = [rows[i][1] for i in range(0, len(rows), per)]
-    summary["step_us"] = (med([(b - a) / 1e3 for a, b in zip(firsts, firsts[1:])])
+    summary["step_us"] = (med([(b - a) / 1e3 for a, b in zip(firsts[:-1], firsts[1:], strict=True)])
                           if len(firsts) > 1 else None)
     return summary
 

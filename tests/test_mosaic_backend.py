@@ -7,6 +7,7 @@ it natively."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,71 @@ def test_flat_kv_keeps_bits_on_gpu():
             for x, y in zip(base, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, end, b, cfg)
                 assert bits_equal(x, y), (hq, sq, end, b, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_kv_boxes_keep_bits_on_gpu():
+    """On sm90, MosaicConfig(kv_boxes=True) (K and V read in place as 8-row TMA boxes
+    into swizzled slots viewed tiled, TMA's zeros past Skv) gives the bits of the copy
+    padded to whole blocks (kv_boxes=False), out and lse, no NaN: Skv off the 8-row
+    grid in a decode step split and unsplit, 4 queries per head, a causal prefill and
+    chunk, a non-causal prefill, a key padding mask with NaN in dropped K and inf in
+    dropped V, per-sequence offsets, [B, S, H, D], D = 64 and 256; twice, on fresh
+    inputs."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    pad = mf.MosaicConfig(kv_boxes=False)
+    for _ in range(2):
+        q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
+        cases = [  # (b, hq, sq, skv, causal, kwargs)
+            (2, 32, 1, 1025, True, {}), (1, 32, 1, 1099, True, {}),  # split
+            (2, 32, 1, 1025, True, {"split_decode": False}),
+            (2, 32, 4, 1090, True, {}), (2, 32, 100, 1100, True, {}),
+            (1, 32, 70, 1001, True, {}), (2, 32, 300, 1097, False, {}),
+            (2, 8, 1, 137, True, {})]
+        for b, hq, sq, skv, causal, kw in cases:
+            qs, ks, vs = q[:b, :hq, skv - sq:skv], k[:b, :, :skv], v[:b, :, :skv]
+            want = mf.forward(qs, ks, vs, causal=causal,
+                              config=dataclasses.replace(pad, **kw))
+            got = mf.forward(qs, ks, vs, causal=causal, config=mf.MosaicConfig(**kw))
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, skv, kw)
+                assert bits_equal(x, y), (b, hq, sq, skv, causal, kw)
+        # A key padding mask (NaN in dropped K, inf in dropped V) and per-sequence
+        # offsets, Skv = 1100 (a partial last block, a multiple of 4 and not of 8).
+        m = rng.random((2, 1100)) > 0.3
+        m[:, -1] = True
+        keep = jnp.asarray(m)
+        (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+        offs = jnp.asarray([1099 - 7, 1050], jnp.int32)
+        for sq, causal, kw in ((300, False, {"key_padding_mask": keep}),
+                               (1, True, {"key_padding_mask": keep}),
+                               (8, True, {"causal_offsets": offs})):
+            qs = q[:, :, 1100 - sq:]
+            kk, vv = (k_nan, v_inf) if "key_padding_mask" in kw else (k, v)
+            want = mf.forward(qs, kk, vv, causal=causal, config=pad, **kw)
+            got = mf.forward(qs, kk, vv, causal=causal, **kw)
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, list(kw))
+                assert bits_equal(x, y), (sq, causal, list(kw))
+        # [B, S, H, D], and D = 64 and 256.
+        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        for sq, skv in ((1, 1025), (100, 1097)):
+            qs, ks, vs = t(q[:, :, skv - sq:skv]), t(k[:, :, :skv]), t(v[:, :, :skv])
+            want = mf.forward(qs, ks, vs, causal=True, btnh=True, config=pad)
+            got = mf.forward(qs, ks, vs, causal=True, btnh=True)
+            for x, y in zip(want, got, strict=True):
+                assert bits_equal(x, y), ("btnh", sq, skv)
+        for d in (64, 256):
+            qd, kd, vd = rand_qkv(2, 8, 8, 100, 1003, d, jnp.bfloat16)
+            for sq in (1, 100):
+                want = mf.forward(qd[:, :, -sq:], kd, vd, causal=True, config=pad)
+                got = mf.forward(qd[:, :, -sq:], kd, vd, causal=True)
+                for x, y in zip(want, got, strict=True):
+                    assert not np.isnan(np.asarray(y, np.float32)).any(), (d, sq)
+                    assert bits_equal(x, y), (d, sq)
 
 
 @pytest.mark.gpu

@@ -485,13 +485,14 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
     K or V (only the query's); where Skv is not a multiple of 8 (head h's first key
-    off the tiled box's 8-row grid) the padded copy stays. flat_q as well (the group's
+    off the tiled box's 8-row grid) the padded copy stays (without ``kv_boxes``).
+    flat_q as well (the group's
     rows through an untiled slot): no pad at all in a decode step, 8 or 4 rows per
     group. flat_out: the split decode is its two kernels and free reshapes, the
     unsplit one its kernel (the group's rows stored in place). The
     default row sum (not on wgmma) takes no all-ones operand, which XLA would
     materialise with a broadcast launch per call."""
-    cfg = mosaic_fwd.MosaicConfig(flat_kv=True)
+    cfg = mosaic_fwd.MosaicConfig(flat_kv=True, kv_boxes=False)
     for b, hkv, sq, skv, copies in ((8, 8, 1, 8200, 0), (2, 8, 100, 8200, 0),
                                     (8, 8, 1, 8193, 1), (1, 1, 1, 8196, 1)):
         q = jax.ShapeDtypeStruct((b, 32, sq, 128), jnp.bfloat16)
@@ -526,6 +527,65 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
         mosaic_fwd._build(b=1, hq=1, hkv=1, sq=64, skv=100, offset=0, d=64,
                           dtype=jnp.bfloat16, causal=False, scale=0.125, cfg=cfg,
                           gpu_operands=True, interpret=None, kv_rows=100)
+
+
+def _kv_pads(mosaic_fwd, case, cfg) -> int:
+    """The pads of K or V (``[.., Skv, ..]`` shaped) in the CUDA lowering of ``case``
+    ``(b, hq, hkv, sq, skv, d, causal, mask, offs, btnh)`` with ``cfg``."""
+    b, hq, hkv, sq, skv, d, causal, mask, offs, btnh = case
+    S = jax.ShapeDtypeStruct
+    q = S((b, sq, hq, d) if btnh else (b, hq, sq, d), jnp.bfloat16)
+    k = S((b, skv, hkv, d) if btnh else (b, hkv, skv, d), jnp.bfloat16)
+    if btnh:
+        def f(q, k, v):
+            call, args, unpad = mosaic_fwd._prepare(q, k, v, causal=causal, scale=None,
+                                                    interpret=False, config=cfg, btnh=True)
+            return unpad(*call(*args))
+        text = jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    else:
+        text = mosaic_fwd.lower_for_cuda(
+            q, k, k, causal=causal, config=cfg,
+            key_padding_mask=S((b, skv), jnp.bool_) if mask else None,
+            causal_offsets=S((b,), jnp.int32) if offs else None).as_text()
+    kv_shape = "x".join(map(str, k.shape[1:]))
+    return sum("stablehlo.pad" in line and f"x{kv_shape}x" in line
+               for line in text.splitlines())
+
+
+@needs_api
+def test_kv_boxes_lower_without_a_copy_of_k_and_v(mosaic_fwd):
+    """kv_boxes (the default): wherever K and V were padded to whole blocks in a copy
+    (Skv off the 8-row grid in a decode step, split or not, and a prefill; D = 64 and
+    256; a non-causal call, a key padding mask, per-sequence offsets; [B, S, H, D]),
+    the program lowers for CUDA with no pad of K or V, and with kv_boxes=False or the
+    "warpgroup" semantics (whose layout inference refuses the swizzle-only slot) with
+    the copy. _build refuses kv_boxes with pages, kv_rows or off the GPU operand path.
+    (Equal bits: test_kv_boxes_keep_bits_on_gpu; the interpreter refuses the boxes'
+    out-of-bounds reads and the transposed operand.)"""
+    cases = ((8, 32, 8, 1, 8193, 128, True, False, False, False),
+             (1, 32, 8, 1, 131073, 128, True, False, False, False),
+             (2, 32, 8, 100, 1100, 128, True, False, False, False),
+             (2, 8, 8, 1, 1025, 64, True, False, False, False),
+             (2, 8, 8, 70, 1025, 256, True, False, False, False),
+             (2, 32, 8, 300, 1100, 128, False, False, False, False),
+             (2, 32, 8, 300, 1100, 128, False, True, False, False),
+             (2, 32, 8, 1, 1100, 128, True, True, False, False),
+             (2, 32, 8, 4, 1090, 128, True, False, True, False),
+             (2, 32, 8, 1, 1025, 128, True, False, False, True))
+    for case in cases:
+        b, hq, hkv, sq, skv, d, causal, mask, offs, btnh = case
+        assert _kv_pads(mosaic_fwd, case, None) == 0, case
+        assert _kv_pads(mosaic_fwd, case, mosaic_fwd.MosaicConfig(kv_boxes=False)), case
+        if not btnh and d == 128 and sq == 1:
+            warpgroup = mosaic_fwd.MosaicConfig(semantics="warpgroup")
+            assert _kv_pads(mosaic_fwd, case, warpgroup), case
+    base = dict(b=1, hq=1, hkv=1, sq=64, skv=100, offset=36, d=64, dtype=jnp.bfloat16,
+                causal=True, scale=0.125, cfg=mosaic_fwd.MosaicConfig(), interpret=None,
+                kv_boxes=True)
+    for kw in (dict(gpu_operands=False), dict(gpu_operands=True, kv_rows=100),
+               dict(gpu_operands=True, page_size=64, dyn_offsets=True)):
+        with pytest.raises(ValueError, match="kv_boxes"):
+            mosaic_fwd._build(**{**base, **kw})
 
 
 @needs_threads

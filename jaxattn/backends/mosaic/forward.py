@@ -76,6 +76,11 @@ from jaxattn.validation import as_bhsd
 
 NEG_INF = float("-inf")
 
+try:  # the view of an SMEM slot of 8-row boxes as a tiled [rows, cols] tile (kv_boxes)
+    from jax._src.pallas.mosaic_gpu.core import UntilingTransform
+except ImportError:  # pragma: no cover - a JAX without it: K and V padded in a copy
+    UntilingTransform = None
+
 
 #: :func:`launch`'s modes (``MosaicConfig.pdl``).
 PDL_MODES = ("both", "wait", "trigger", "off")
@@ -213,6 +218,19 @@ class MosaicConfig:
     #: bridge's decode) or a paged one has whole blocks. A launch choice (the same
     #: rows' operations).
     flat_kv: bool = True
+    #: Where K and V would be padded to whole blocks in a copy (``flat_kv``'s domain
+    #: excluded: Skv off the 8-row grid, 7 of 8 decode steps of a growing cache; a key
+    #: padding mask, per-sequence offsets or a non-causal call with a partial last
+    #: block; ``[B, S, H, D]``): each key block is read in place as ``BLOCK_N / 8 * D /
+    #: 64`` TMA boxes of 8 rows by 128 bytes into a swizzled slot without tiling (a box
+    #: of any first row, and past Skv TMA's zeros, as the padded copy's), which the
+    #: matrix products and the V rows' zeroing read through a tiled view of the same
+    #: bytes (``UntilingTransform((8, 64))``: the same SMEM layout as the tiled slot).
+    #: On the GPU operand path, in the "lane" semantics (the "warpgroup" semantics'
+    #: layout inference refuses the swizzle-only slot); the interpreter, which refuses
+    #: out-of-bounds reads and transposed operands, keeps the copy. A launch choice
+    #: (the same keys in the same SMEM rows).
+    kv_boxes: bool = True
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -570,7 +588,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0, kv_rows: int | None = None,
-           q_rows: int | None = None, rows_out: bool = False):
+           q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -635,7 +653,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     decode rows): Q is ``[B, Hkv * q_rows, D]``, KV head h's tile the 64 rows from row
     ``h * q_rows`` (:attr:`MosaicConfig.flat_q`); ``rows_out`` (with ``q_rows``, unsplit):
     ``out [B, Hkv * q_rows, D]`` and ``lse [B, Hkv * q_rows]``, the tiles' first
-    ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`).
+    ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`). ``kv_boxes``: K
+    and V are read as 8-row boxes into swizzled slots without tiling, viewed tiled
+    (:attr:`MosaicConfig.kv_boxes`: ``skv`` need not be a multiple of 8; past it, TMA's
+    zeros); the GPU operand path, not with pages or ``kv_rows``.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -646,7 +667,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
                     k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
-                    q_rows=q_rows, rows_out=rows_out).call()
+                    q_rows=q_rows, rows_out=rows_out, kv_boxes=kv_boxes).call()
 
 
 @dataclasses.dataclass
@@ -697,7 +718,7 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None, q_rows=None, rows_out=False):
+                 kv_rows=None, q_rows=None, rows_out=False, kv_boxes=False):
         bn = self.bn = schedule.BLOCK_N
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
                                    or cfg.prefetch_q or cfg.persistent):
@@ -713,6 +734,15 @@ class _Forward:
             raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
                              "on [B, H, S, D] without pages or a key window")
         self.kv_rows = kv_rows
+        if kv_boxes and (not gpu_operands or page_size is not None or kv_rows is not None
+                         or UntilingTransform is None):
+            raise ValueError("kv_boxes (K and V as 8-row boxes) is for the GPU operand "
+                             "path without pages or kv_rows, on a JAX with "
+                             "UntilingTransform")
+        #: kv_boxes: a slot's boxes of 8 rows by ``box_cols`` columns (128 bytes).
+        self.box_cols = 128 // jnp.dtype(dtype).itemsize if kv_boxes else None
+        if kv_boxes and d % self.box_cols:
+            raise ValueError(f"kv_boxes needs D a multiple of {self.box_cols}, got {d}")
         if stack_sq < 1 or (stack_sq > 1 and position is None):
             raise ValueError(f"stack_sq (>= 1) stacks queries of stacked decode rows "
                              f"(position), got {stack_sq} with position={position}")
@@ -731,7 +761,8 @@ class _Forward:
                                and dyn_offsets)
         #: TMA copies per key block (K and V each): a paged block of small pages is
         #: assembled from several.
-        self.copies = 1 if page_size is None or page_size >= bn else bn // page_size
+        self.copies = (bn // 8 * (d // self.box_cols) if kv_boxes else
+                       1 if page_size is None or page_size >= bn else bn // page_size)
         if state_rows is not None and (not split_out or carry_in or raw_out or sq != bn
                                        or state_rows % 8 or not 8 <= state_rows <= bn):
             raise ValueError(f"state_rows (a multiple of 8 up to {bn}) is for split_out "
@@ -851,9 +882,17 @@ class _Forward:
         bm, bn, d, nwg, dtype, isz = (self.bm, self.bn, self.d, self.nwg, self.dtype,
                                       self.itemsize)
         # K's ring (K^T's off the GPU operand path)
-        k_shape = (self.stages, bn, d) if self.gpu_operands else (self.stages, d, bn)
-        k_ring = plgpu.SMEM(k_shape, dtype, transforms=_smem_transforms(k_shape[-1], isz))
-        v_ring = plgpu.SMEM((self.stages, bn, d), dtype, transforms=_smem_transforms(d, isz))
+        if self.box_cols:  # kv_boxes: box (r, c) at [slot, r, c], swizzled, not tiled
+            cols = self.box_cols
+            k_ring, v_ring = (plgpu.SMEM((self.stages, bn // 8, d // cols, 8, cols), dtype,
+                                         transforms=(plgpu.SwizzleTransform(128),))
+                              for _ in range(2))
+        else:
+            k_shape = (self.stages, bn, d) if self.gpu_operands else (self.stages, d, bn)
+            k_ring = plgpu.SMEM(k_shape, dtype,
+                                transforms=_smem_transforms(k_shape[-1], isz))
+            v_ring = plgpu.SMEM((self.stages, bn, d), dtype,
+                                transforms=_smem_transforms(d, isz))
         o32 = (plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
@@ -1001,7 +1040,9 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            for seq, rows, at in parts:
+            if self.box_cols:
+                self.load_boxes(k_ref, k_s, k_bar, slot, parts, kvh)
+            for seq, rows, at in parts if not self.box_cols else ():
                 if self.gpu_operands:
                     src = self.kv_tile(k_ref, seq, kvh, rows)
                     dst = k_s.at[slot] if at is None else k_s.at[slot, at]
@@ -1015,7 +1056,9 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            for seq, rows, at in parts:
+            if self.box_cols:
+                self.load_boxes(v_ref, v_s, v_bar, slot, parts, kvh)
+            for seq, rows, at in parts if not self.box_cols else ():
                 plgpu.copy_gmem_to_smem(self.kv_tile(v_ref, seq, kvh, rows),
                                         v_s.at[slot] if at is None else v_s.at[slot, at],
                                         v_bar.at[slot])
@@ -1025,6 +1068,24 @@ class _Forward:
             return None
 
         lax.fori_loop(self.split_lo(), hi, load, None)
+
+    def load_boxes(self, ref, ring, bar, slot, parts, kvh):
+        """kv_boxes: the block's K or V rows into ``ring``'s ``slot``, one TMA box of 8
+        rows by ``box_cols`` columns at a time (rows past Skv: TMA's zeros)."""
+        (seq, rows, _), = parts
+        cols = self.box_cols
+        for r in range(self.bn // 8):
+            tile = self.kv_tile(ref, seq, kvh, pl.ds(rows.start + 8 * r, 8))
+            for c in range(self.d // cols):
+                plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)],
+                                        ring.at[slot, r, c], bar.at[slot])
+
+    def kv_slot(self, ring, slot):
+        """The K or V ring's ``slot`` as a ``[BLOCK_N, D]`` tile (with kv_boxes, the
+        tiled view of its boxes: the bytes of a tiled, swizzled slot)."""
+        if not self.box_cols:
+            return ring.at[slot]
+        return plgpu.transform_ref(ring.at[slot], UntilingTransform((8, self.box_cols)))
 
     def flat_rows(self, kvh, rows):
         """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
@@ -1177,7 +1238,7 @@ class _Forward:
         self.wait_keep(it, t)
 
         def qk(acc_ref):
-            kt = (k_s.at[slot].transpose((1, 0)) if self.gpu_operands
+            kt = (self.kv_slot(k_s, slot).transpose((1, 0)) if self.gpu_operands
                   else k_s.at[slot])
             plgpu.wgmma(acc_ref, it.q_s, kt)
             if self.pingpong:
@@ -1211,9 +1272,9 @@ class _Forward:
         if self.pingpong:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
         if self.page_size is not None:
-            self.zero_tail(it, t, v_s.at[slot])
+            self.zero_tail(it, t, self.kv_slot(v_s, slot))
         if self.key_mask:
-            self.zero_dropped(it, t, v_s.at[slot], keep)
+            self.zero_dropped(it, t, self.kv_slot(v_s, slot), keep)
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1223,13 +1284,13 @@ class _Forward:
 
         if self.inplace:
             def pv_into(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                plgpu.wgmma(acc_ref, p_op, self.kv_slot(v_s, slot))
                 next_k()
 
             acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
         else:
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_s.at[slot])
+                plgpu.wgmma(acc_ref, p_op, self.kv_slot(v_s, slot))
                 next_k()
                 return acc_ref[...]
 
@@ -1850,6 +1911,11 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       and not btnh and skv % bn and skv % 8 == 0
                       and not (partials or raw or carry is not None or state is not None
                                or state_out)) else None
+    # MosaicConfig.kv_boxes: elsewhere, K and V read in place in 8-row boxes instead of
+    # a copy padded to whole blocks.
+    kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
+                and gpu_operands and interpret is None and cfg.semantics == "lane"
+                and UntilingTransform is not None)
     if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
                                                                or carry is not None)):
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
@@ -1882,7 +1948,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       split_out=split, kv_btnh=kv_btnh,
                       carry_in=carry is not None, raw_out=raw,
                       state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out)
+                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
+                      kv_boxes=kv_boxes)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
@@ -1939,7 +2006,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       key_mask=key_mask, dyn_offsets=True, split_out=partials,
                       q_btnh=btnh, kv_btnh=kv_btnh, carry_in=carry is not None,
                       raw_out=raw, page_size=page_size,
-                      state_in=state is not None, state_out=state_out)
+                      state_in=state is not None, state_out=state_out,
+                      kv_boxes=kv_boxes)
         q = jax.vmap(lambda x, at: lax.dynamic_update_slice(
             jnp.zeros((sq_pad, hq, d) if btnh else (hq, sq_pad, d), x.dtype), x,
             (at, 0, 0) if btnh else (0, at, 0)))(q, lead)
@@ -1971,7 +2039,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       interpret=interpret, key_mask=key_mask, split_out=partials,
                       q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
                       raw_out=raw, state_in=state is not None,
-                      state_out=state_out, kv_rows=kv_rows)
+                      state_out=state_out, kv_rows=kv_rows, kv_boxes=kv_boxes)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -1994,7 +2062,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         k, v = (x.reshape(b, hkv * skv, x.shape[-1]) for x in (k, v))
         if interpret is not None:
             k, v = (jnp.pad(x, ((0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
-    elif skv_pad != skv:
+    elif skv_pad != skv and not kv_boxes:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
     # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
     # the pages: [num_pages, Hkv, D, page_size]).
