@@ -77,9 +77,19 @@ from jaxattn.validation import as_bhsd
 NEG_INF = float("-inf")
 
 try:  # the view of an SMEM slot of 8-row boxes as a tiled [rows, cols] tile (kv_boxes)
+    from jax._src.pallas.core import TransformedRef
     from jax._src.pallas.mosaic_gpu.core import UntilingTransform
-except ImportError:  # pragma: no cover - a JAX without it: K and V padded in a copy
-    UntilingTransform = None
+except ImportError:  # pragma: no cover - a JAX without them: K and V padded in a copy
+    TransformedRef = UntilingTransform = None
+
+
+def untiled_view(ref, tiling: tuple[int, ...]):
+    """``ref`` (an SMEM ref of shape ``[..., M / X, N / Y, X, Y]``) viewed as ``[..., M,
+    N]`` tiled by ``tiling = (X, Y)``: ``plgpu.transform_ref(ref,
+    UntilingTransform(tiling))`` of JAX 0.10, which JAX 0.11 no longer exports."""
+    if not isinstance(ref, TransformedRef):
+        ref = TransformedRef(ref, ())
+    return TransformedRef(ref.ref, (*ref.transforms, UntilingTransform(tiling)))
 
 
 #: :func:`launch`'s modes (``MosaicConfig.pdl``).
@@ -735,7 +745,7 @@ class _Forward:
                              "on [B, H, S, D] without pages or a key window")
         self.kv_rows = kv_rows
         if kv_boxes and (not gpu_operands or page_size is not None or kv_rows is not None
-                         or UntilingTransform is None):
+                         or TransformedRef is None):
             raise ValueError("kv_boxes (K and V as 8-row boxes) is for the GPU operand "
                              "path without pages or kv_rows, on a JAX with "
                              "UntilingTransform")
@@ -1085,7 +1095,7 @@ class _Forward:
         tiled view of its boxes: the bytes of a tiled, swizzled slot)."""
         if not self.box_cols:
             return ring.at[slot]
-        return plgpu.transform_ref(ring.at[slot], UntilingTransform((8, self.box_cols)))
+        return untiled_view(ring.at[slot], (8, self.box_cols))
 
     def flat_rows(self, kvh, rows):
         """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
@@ -1915,7 +1925,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     # a copy padded to whole blocks.
     kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
                 and gpu_operands and interpret is None and cfg.semantics == "lane"
-                and UntilingTransform is not None)
+                and TransformedRef is not None)
     if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
                                                                or carry is not None)):
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
