@@ -165,11 +165,11 @@ def test_kv_boxes_keep_bits_on_gpu():
     padded to whole blocks (kv_boxes=False), out and lse, no NaN: Skv off the 8-row
     grid in a decode step split and unsplit, 4 queries per head, a causal prefill and
     chunk, a non-causal prefill, a key padding mask with NaN in dropped K and inf in
-    dropped V, per-sequence offsets, [B, S, H, D], D = 64 and 256; twice, on fresh
-    inputs."""
+    dropped V, per-sequence offsets, [B, S, H, D], D = 64 and 256 (kv_boxes=True: the
+    default, None, boxes stacked decode rows only); twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    pad = mf.MosaicConfig(kv_boxes=False)
+    pad, boxes = mf.MosaicConfig(kv_boxes=False), mf.MosaicConfig(kv_boxes=True)
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
         cases = [  # (b, hq, sq, skv, causal, kwargs)
@@ -182,7 +182,8 @@ def test_kv_boxes_keep_bits_on_gpu():
             qs, ks, vs = q[:b, :hq, skv - sq:skv], k[:b, :, :skv], v[:b, :, :skv]
             want = mf.forward(qs, ks, vs, causal=causal,
                               config=dataclasses.replace(pad, **kw))
-            got = mf.forward(qs, ks, vs, causal=causal, config=mf.MosaicConfig(**kw))
+            got = mf.forward(qs, ks, vs, causal=causal,
+                             config=dataclasses.replace(boxes, **kw))
             for x, y in zip(want, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, skv, kw)
                 assert bits_equal(x, y), (b, hq, sq, skv, causal, kw)
@@ -199,7 +200,7 @@ def test_kv_boxes_keep_bits_on_gpu():
             qs = q[:, :, 1100 - sq:]
             kk, vv = (k_nan, v_inf) if "key_padding_mask" in kw else (k, v)
             want = mf.forward(qs, kk, vv, causal=causal, config=pad, **kw)
-            got = mf.forward(qs, kk, vv, causal=causal, **kw)
+            got = mf.forward(qs, kk, vv, causal=causal, config=boxes, **kw)
             for x, y in zip(want, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, list(kw))
                 assert bits_equal(x, y), (sq, causal, list(kw))
@@ -208,14 +209,14 @@ def test_kv_boxes_keep_bits_on_gpu():
         for sq, skv in ((1, 1025), (100, 1097)):
             qs, ks, vs = t(q[:, :, skv - sq:skv]), t(k[:, :, :skv]), t(v[:, :, :skv])
             want = mf.forward(qs, ks, vs, causal=True, btnh=True, config=pad)
-            got = mf.forward(qs, ks, vs, causal=True, btnh=True)
+            got = mf.forward(qs, ks, vs, causal=True, btnh=True, config=boxes)
             for x, y in zip(want, got, strict=True):
                 assert bits_equal(x, y), ("btnh", sq, skv)
         for d in (64, 256):
             qd, kd, vd = rand_qkv(2, 8, 8, 100, 1003, d, jnp.bfloat16)
             for sq in (1, 100):
                 want = mf.forward(qd[:, :, -sq:], kd, vd, causal=True, config=pad)
-                got = mf.forward(qd[:, :, -sq:], kd, vd, causal=True)
+                got = mf.forward(qd[:, :, -sq:], kd, vd, causal=True, config=boxes)
                 for x, y in zip(want, got, strict=True):
                     assert not np.isnan(np.asarray(y, np.float32)).any(), (d, sq)
                     assert bits_equal(x, y), (d, sq)

@@ -238,9 +238,15 @@ class MosaicConfig:
     #: bytes (``UntilingTransform((8, 64))``: the same SMEM layout as the tiled slot).
     #: On the GPU operand path, in the "lane" semantics (the "warpgroup" semantics'
     #: layout inference refuses the swizzle-only slot); the interpreter, which refuses
-    #: out-of-bounds reads and transposed operands, keeps the copy. A launch choice
-    #: (the same keys in the same SMEM rows).
-    kv_boxes: bool = True
+    #: out-of-bounds reads and transposed operands, keeps the copy. None: for stacked
+    #: decode rows only (a GQA group's queries in one tile: decode, speculative
+    #: verification), where reading K and V is the step. On the H200 (JAX 0.11.2,
+    #: 2026-12-04, notes "2026-12-04 (eighth)") the boxes took a decode step at B=8
+    #: 8193 keys from 248.5 to 100.6 us (8192 keys, whole blocks: 79.3), but a causal
+    #: prefill at B=2 S=4097 from 0.759 to 1.026 ms: 16 boxes a block cost the
+    #: producer more than the copy costs there. A launch choice (the same keys in the
+    #: same SMEM rows).
+    kv_boxes: bool | None = None
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -1921,13 +1927,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       and not btnh and skv % bn and skv % 8 == 0
                       and not (partials or raw or carry is not None or state is not None
                                or state_out)) else None
+    stacked_rows = stacked <= bn and cfg.stack_decode and (
+        sq == 1 or not (partials or raw or carry is not None))
     # MosaicConfig.kv_boxes: elsewhere, K and V read in place in 8-row boxes instead of
-    # a copy padded to whole blocks.
-    kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
+    # a copy padded to whole blocks (None: stacked decode rows only).
+    kv_boxes = ((cfg.kv_boxes or (cfg.kv_boxes is None and stacked_rows))
+                and kv_rows is None and pages is None and skv_pad != skv
                 and gpu_operands and interpret is None and cfg.semantics == "lane"
                 and TransformedRef is not None)
-    if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
-                                                               or carry is not None)):
+    if stacked_rows:
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
         want = (b * hkv < SPLIT_DECODE_BELOW_CTAS if cfg.split_decode is None
