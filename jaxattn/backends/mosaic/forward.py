@@ -223,10 +223,10 @@ class MosaicConfig:
     #: in whole 8-row tiles, so a box that starts at a row off the 8-row grid (head h's
     #: first key, ``h * Skv``) reads the wrong rows (on the H200, 2026-12-04: Skv =
     #: 1025 gave other heads' outputs; the interpreter reads any row and cannot show
-    #: it). Elsewhere (7 of 8 decode steps of a growing cache) K and V are still
-    #: padded in a copy; a bucketed cache (:func:`jaxattn.schedule.bucket_length`, the
-    #: bridge's decode) or a paged one has whole blocks. A launch choice (the same
-    #: rows' operations).
+    #: it). Elsewhere (7 of 8 decode steps of a growing cache) ``kv_boxes`` reads them
+    #: in place in 8-row boxes, or they are padded in a copy; a bucketed cache
+    #: (:func:`jaxattn.schedule.bucket_length`, the bridge's decode) or a paged one has
+    #: whole blocks. A launch choice (the same rows' operations).
     flat_kv: bool = True
     #: Where K and V would be padded to whole blocks in a copy (``flat_kv``'s domain
     #: excluded: Skv off the 8-row grid, 7 of 8 decode steps of a growing cache; a key
@@ -318,6 +318,8 @@ class MosaicConfig:
                              f"{self.fold_cols}")
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
+        if self.kv_boxes not in (None, True, False):
+            raise ValueError(f"kv_boxes must be None, True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -1058,15 +1060,8 @@ class _Forward:
 
             if self.box_cols:
                 self.load_boxes(k_ref, k_s, k_bar, slot, parts, kvh)
-            for seq, rows, at in parts if not self.box_cols else ():
-                if self.gpu_operands:
-                    src = self.kv_tile(k_ref, seq, kvh, rows)
-                    dst = k_s.at[slot] if at is None else k_s.at[slot, at]
-                else:  # K^T
-                    src = (k_ref.at[seq, kvh, :, rows] if self.kv_rows is None else
-                           k_ref.at[seq, :, self.flat_rows(kvh, rows)])
-                    dst = k_s.at[slot] if at is None else k_s.at[slot, :, at]
-                plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
+            else:
+                self.load_k(k_ref, k_s, k_bar, slot, parts, kvh)
 
             @pl.when(n >= stages)
             def _():
@@ -1074,16 +1069,30 @@ class _Forward:
 
             if self.box_cols:
                 self.load_boxes(v_ref, v_s, v_bar, slot, parts, kvh)
-            for seq, rows, at in parts if not self.box_cols else ():
-                plgpu.copy_gmem_to_smem(self.kv_tile(v_ref, seq, kvh, rows),
-                                        v_s.at[slot] if at is None else v_s.at[slot, at],
-                                        v_bar.at[slot])
+            else:
+                for seq, rows, at in parts:
+                    plgpu.copy_gmem_to_smem(
+                        self.kv_tile(v_ref, seq, kvh, rows),
+                        v_s.at[slot] if at is None else v_s.at[slot, at], v_bar.at[slot])
             if self.key_mask:
                 plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(t * bn, bn)], keep_s.at[slot],
                                         m_bar.at[slot])
             return None
 
         lax.fori_loop(self.split_lo(), hi, load, None)
+
+    def load_k(self, k_ref, k_s, k_bar, slot, parts, kvh):
+        """The block's K into ``k_s``'s ``slot``, one TMA copy per part (K^T's tiles off
+        the GPU operand path)."""
+        for seq, rows, at in parts:
+            if self.gpu_operands:
+                src = self.kv_tile(k_ref, seq, kvh, rows)
+                dst = k_s.at[slot] if at is None else k_s.at[slot, at]
+            else:  # K^T
+                src = (k_ref.at[seq, kvh, :, rows] if self.kv_rows is None else
+                       k_ref.at[seq, :, self.flat_rows(kvh, rows)])
+                dst = k_s.at[slot] if at is None else k_s.at[slot, :, at]
+            plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
 
     def load_boxes(self, ref, ring, bar, slot, parts, kvh):
         """kv_boxes: the block's K or V rows into ``ring``'s ``slot``, one TMA box of 8
