@@ -7,9 +7,11 @@
 Nsight Compute replays each kernel alone, so it cannot show two kernels of a stream
 running at once (programmatic dependent launch, ``MosaicConfig.pdl``); this records
 the kernels as they ran, through CUPTI (PyTorch's profiler, which sees every kernel of
-the process, JAX's included). Per configuration it prints each kernel name's median
-duration and the median gap before it (negative: it started before the kernel before
-it ended), and writes every kernel's times to ``--out_dir``.
+the process, JAX's included). Per configuration it prints the step's period and, per
+kernel of a step (by its place: every Mosaic kernel has one name), the median duration,
+the median gap before it (negative: it started before the kernel before it ended) and
+its end after the one before's (``report.timeline_summary``), and writes every kernel's
+times to ``--out_dir``.
 """
 
 from __future__ import annotations
