@@ -595,24 +595,66 @@ def test_kv_boxes_lower_without_a_copy_of_k_and_v(mosaic_fwd):
 @needs_interpret
 def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
     """Each SPLIT's partial state, folded outside the kernel by the Mosaic fold kernel
-    (lse in the kernels' base) and cast, gives the forward's bits, as do the keys in two
-    launches with the fold's state carried between them (``fold_on``, CP); folded by
-    jaxattn.merge.fold (natural-log lse) it is within an fp32 ulp or two. Past one
+    (lse in the kernels' base) and cast, gives the forward's result, as do the keys in
+    two launches with the fold's state carried between them (``fold_on``, CP); folded
+    by jaxattn.merge.fold (natural-log lse) it is within an fp32 ulp or two. Past one
     SPLIT, causal with a per-sequence offset and a key mask, and non-causal (the seed
-    of context parallelism). SPLIT is shrunk to 128 keys (CI time: 30 s at 1024); the
-    H200 runs the real SPLIT (the matrix's decode and CP rows)."""
+    of context parallelism). SPLIT is shrunk to 128 keys (CI time: 30 s at 1024).
+
+    In the interpreter within 1 ulp (bf16 output) and 4 ulps (fp32 lse), not in bits:
+    XLA:CPU compiles each interpreted kernel's arithmetic in its own context, and the
+    same row sum or finalize can round differently in two kernels (measured on a CPU
+    host in 2026-12: 1 to 3 of 40 rows an ulp or two apart, for most seeds; docs/mosaic.md,
+    "Bits in the interpreter"). The bits are claimed where the kernels run natively:
+    :func:`test_split_partials_fold_to_forward_on_gpu`. The fold kernel against the same
+    merges under XLA is in bits here (:func:`test_interpret_split_partials_fold_kernel`)."""
     from jaxattn.merge import fold
     old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
     schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
     jax.clear_caches()
     try:
-        _split_partials_fold_to_forward(mosaic_fwd, fold)
+        _split_partials_fold_to_forward(mosaic_fwd, fold, interpret=True, ulps=(1, 4))
     finally:
         schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
         jax.clear_caches()
 
 
-def _split_partials_fold_to_forward(mosaic_fwd, fold):
+@pytest.mark.gpu
+@needs_api
+def test_split_partials_fold_to_forward_on_gpu(mosaic_fwd):
+    """:func:`test_interpret_split_partials_fold_to_forward` on the GPU at the real
+    SPLIT, in bits: the fold kernel's fold of the split kernel's states, and CP's two
+    launches, give the forward's output and lse bit for bit."""
+    from jaxattn.merge import fold
+    _split_partials_fold_to_forward(mosaic_fwd, fold, interpret=False, ulps=(0, 0))
+
+
+def _ulp_key(x):
+    """Floats as integers in the floats' order (sign and magnitude to two's
+    complement), so that the difference of two keys counts the ulps between them."""
+    u = bits(x).astype(np.int64)
+    sign = np.int64(1) << (8 * np.asarray(x).dtype.itemsize - 1)
+    return np.where(u >= sign, sign - u, u)
+
+
+def _assert_ulps(x, y, ulps, msg):
+    """``x`` and ``y`` of one dtype equal in bits (``ulps=0``) or at most ``ulps``
+    units in the last place apart; neither has a NaN."""
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, msg
+    assert not np.isnan(x.astype(np.float32)).any(), msg
+    assert not np.isnan(y.astype(np.float32)).any(), msg
+    if ulps == 0:
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=msg)
+        return
+    far = np.abs(_ulp_key(x) - _ulp_key(y))
+    assert far.max() <= ulps, f"{msg}: {int(far.max())} ulps apart ({int((far > 0).sum())} " \
+                              f"of {far.size} differ)"
+
+
+def _split_partials_fold_to_forward(mosaic_fwd, fold, interpret, ulps):
+    """The body of the two tests above; ``ulps``: (bf16 output, fp32 lse) allowed
+    apart from the forward, (0, 0) for bits."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(1, 1, 1, 40, s, 64)
     keep = jnp.asarray(np.arange(s) % 13 != 5)[None]
@@ -620,19 +662,17 @@ def _split_partials_fold_to_forward(mosaic_fwd, fold):
     for kw in ({"causal": True, "key_padding_mask": keep,
                 "causal_offsets": jnp.array([s - 70], jnp.int32)},
                {"causal": False}):
-        out, lse = mosaic_fwd.forward(q, k, v, interpret=True, config=cfg, **kw)
-        outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
+        out, lse = mosaic_fwd.forward(q, k, v, interpret=interpret, config=cfg, **kw)
+        outs, lses = mosaic_fwd.split_partials(q, k, v, interpret=interpret, config=cfg,
                                                kernel_lse=True, **kw)
         assert outs.shape == (2, *q.shape) and lses.shape == (2, *q.shape[:3])
         assert outs.dtype == lses.dtype == jnp.float32
-        fo, fl = mosaic_fwd.fold_partials(outs, lses, interpret=True)
-        np.testing.assert_array_equal(bits(fo.astype(q.dtype)), bits(out),
-                                      err_msg=f"{kw['causal']} (seed {seed})")
-        np.testing.assert_array_equal(bits(fl), bits(lse),
-                                      err_msg=f"{kw['causal']} lse (seed {seed})")
+        fo, fl = mosaic_fwd.fold_partials(outs, lses, interpret=interpret)
+        _assert_ulps(fo.astype(q.dtype), out, ulps[0], f"{kw['causal']} (seed {seed})")
+        _assert_ulps(fl, lse, ulps[1], f"{kw['causal']} lse (seed {seed})")
         if kw["causal"]:  # CP's launches (the same kernel modes serve a non-causal call)
-            _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed)
-        outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=True, config=cfg,
+            _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed, interpret, ulps)
+        outs_n, lses_n = mosaic_fwd.split_partials(q, k, v, interpret=interpret, config=cfg,
                                                    **kw)
         np.testing.assert_array_equal(bits(outs_n), bits(outs))
         xo, xl = fold(outs_n, lses_n)
@@ -651,26 +691,25 @@ def _xla_kernel_fold(outs, lses):
     return o, mosaic_fwd.natural_lse(lse)
 
 
-def _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed):
+def _fold_on_launches(mosaic_fwd, cfg, q, k, v, kw, out, lse, seed, interpret, ulps):
     """CP's launches: the first SPLIT, then the rest folded on from its state, give the
-    forward's bits (the state stored, then the output stored as the single call does,
-    with the offset known when tracing); keys no row sees hand the state back."""
+    forward's result (``ulps`` as there; the state stored, then the output stored as
+    the single call does, with the offset known when tracing); keys no row sees hand
+    the state back, in bits."""
     sp = schedule.SPLIT
     mask, offs = kw["key_padding_mask"], kw["causal_offsets"]
-    st = mosaic_fwd.fold_on(q, k[:, :, :sp], v[:, :, :sp], interpret=True, config=cfg,
+    st = mosaic_fwd.fold_on(q, k[:, :, :sp], v[:, :, :sp], interpret=interpret, config=cfg,
                             causal=True, key_padding_mask=mask[:, :sp], causal_offsets=offs)
     rest = dict(causal=True, key_padding_mask=mask[:, sp:])
-    so, sl = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+    so, sl = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=interpret,
                                 config=cfg, causal_offsets=offs - sp, **rest)
-    np.testing.assert_array_equal(bits(so.astype(q.dtype)), bits(out),
-                                  err_msg=f"fold_on (seed {seed})")
-    np.testing.assert_array_equal(bits(mosaic_fwd.natural_lse(sl)), bits(lse),
-                                  err_msg=f"fold_on lse (seed {seed})")
-    fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True, config=cfg,
+    _assert_ulps(so.astype(q.dtype), out, ulps[0], f"fold_on (seed {seed})")
+    _assert_ulps(mosaic_fwd.natural_lse(sl), lse, ulps[1], f"fold_on lse (seed {seed})")
+    fin = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=interpret, config=cfg,
                              finish=True, offset=int(offs[0]) - sp, **rest)
-    for x, y in zip(fin, (out, lse), strict=True):
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"finish (seed {seed})")
-    blind = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=True,
+    for x, y, n in zip(fin, (out, lse), ulps, strict=True):
+        _assert_ulps(x, y, n, f"finish (seed {seed})")
+    blind = mosaic_fwd.fold_on(q, k[:, :, sp:], v[:, :, sp:], st, interpret=interpret,
                                config=cfg, causal=True,
                                causal_offsets=jnp.array([-q.shape[2]], jnp.int32))
     for x, y in zip(blind, st, strict=True):
