@@ -63,11 +63,23 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
         # A module's SLOW_ON_CPU {backend: {test names}}: those tests of that backend's
-        # parameter are slow off the GPU (CI time; the H200 battery runs them natively).
-        spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
+        # parameter are slow off the GPU (CI time; the H200 battery runs them natively);
+        # "name[part]" only the cases whose id has ``part`` in it.
+        callspec = getattr(item, "callspec", None)
+        spec = getattr(callspec, "params", {}).get("spec")
         slow = getattr(item.module, "SLOW_ON_CPU", {}).get(getattr(spec, "name", None), ())
-        if not ON_GPU and item.originalname in slow:
+        if not ON_GPU and any(_names_case(entry, item.originalname, callspec)
+                              for entry in slow):
             item.add_marker(pytest.mark.slow)
+
+
+def _names_case(entry: str, name: str, callspec) -> bool:
+    """Whether a SLOW_ON_CPU entry (``name`` or ``name[part]``, ``part`` one of the
+    "-"-separated parts of the case's id) names this test case."""
+    base, _, part = entry.partition("[")
+    if base != name:
+        return False
+    return not part or (callspec is not None and part.rstrip("]") in callspec.id.split("-"))
 
 
 def cpu_env(**extra: str) -> dict:

@@ -61,7 +61,12 @@ SLOW_ON_CPU = {"triton": {
     "test_decode_steps_vs_prefill", "test_gqa_and_fp32_invariance",
     # The Triton interpreter on a CPU is deterministic: run to run there shows nothing
     # the GPU battery does not (37 s of CI).
-    "test_run_to_run"}}
+    "test_run_to_run"},
+    # The reference backend is plain XLA, the same program on the CPU and the GPU: its
+    # fp32 gradients, fp16 forward cases and every-head-dim rows run with -m slow here
+    # (80 s of CI); test_head_dims and the bf16 rows keep it covered on the CPU.
+    "reference": {"test_gradients_match_reference[float32]",
+                  "test_forward_accuracy[float16]", "test_every_head_dim"}}
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
 
