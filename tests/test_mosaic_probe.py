@@ -374,39 +374,32 @@ def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     for a split decode past one SPLIT, an unsplit decode, two queries per head, a
     prefill and a chunk; no NaN. Skv a multiple of 8 and not of 64 (flat_kv's domain);
     4, 3 and 4 stacked rows per group (most groups' first rows off the 8-row grid:
-    flat_q's untiled slot). SPLIT is shrunk to 128 keys (CI time)."""
-    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
-    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
-    jax.clear_caches()
-    try:
-        for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 104, True),
-                                           (1, 6, 2, 1, 296, False),
-                                           (1, 8, 2, 2, 304, False),
-                                           (1, 2, 2, 100, 152, None),
-                                           (1, 2, 1, 70, 296, None)):
-            seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
-            outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                       config=mosaic_fwd.MosaicConfig(
-                                           flat_kv=flat, flat_q=flat, flat_out=flat,
-                                           split_decode=split))
-                    for flat in (False, True)]
-            for x, y in zip(*outs, strict=True):
-                assert not np.isnan(np.asarray(x, np.float32)).any()
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
-        # The split decode on [B, S, H, D] (q [B, 1, Hq, D]): flat_q and flat_out there too.
-        seed, q, k, v = _inputs(2, 8, 2, 1, schedule.SPLIT + 64, 64)
-        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-        outs = [mosaic_fwd.forward(t(q), t(k), t(v), causal=True, interpret=True, btnh=True,
-                                   config=mosaic_fwd.MosaicConfig(flat_q=flat, flat_out=flat,
-                                                                  split_decode=True))
+    flat_q's untiled slot)."""
+    for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 104, True),
+                                       (1, 6, 2, 1, 296, False),
+                                       (1, 8, 2, 2, 304, False),
+                                       (1, 2, 2, 100, 152, None),
+                                       (1, 2, 1, 70, 296, None)):
+        seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
+        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(
+                                       flat_kv=flat, flat_q=flat, flat_out=flat,
+                                       split_decode=split))
                 for flat in (False, True)]
         for x, y in zip(*outs, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any()
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"btnh (seed {seed})")
-    finally:
-        schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
-        jax.clear_caches()
+            assert not np.isnan(np.asarray(x, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
+    # The split decode on [B, S, H, D] (q [B, 1, Hq, D]): flat_q and flat_out there too.
+    seed, q, k, v = _inputs(2, 8, 2, 1, schedule.SPLIT + 64, 64)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    outs = [mosaic_fwd.forward(t(q), t(k), t(v), causal=True, interpret=True, btnh=True,
+                               config=mosaic_fwd.MosaicConfig(flat_q=flat, flat_out=flat,
+                                                              split_decode=True))
+            for flat in (False, True)]
+    for x, y in zip(*outs, strict=True):
+        assert not np.isnan(np.asarray(y, np.float32)).any()
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"btnh (seed {seed})")
 
 
 @needs_threads
