@@ -11,7 +11,7 @@ import textwrap
 import jax.numpy as jnp
 import pytest
 from absl import flags
-from conftest import cpu_env
+from conftest import cpu_env, with_xla_flags
 
 from jaxattn import check, reference, registry
 
@@ -149,7 +149,7 @@ def test_bridge_benchmark_smoke(tmp_path):
 def test_cp_benchmark_smoke_on_8_virtual_devices(tmp_path):
     """The multi-device CP binary (the multi-GPU issue's) runs on 8 virtual CPU devices:
     degree 2, bits equal to one device forward and backward."""
-    env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = cpu_env(XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=8"))
     # Degree 2 (degrees 4 and 8's bits: tests/test_cp.py's mesh test).
     proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_bench", "--smoke",
                            "--degrees=2", f"--out_dir={tmp_path}"], capture_output=True,

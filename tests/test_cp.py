@@ -256,7 +256,9 @@ def test_registry_and_bad_arguments():
 def test_sharded_attention_on_8_cpu_devices_equals_one_device():
     code = textwrap.dedent("""
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        # The test flags (tests/conftest.py) and 8 devices.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8")
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh
         import jaxattn
