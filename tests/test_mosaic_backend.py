@@ -170,23 +170,27 @@ def test_kv_boxes_keep_bits_on_gpu():
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     pad, boxes = mf.MosaicConfig(kv_boxes=False), mf.MosaicConfig(kv_boxes=True)
+
+    def agree(q, k, v, tag, config=None, **kw):
+        """The boxed call's out and lse equal the padded copy's in bits, no NaN
+        (``config``: fields set on both)."""
+        want = mf.forward(q, k, v, config=dataclasses.replace(pad, **(config or {})), **kw)
+        got = mf.forward(q, k, v, config=dataclasses.replace(boxes, **(config or {})), **kw)
+        for x, y in zip(want, got, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), tag
+            assert bits_equal(x, y), tag
+
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
-        cases = [  # (b, hq, sq, skv, causal, kwargs)
+        cases = [  # (b, hq, sq, skv, causal, config)
             (2, 32, 1, 1025, True, {}), (1, 32, 1, 1099, True, {}),  # split
             (2, 32, 1, 1025, True, {"split_decode": False}),
             (2, 32, 4, 1090, True, {}), (2, 32, 100, 1100, True, {}),
             (1, 32, 70, 1001, True, {}), (2, 32, 300, 1097, False, {}),
             (2, 8, 1, 137, True, {})]
-        for b, hq, sq, skv, causal, kw in cases:
-            qs, ks, vs = q[:b, :hq, skv - sq:skv], k[:b, :, :skv], v[:b, :, :skv]
-            want = mf.forward(qs, ks, vs, causal=causal,
-                              config=dataclasses.replace(pad, **kw))
-            got = mf.forward(qs, ks, vs, causal=causal,
-                             config=dataclasses.replace(boxes, **kw))
-            for x, y in zip(want, got, strict=True):
-                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, skv, kw)
-                assert bits_equal(x, y), (b, hq, sq, skv, causal, kw)
+        for b, hq, sq, skv, causal, config in cases:
+            agree(q[:b, :hq, skv - sq:skv], k[:b, :, :skv], v[:b, :, :skv],
+                  (b, hq, sq, skv, causal, config), config, causal=causal)
         # A key padding mask (NaN in dropped K, inf in dropped V) and per-sequence
         # offsets, Skv = 1100 (a partial last block, a multiple of 4 and not of 8).
         m = rng.random((2, 1100)) > 0.3
@@ -197,29 +201,17 @@ def test_kv_boxes_keep_bits_on_gpu():
         for sq, causal, kw in ((300, False, {"key_padding_mask": keep}),
                                (1, True, {"key_padding_mask": keep}),
                                (8, True, {"causal_offsets": offs})):
-            qs = q[:, :, 1100 - sq:]
             kk, vv = (k_nan, v_inf) if "key_padding_mask" in kw else (k, v)
-            want = mf.forward(qs, kk, vv, causal=causal, config=pad, **kw)
-            got = mf.forward(qs, kk, vv, causal=causal, config=boxes, **kw)
-            for x, y in zip(want, got, strict=True):
-                assert not np.isnan(np.asarray(y, np.float32)).any(), (sq, list(kw))
-                assert bits_equal(x, y), (sq, causal, list(kw))
+            agree(q[:, :, 1100 - sq:], kk, vv, (sq, causal, list(kw)), causal=causal, **kw)
         # [B, S, H, D], and D = 64 and 256.
         t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
         for sq, skv in ((1, 1025), (100, 1097)):
-            qs, ks, vs = t(q[:, :, skv - sq:skv]), t(k[:, :, :skv]), t(v[:, :, :skv])
-            want = mf.forward(qs, ks, vs, causal=True, btnh=True, config=pad)
-            got = mf.forward(qs, ks, vs, causal=True, btnh=True, config=boxes)
-            for x, y in zip(want, got, strict=True):
-                assert bits_equal(x, y), ("btnh", sq, skv)
+            agree(t(q[:, :, skv - sq:skv]), t(k[:, :, :skv]), t(v[:, :, :skv]),
+                  ("btnh", sq, skv), causal=True, btnh=True)
         for d in (64, 256):
             qd, kd, vd = rand_qkv(2, 8, 8, 100, 1003, d, jnp.bfloat16)
             for sq in (1, 100):
-                want = mf.forward(qd[:, :, -sq:], kd, vd, causal=True, config=pad)
-                got = mf.forward(qd[:, :, -sq:], kd, vd, causal=True, config=boxes)
-                for x, y in zip(want, got, strict=True):
-                    assert not np.isnan(np.asarray(y, np.float32)).any(), (d, sq)
-                    assert bits_equal(x, y), (d, sq)
+                agree(qd[:, :, -sq:], kd, vd, (d, sq), causal=True)
 
 
 @pytest.mark.gpu
