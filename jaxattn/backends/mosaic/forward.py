@@ -779,7 +779,7 @@ class _Forward:
                                and dyn_offsets)
         #: TMA copies per key block (K and V each): a paged block of small pages is
         #: assembled from several.
-        self.copies = (bn // 8 * (d // self.box_cols) if kv_boxes else
+        self.copies = (d // self.box_cols if kv_boxes else
                        1 if page_size is None or page_size >= bn else bn // page_size)
         if state_rows is not None and (not split_out or carry_in or raw_out or sq != bn
                                        or state_rows % 8 or not 8 <= state_rows <= bn):
@@ -900,9 +900,9 @@ class _Forward:
         bm, bn, d, nwg, dtype, isz = (self.bm, self.bn, self.d, self.nwg, self.dtype,
                                       self.itemsize)
         # K's ring (K^T's off the GPU operand path)
-        if self.box_cols:  # kv_boxes: box (r, c) at [slot, r, c], swizzled, not tiled
+        if self.box_cols:  # kv_boxes: column tile c's box at [slot, c], swizzled
             cols = self.box_cols
-            k_ring, v_ring = (plgpu.SMEM((self.stages, bn // 8, d // cols, 8, cols), dtype,
+            k_ring, v_ring = (plgpu.SMEM((self.stages, d // cols, bn, cols), dtype,
                                          transforms=(plgpu.SwizzleTransform(128),))
                               for _ in range(2))
         else:
@@ -1095,22 +1095,27 @@ class _Forward:
             plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
 
     def load_boxes(self, ref, ring, bar, slot, parts, kvh):
-        """kv_boxes: the block's K or V rows into ``ring``'s ``slot``, one TMA box of 8
-        rows by ``box_cols`` columns at a time (rows past Skv: TMA's zeros)."""
+        """kv_boxes: the block's K or V rows into ``ring``'s ``slot``, one TMA box of
+        ``BLOCK_N`` rows by ``box_cols`` columns (128 bytes) per column tile (rows past
+        Skv: TMA's zeros)."""
         (seq, rows, _), = parts
         cols = self.box_cols
-        for r in range(self.bn // 8):
-            tile = self.kv_tile(ref, seq, kvh, pl.ds(rows.start + 8 * r, 8))
-            for c in range(self.d // cols):
-                plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)],
-                                        ring.at[slot, r, c], bar.at[slot])
+        tile = self.kv_tile(ref, seq, kvh, rows)
+        for c in range(self.d // cols):
+            plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)], ring.at[slot, c],
+                                    bar.at[slot])
 
     def kv_slot(self, ring, slot):
-        """The K or V ring's ``slot`` as a ``[BLOCK_N, D]`` tile (with kv_boxes, the
-        tiled view of its boxes: the bytes of a tiled, swizzled slot)."""
+        """The K or V ring's ``slot`` as ``(first column, [BLOCK_N, columns] tile)``
+        parts, in column order: the whole ``[BLOCK_N, D]`` tile (first column None), or
+        with kv_boxes one tiled view per column tile of 128 bytes (its box's bytes are
+        those of a tiled, swizzled ``[BLOCK_N, 64]`` slot)."""
         if not self.box_cols:
-            return ring.at[slot]
-        return untiled_view(ring.at[slot], (8, self.box_cols))
+            return ((None, ring.at[slot]),)
+        bn, cols = self.bn, self.box_cols
+        return tuple((c * cols, untiled_view(ring.at[slot, c].reshape(bn // 8, 1, 8, cols),
+                                             (8, cols)))
+                     for c in range(self.d // cols))
 
     def flat_rows(self, kvh, rows):
         """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
@@ -1146,40 +1151,47 @@ class _Forward:
         return [(page(t * per + j), pl.ds(0, ps), pl.ds(j * ps, ps))
                 for j in range(per)]
 
-    def zero_tail(self, it: _Item, t, v_t):
+    def zero_tail(self, it: _Item, t, v_parts):
         """Paged: V's rows of block ``t`` at or past the sequence's length set to zero in
         the slot (their probabilities are 0, but 0 * NaN is not), as a contiguous call's
         padding keys are zeros. Only blocks that reach past the length: the last one, and
         any a tile's padding rows visit."""
-        bn, d = self.bn, self.d
+        bn = self.bn
         valid = self.dyn["lens"][it.bi] - t * bn
 
         @pl.when(valid < bn)
         def _():
-            rows = (plgpu.broadcasted_iota(jnp.int32, (bn, d), 0, layout=plgpu.Layout.WGMMA)
-                    if self.layout_hints else lax.broadcasted_iota(jnp.int32, (bn, d), 0))
-            self._keep_v_rows(v_t, rows < valid)
+            self._keep_v_rows(v_parts, lambda w: self._iota_rows(w) < valid)
 
-    def zero_dropped(self, it: _Item, t, v_t, keep_t):
+    def zero_dropped(self, it: _Item, t, v_parts, keep_t):
         """Key mask: V's rows of the keys ``keep_t`` drops set to zero in the slot, in a
         block that drops any (its flag): their probabilities are 0, but 0 * NaN is not.
         Read in place, K and V may hold anything at a dropped key (NaN padding, a
         cache's unused slots); K needs nothing, its scores are selected away. The same
         values the kernel saw when the caller's K and V were zeroed by
         :func:`zero_dropped_keys` before it: the same bits, with no copy of the cache."""
-        bn, d = self.bn, self.d
+        bn = self.bn
 
         @pl.when(it.flags_ref[it.bi, t] != 0)
         def _():
             kv = (load_ref(keep_t, layout=plgpu.Layout.WGMMA.reduce(1))
                   if self.layout_hints else keep_t[...])
-            self._keep_v_rows(v_t, lax.broadcast_in_dim(kv, (bn, d), [0]) != 0.0)
+            self._keep_v_rows(v_parts,
+                              lambda w: lax.broadcast_in_dim(kv, (bn, w), [0]) != 0.0)
 
-    def _keep_v_rows(self, v_t, kept):
-        """The V slot ``v_t`` with its elements outside ``kept`` (bool ``[bn, d]``, in the
-        WGMMA layout on the GPU) set to zero, committed for the P V product."""
-        x = load_ref(v_t, layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
-        v_t[...] = jnp.where(kept, x, jnp.zeros_like(x))
+    def _iota_rows(self, width):
+        """Each element's row in a ``[BLOCK_N, width]`` tile (WGMMA layout on the GPU)."""
+        shape = (self.bn, width)
+        return (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                if self.layout_hints else lax.broadcasted_iota(jnp.int32, shape, 0))
+
+    def _keep_v_rows(self, v_parts, kept):
+        """The V slot's parts (:meth:`kv_slot`) with their elements outside
+        ``kept(width)`` (bool ``[bn, width]``, in the WGMMA layout on the GPU) set to
+        zero, committed for the P V product."""
+        for _, v_t in v_parts:
+            x = load_ref(v_t, layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
+            v_t[...] = jnp.where(kept(x.shape[1]), x, jnp.zeros_like(x))
         plgpu.commit_smem()
 
     def drain(self, bars, loads):
@@ -1263,9 +1275,14 @@ class _Forward:
         self.wait_keep(it, t)
 
         def qk(acc_ref):
-            kt = (self.kv_slot(k_s, slot).transpose((1, 0)) if self.gpu_operands
-                  else k_s.at[slot])
-            plgpu.wgmma(acc_ref, it.q_s, kt)
+            if self.gpu_operands:
+                # kv_boxes: one product per column tile of K, accumulated in column
+                # order (the whole tile's product issues the same k-steps in that order)
+                for c, k_t in self.kv_slot(k_s, slot):
+                    q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
+                    plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
+            else:  # K^T's slot
+                plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
             if self.pingpong:
                 self.sync(it)
             return acc_ref[...]
@@ -1296,10 +1313,18 @@ class _Forward:
         plgpu.barrier_wait(v_bar.at[slot])
         if self.pingpong:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+        v_parts = self.kv_slot(v_s, slot)
         if self.page_size is not None:
-            self.zero_tail(it, t, self.kv_slot(v_s, slot))
+            self.zero_tail(it, t, v_parts)
         if self.key_mask:
-            self.zero_dropped(it, t, self.kv_slot(v_s, slot), keep)
+            self.zero_dropped(it, t, v_parts, keep)
+
+        def pv_parts(acc_ref):
+            """P V into ``acc_ref``: one product per V part (with kv_boxes, into its
+            columns of the accumulator)."""
+            for c, v_t in v_parts:
+                plgpu.wgmma(acc_ref if c is None else acc_ref.at[:, pl.ds(c, self.box_cols)],
+                            p_op, v_t)
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1309,13 +1334,13 @@ class _Forward:
 
         if self.inplace:
             def pv_into(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, self.kv_slot(v_s, slot))
+                pv_parts(acc_ref)
                 next_k()
 
             acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
         else:
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, self.kv_slot(v_s, slot))
+                pv_parts(acc_ref)
                 next_k()
                 return acc_ref[...]
 
