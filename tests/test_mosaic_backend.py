@@ -160,13 +160,13 @@ def test_flat_kv_keeps_bits_on_gpu():
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_kv_boxes_keep_bits_on_gpu():
-    """On sm90, MosaicConfig(kv_boxes=True) (K and V read in place as 8-row TMA boxes
-    into swizzled slots viewed tiled, TMA's zeros past Skv) gives the bits of the copy
-    padded to whole blocks (kv_boxes=False), out and lse, no NaN: Skv off the 8-row
-    grid in a decode step split and unsplit, 4 queries per head, a causal prefill and
-    chunk, a non-causal prefill, a key padding mask with NaN in dropped K and inf in
-    dropped V, per-sequence offsets, [B, S, H, D], D = 64 and 256 (kv_boxes=True: the
-    default, None, boxes stacked decode rows only); twice, on fresh inputs."""
+    """On sm90, MosaicConfig(kv_boxes=True) (the default: K and V read in place as one
+    TMA box of 64 rows per column tile, TMA's zeros past Skv; S and P V as one product
+    per column tile) gives the bits of the copy padded to whole blocks
+    (kv_boxes=False), out and lse, no NaN: Skv off the 8-row grid in a decode step
+    split and unsplit, 4 queries per head, a causal prefill and chunk, a non-causal
+    prefill, a key padding mask with NaN in dropped K and inf in dropped V,
+    per-sequence offsets, [B, S, H, D], D = 64 and 256; twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     pad, boxes = mf.MosaicConfig(kv_boxes=False), mf.MosaicConfig(kv_boxes=True)

@@ -76,7 +76,7 @@ from jaxattn.validation import as_bhsd
 
 NEG_INF = float("-inf")
 
-try:  # the view of an SMEM slot of 8-row boxes as a tiled [rows, cols] tile (kv_boxes)
+try:  # the view of an SMEM column tile's box as a tiled [rows, cols] tile (kv_boxes)
     from jax._src.pallas.core import TransformedRef
     from jax._src.pallas.mosaic_gpu.core import UntilingTransform
 except ImportError:  # pragma: no cover - a JAX without them: K and V padded in a copy
@@ -224,29 +224,32 @@ class MosaicConfig:
     #: first key, ``h * Skv``) reads the wrong rows (on the H200, 2026-12-04: Skv =
     #: 1025 gave other heads' outputs; the interpreter reads any row and cannot show
     #: it). Elsewhere (7 of 8 decode steps of a growing cache) ``kv_boxes`` reads them
-    #: in place in 8-row boxes, or they are padded in a copy; a bucketed cache
+    #: in place in boxes (or, with ``kv_boxes=False``, a padded copy); a bucketed cache
     #: (:func:`jaxattn.schedule.bucket_length`, the bridge's decode) or a paged one has
     #: whole blocks. A launch choice (the same rows' operations).
     flat_kv: bool = True
     #: Where K and V would be padded to whole blocks in a copy (``flat_kv``'s domain
     #: excluded: Skv off the 8-row grid, 7 of 8 decode steps of a growing cache; a key
     #: padding mask, per-sequence offsets or a non-causal call with a partial last
-    #: block; ``[B, S, H, D]``): each key block is read in place as ``BLOCK_N / 8 * D /
-    #: 64`` TMA boxes of 8 rows by 128 bytes into a swizzled slot without tiling (a box
-    #: of any first row, and past Skv TMA's zeros, as the padded copy's), which the
-    #: matrix products and the V rows' zeroing read through a tiled view of the same
-    #: bytes (``UntilingTransform((8, 64))``: the same SMEM layout as the tiled slot).
-    #: On the GPU operand path, in the "lane" semantics (the "warpgroup" semantics'
-    #: layout inference refuses the swizzle-only slot); the interpreter, which refuses
-    #: out-of-bounds reads and transposed operands, keeps the copy. None: for stacked
-    #: decode rows only (a GQA group's queries in one tile: decode, speculative
-    #: verification), where reading K and V is the step. On the H200 (JAX 0.11.2,
-    #: 2026-12-04, notes "2026-12-04 (eighth)") the boxes took a decode step at B=8
-    #: 8193 keys from 248.5 to 100.6 us (8192 keys, whole blocks: 79.3), but a causal
-    #: prefill at B=2 S=4097 from 0.759 to 1.026 ms: 16 boxes a block cost the
-    #: producer more than the copy costs there. A launch choice (the same keys in the
-    #: same SMEM rows).
-    kv_boxes: bool | None = None
+    #: block; ``[B, S, H, D]``): each key block is read in place as one TMA box of 64
+    #: rows by 128 bytes per column tile (``D / 64`` boxes; any first row, and past Skv
+    #: TMA's zeros, as the padded copy's) into a swizzled slot that holds its column
+    #: tiles one after the other. Each column tile's bytes are those of a tiled,
+    #: swizzled ``[64, 64]`` slot, which the matrix products and V's zeroing read
+    #: through its tiled view (``UntilingTransform((8, 64))``): S as one wgmma per
+    #: column tile into the same accumulator in column order (the whole tile's product
+    #: issues the same k-steps in that order), P V as one per column tile into its
+    #: columns of the accumulator. On the GPU operand path, in the "lane" semantics (the
+    #: "warpgroup" semantics' layout inference refuses the swizzle-only slot); the
+    #: interpreter, which refuses out-of-bounds reads and transposed operands, keeps the
+    #: copy, as does ``False``. On the H200 (JAX 0.11.2, 2026-12-04, notes "2026-12-04
+    #: (tenth)", us): a decode step at B=8 8193 keys 81.4 against 251.7 padded (8192
+    #: keys, whole blocks: 81.1), B=1 131073 152.7 against 483.9, B=32 8193 259.9
+    #: against 923.8; a causal prefill at B=2 S=4097 0.739 against 0.764 ms. (The
+    #: first build, 8-row boxes, 16 a block, took the step to 100.6 us and the prefill
+    #: to 1.026 ms.) A launch choice (the same keys in the same SMEM bytes; equal bits:
+    #: ``test_kv_boxes_keep_bits_on_gpu``).
+    kv_boxes: bool = True
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -318,8 +321,8 @@ class MosaicConfig:
                              f"{self.fold_cols}")
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
-        if self.kv_boxes not in (None, True, False):
-            raise ValueError(f"kv_boxes must be None, True or False, got {self.kv_boxes!r}")
+        if self.kv_boxes not in (True, False):
+            raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -672,9 +675,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     ``h * q_rows`` (:attr:`MosaicConfig.flat_q`); ``rows_out`` (with ``q_rows``, unsplit):
     ``out [B, Hkv * q_rows, D]`` and ``lse [B, Hkv * q_rows]``, the tiles' first
     ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`). ``kv_boxes``: K
-    and V are read as 8-row boxes into swizzled slots without tiling, viewed tiled
-    (:attr:`MosaicConfig.kv_boxes`: ``skv`` need not be a multiple of 8; past it, TMA's
-    zeros); the GPU operand path, not with pages or ``kv_rows``.
+    and V are read as one 64-row box per column tile into swizzled slots without
+    tiling, each column tile viewed tiled (:attr:`MosaicConfig.kv_boxes`: ``skv`` need
+    not be a multiple of 8; past it, TMA's zeros); the GPU operand path, not with pages
+    or ``kv_rows``.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -754,10 +758,10 @@ class _Forward:
         self.kv_rows = kv_rows
         if kv_boxes and (not gpu_operands or page_size is not None or kv_rows is not None
                          or TransformedRef is None):
-            raise ValueError("kv_boxes (K and V as 8-row boxes) is for the GPU operand "
+            raise ValueError("kv_boxes (K and V as boxes of column tiles) is for the GPU operand "
                              "path without pages or kv_rows, on a JAX with "
                              "UntilingTransform")
-        #: kv_boxes: a slot's boxes of 8 rows by ``box_cols`` columns (128 bytes).
+        #: kv_boxes: a slot's boxes of BLOCK_N rows by ``box_cols`` columns (128 bytes).
         self.box_cols = 128 // jnp.dtype(dtype).itemsize if kv_boxes else None
         if kv_boxes and d % self.box_cols:
             raise ValueError(f"kv_boxes needs D a multiple of {self.box_cols}, got {d}")
@@ -1963,10 +1967,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                or state_out)) else None
     stacked_rows = stacked <= bn and cfg.stack_decode and (
         sq == 1 or not (partials or raw or carry is not None))
-    # MosaicConfig.kv_boxes: elsewhere, K and V read in place in 8-row boxes instead of
-    # a copy padded to whole blocks (None: stacked decode rows only).
-    kv_boxes = ((cfg.kv_boxes or (cfg.kv_boxes is None and stacked_rows))
-                and kv_rows is None and pages is None and skv_pad != skv
+    # MosaicConfig.kv_boxes: elsewhere, K and V read in place in boxes instead of a
+    # copy padded to whole blocks.
+    kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
                 and gpu_operands and interpret is None and cfg.semantics == "lane"
                 and TransformedRef is not None)
     if stacked_rows:
