@@ -1062,22 +1062,13 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            if self.box_cols:
-                self.load_boxes(k_ref, k_s, k_bar, slot, parts, kvh)
-            else:
-                self.load_k(k_ref, k_s, k_bar, slot, parts, kvh)
+            self.load_block(k_ref, k_s, k_bar, slot, parts, kvh, kt=not self.gpu_operands)
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            if self.box_cols:
-                self.load_boxes(v_ref, v_s, v_bar, slot, parts, kvh)
-            else:
-                for seq, rows, at in parts:
-                    plgpu.copy_gmem_to_smem(
-                        self.kv_tile(v_ref, seq, kvh, rows),
-                        v_s.at[slot] if at is None else v_s.at[slot, at], v_bar.at[slot])
+            self.load_block(v_ref, v_s, v_bar, slot, parts, kvh)
             if self.key_mask:
                 plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(t * bn, bn)], keep_s.at[slot],
                                         m_bar.at[slot])
@@ -1085,29 +1076,28 @@ class _Forward:
 
         lax.fori_loop(self.split_lo(), hi, load, None)
 
-    def load_k(self, k_ref, k_s, k_bar, slot, parts, kvh):
-        """The block's K into ``k_s``'s ``slot``, one TMA copy per part (K^T's tiles off
+    def load_block(self, ref, ring, bar, slot, parts, kvh, kt=False):
+        """The block's K or V rows into ``ring``'s ``slot``: with kv_boxes, one TMA box
+        of ``BLOCK_N`` rows by ``box_cols`` columns (128 bytes) per column tile (rows
+        past Skv: TMA's zeros); else one TMA copy per part (``kt``: K^T's tiles, off
         the GPU operand path)."""
+        if self.box_cols:
+            (seq, rows, _), = parts
+            cols = self.box_cols
+            tile = self.kv_tile(ref, seq, kvh, rows)
+            for c in range(self.d // cols):
+                plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)],
+                                        ring.at[slot, c], bar.at[slot])
+            return
         for seq, rows, at in parts:
-            if self.gpu_operands:
-                src = self.kv_tile(k_ref, seq, kvh, rows)
-                dst = k_s.at[slot] if at is None else k_s.at[slot, at]
-            else:  # K^T
-                src = (k_ref.at[seq, kvh, :, rows] if self.kv_rows is None else
-                       k_ref.at[seq, :, self.flat_rows(kvh, rows)])
-                dst = k_s.at[slot] if at is None else k_s.at[slot, :, at]
-            plgpu.copy_gmem_to_smem(src, dst, k_bar.at[slot])
-
-    def load_boxes(self, ref, ring, bar, slot, parts, kvh):
-        """kv_boxes: the block's K or V rows into ``ring``'s ``slot``, one TMA box of
-        ``BLOCK_N`` rows by ``box_cols`` columns (128 bytes) per column tile (rows past
-        Skv: TMA's zeros)."""
-        (seq, rows, _), = parts
-        cols = self.box_cols
-        tile = self.kv_tile(ref, seq, kvh, rows)
-        for c in range(self.d // cols):
-            plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)], ring.at[slot, c],
-                                    bar.at[slot])
+            if kt:
+                src = (ref.at[seq, kvh, :, rows] if self.kv_rows is None else
+                       ref.at[seq, :, self.flat_rows(kvh, rows)])
+                dst = ring.at[slot] if at is None else ring.at[slot, :, at]
+            else:
+                src = self.kv_tile(ref, seq, kvh, rows)
+                dst = ring.at[slot] if at is None else ring.at[slot, at]
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
 
     def kv_slot(self, ring, slot):
         """The K or V ring's ``slot`` as ``(first column, [BLOCK_N, columns] tile)``
@@ -1965,14 +1955,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       and not btnh and skv % bn and skv % 8 == 0
                       and not (partials or raw or carry is not None or state is not None
                                or state_out)) else None
-    stacked_rows = stacked <= bn and cfg.stack_decode and (
-        sq == 1 or not (partials or raw or carry is not None))
     # MosaicConfig.kv_boxes: elsewhere, K and V read in place in boxes instead of a
     # copy padded to whole blocks.
     kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
                 and gpu_operands and interpret is None and cfg.semantics == "lane"
                 and TransformedRef is not None)
-    if stacked_rows:
+    if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
+                                                               or carry is not None)):
         # Launch parameters never change a row's bits: one warpgroup of 64 rows here.
         cfg = dataclasses.replace(cfg, compute_wgs=1, block_m=bn)
         want = (b * hkv < SPLIT_DECODE_BELOW_CTAS if cfg.split_decode is None
