@@ -186,3 +186,32 @@ def test_gpu_only_binaries_parse_their_flags():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [w for mod in mods for w in ("ok", mod)], proc.stdout
+
+
+def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
+    """benchmarks.mosaic_asm lowers the Mosaic forward for CUDA on this machine and
+    writes each shape's modules without source locations, and launches.txt; this
+    process lowering one of its shapes gets the same bytes (what a diff of two trees
+    relies on), and a config field (split_ctas_per_sm=2) changes the split decode's
+    launches and nothing else."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks import mosaic_asm
+    from jaxattn.backends.mosaic import forward as mf
+    runs = {}
+    for name, extra in (("a", []), ("two", ["--config=split_ctas_per_sm=2"])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_asm",
+                               f"--out_dir={out}", *extra], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = {p.name: p.read_text() for p in out.iterdir()}
+    here = mosaic_asm.modules(lambda: mosaic_asm._shapes()["decode-split-8x8193"](
+        mf.MosaicConfig()))
+    assert "\n".join(here) == runs["a"]["decode-split-8x8193.mlir"]
+    assert "loc(" not in runs["a"]["decode-split-8x8193.mlir"]
+    lines = dict(zip(*[iter(runs[n]["launches.txt"].splitlines()) for n in ("a", "two")],
+                     strict=True))
+    changed = {a.split(":")[0] for a, b in lines.items() if a != b}
+    assert changed == {"decode-split-8x8192 kernel 0", "decode-split-8x8193 kernel 0",
+                       "decode-mask-8x8192 kernel 0", "decode-paged16 kernel 0"}, changed
+    assert "decode-split-8x8192 kernel 0: 128 threads" in runs["two"]["launches.txt"]
