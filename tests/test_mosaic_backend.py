@@ -217,6 +217,57 @@ def test_kv_boxes_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(split_ctas_per_sm=2) (the split kernel without a producer
+    warpgroup, two CTAs an SM) gives the default's bits, out and lse, no NaN: the split
+    decode past several SPLITs, on and off the 8-row grid, 4 queries a head, D = 64,
+    a key padding mask with NaN in dropped K and inf in dropped V, pages of 16 and 64
+    keys (both layouts, NaN in unused slots, ragged lengths), and CP's split states of
+    a prefill chunk with per-sequence offsets; twice, on fresh inputs."""
+    from jaxattn import paged
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    one, two = mf.MosaicConfig(), mf.MosaicConfig(split_ctas_per_sm=2)
+
+    def agree(f, tag, *args, **kw):
+        """``f(*args, config=c, **kw)``'s outputs under both configs ``c``, equal in
+        bits, no NaN."""
+        for x, y in zip(f(*args, config=one, **kw), f(*args, config=two, **kw), strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), tag
+            assert bits_equal(x, y), tag
+
+    for _ in range(2):
+        q, k, v = rand_qkv(2, 32, 8, 300, 5000, 128, jnp.bfloat16)
+        for b, sq, skv in ((2, 1, 5000), (1, 1, 4097), (2, 4, 3000), (2, 1, 1090)):
+            agree(mf.forward, (b, sq, skv), q[:b, :, -sq:], k[:b, :, :skv], v[:b, :, :skv],
+                  causal=True)
+        agree(mf.forward, "d64", *rand_qkv(2, 8, 8, 1, 3000, 64, jnp.bfloat16), causal=True)
+        m = rng.random((2, 5000)) > 0.3
+        m[:, -1] = True
+        keep = jnp.asarray(m)
+        (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+        agree(mf.forward, "mask", q[:, :, -1:], k_nan, v_inf, causal=True,
+              key_padding_mask=keep)
+        lens = np.array([5000, 2100])
+        for ps, layout in ((16, "NHD"), (64, "HND")):
+            n_pages = -(-5000 // ps)
+            table = jnp.asarray(rng.permutation(2 * n_pages + 3)[:2 * n_pages]
+                                .reshape(2, n_pages).astype(np.int32))
+            shape = ((2 * n_pages + 3, ps, 8, 128) if layout == "NHD"
+                     else (2 * n_pages + 3, 8, ps, 128))
+            kp, vp = jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
+            for i, n in enumerate(lens):
+                kp, vp, _ = paged.write(kp, vp, table[i:i + 1], jnp.zeros((1,), jnp.int32),
+                                        k[i:i + 1, :, :n], v[i:i + 1, :, :n], layout=layout)
+            agree(mf.paged_forward, (ps, layout), q[:, :, -1:], kp, vp, table,
+                  jnp.asarray(lens, jnp.int32), layout=layout)
+        agree(mf.split_partials, "cp", q, k, v, causal=True,
+              causal_offsets=jnp.asarray([4700, 2000], jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_key_mask_reads_kv_in_place_on_gpu():
     """On sm90, a key padding mask with NaN in the dropped keys of K and inf in V's
     (the kernel zeroes V's dropped rows in SMEM; XLA no longer zeroes a copy): the

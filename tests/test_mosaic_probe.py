@@ -21,6 +21,7 @@ from mosaic_support import (
     needs_threads,
 )
 
+from benchmarks.mosaic_asm import launches as mosaic_launches
 from jaxattn import reference, schedule
 from jaxattn.merge import finalize, merge
 
@@ -348,19 +349,43 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
     with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
-    other split is empty)."""
+    other split is empty); so does the split kernel without a producer warpgroup
+    (``split_ctas_per_sm=2``: the compute warpgroup loads each slot's next block once
+    it has read the slot), there also from pages of 16 keys (four copies a block)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
     offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
+    cfg = mosaic_fwd.MosaicConfig
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
-        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                   config=mosaic_fwd.MosaicConfig(split_decode=split), **kw)
-                for split in (False, True)]
-        for x, y in zip(*outs, strict=True):
-            assert not np.isnan(np.asarray(x, np.float32)).any()
-            np.testing.assert_array_equal(bits(x), bits(y),
-                                          err_msg=f"{list(kw)} (seed {seed})")
+        outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
+                for c in (cfg(split_decode=False), cfg(split_decode=True),
+                          cfg(split_decode=True, split_ctas_per_sm=2))]
+        for want, *got in zip(*outs, strict=True):
+            assert not np.isnan(np.asarray(want, np.float32)).any()
+            for y in got:
+                np.testing.assert_array_equal(bits(want), bits(y),
+                                              err_msg=f"{list(kw)} (seed {seed})")
+    # Pages of 16 keys in a shuffled pool, NaN in every slot past a sequence's length,
+    # the second sequence shorter: its rows are its contiguous call's.
+    ps, lens = 16, np.array([s, s - 70])
+    n_pages = -(-s // ps)
+    table = np.random.default_rng(seed).permutation(2 * n_pages).reshape(2, n_pages)
+    pool = np.full((2, 2 * n_pages, 1, ps, 64), np.nan, np.float32)
+    kv = np.asarray(jnp.stack([k, v]), np.float32)
+    for b, n in enumerate(lens):
+        for key in range(n):
+            pool[:, table[b, key // ps], :, key % ps] = kv[:, b, :, key]
+    out, lse = mosaic_fwd.paged_forward(
+        q, *jnp.asarray(pool, jnp.bfloat16), jnp.asarray(table, jnp.int32),
+        jnp.asarray(lens, jnp.int32), interpret=True,
+        config=cfg(split_decode=True, split_ctas_per_sm=2))
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    for b, n in enumerate(lens):
+        o, l = mosaic_fwd.forward(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                  causal=True, interpret=True, config=cfg(split_decode=False))
+        np.testing.assert_array_equal(bits(out[b:b + 1]), bits(o), err_msg=f"paged {b}")
+        np.testing.assert_array_equal(bits(lse[b:b + 1]), bits(l), err_msg=f"paged {b}")
 
 
 @needs_threads
@@ -479,6 +504,65 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
     a = plgpu.SMEM((6, 64, 128), jnp.bfloat16)
     u = plgpu.RefUnion((a, a), (plgpu.SMEM((64, 128), jnp.float32),))
     assert mosaic_fwd.smem_bytes([u, None]) == 6 * 2 * 64 * 128 * 2
+
+
+@needs_api
+def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
+    """MosaicConfig(split_ctas_per_sm=2): the split kernel lowers for CUDA as one
+    warpgroup (128 threads: no producer) in at most half an SM's SMEM less the 1 KiB
+    the runtime keeps a CTA (two CTAs an SM on an H100 or H200), where the default
+    launches 256 threads (a producer warpgroup beside it: the registers of one CTA an
+    SM; at D = 128 also more SMEM than half): the split decode at D = 64 and 128, with a
+    key mask, off the 8-row grid (boxes), from pages of 16 and 64 keys (both layouts),
+    and CP's split states of a prefill; the fold kernel unchanged. At D = 256 one slot
+    does not fit half an SM: the default's launch. Any other count is refused. (Equal
+    bits: the interpreter's split decode test here, and
+    test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu.)"""
+    two_ctas = (228 * 1024) // 2 - 1024
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cfg = mosaic_fwd.MosaicConfig
+
+    def decode(b, hq, hkv, skv, d, mask=False):
+        q, k = S((b, hq, 1, d), bf16), S((b, hkv, skv, d), bf16)
+        keep = S((b, skv), jnp.bool_) if mask else None
+        return lambda c: mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=c,
+                                                   key_padding_mask=keep)
+
+    def paged(ps, layout):
+        q = S((2, 32, 1, 128), bf16)
+        pages = S((512, 8, ps, 128) if layout == "HND" else (512, ps, 8, 128), bf16)
+        table, lens = S((2, 4096 // ps), i32), S((2,), i32)
+        return lambda c: jax.jit(lambda q, kp, t, n: mosaic_fwd.paged_forward(
+            q, kp, kp, t, n, config=c, layout=layout)).trace(q, pages, table, lens).lower(
+            lowering_platforms=("cuda",))
+
+    def cp_states():
+        q, k, offs = S((2, 32, 300, 128), bf16), S((2, 8, 5000, 128), bf16), S((2,), i32)
+        return lambda c: jax.jit(lambda q, k, o: mosaic_fwd.split_partials(
+            q, k, k, causal=True, causal_offsets=o, config=c)).trace(q, k, offs).lower(
+            lowering_platforms=("cuda",))
+
+    cases = {"decode": decode(8, 32, 8, 8192, 128), "d64": decode(2, 8, 8, 5000, 64),
+             "d256": decode(2, 8, 8, 5000, 256), "mask": decode(8, 32, 8, 8192, 128, True),
+             "boxes": decode(8, 32, 8, 8193, 128), "pages16": paged(16, "NHD"),
+             "pages64": paged(64, "HND"), "cp": cp_states()}
+    for name, lower in cases.items():
+        default = mosaic_launches(functools.partial(lower, cfg()))
+        if default is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        two = mosaic_launches(functools.partial(lower, cfg(split_ctas_per_sm=2)))
+        assert len(two) == len(default), name
+        if name == "d256":
+            assert two == default, (two, default)
+            continue
+        assert default[0][0] == 256 and two[0][0] == 128, (name, default, two)
+        assert two[0][1] <= two_ctas, (name, two)
+        assert two[1:] == default[1:], name  # the fold (CP's states: none)
+        if name in ("decode", "mask", "boxes"):
+            assert default[0][1] > two_ctas, (name, default)
+    for bad in (0, 3, None):
+        with pytest.raises(ValueError, match=f"split_ctas_per_sm must be 1 or 2, got {bad}"):
+            cfg(split_ctas_per_sm=bad)
 
 
 @needs_api

@@ -183,6 +183,16 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
+    #: CTAs of a split kernel (``split_out``: the split decode's, CP's split states)
+    #: that should share an SM: 1, a producer warpgroup beside the compute warpgroup
+    #: (its 150 or more registers a thread for 256 threads leave room for one CTA an
+    #: SM); or 2, no producer warpgroup: the compute warpgroup issues each slot's next
+    #: K and V loads itself, K's once its S is read, V's once its P V is, ``stages``
+    #: blocks ahead, and the ring gets the slots that fit half an SM's SMEM
+    #: (:data:`SMEM_LIMIT_TWO_CTAS`), so one CTA's prologue (Q, the first blocks'
+    #: latency) and epilogue (the state's store) overlap the other's stream. The same
+    #: blocks in the same order: a launch choice.
+    split_ctas_per_sm: int = 1
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -309,6 +319,8 @@ class MosaicConfig:
         if self.normalize not in ("divide", "reciprocal"):
             raise ValueError(f"normalize must be 'divide' or 'reciprocal', got "
                              f"{self.normalize!r}")
+        if self.split_ctas_per_sm not in (1, 2):
+            raise ValueError(f"split_ctas_per_sm must be 1 or 2, got {self.split_ctas_per_sm!r}")
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
@@ -708,6 +720,7 @@ class _Item:
     bi: object
     base: object  #: the ring position of the item's first step
     flags_ref: object
+    kvh: object = None  #: the KV head
     offset: object = None
     position: object = None
     hi: object = None  #: key blocks [0, hi) visited
@@ -855,9 +868,18 @@ class _Forward:
         #: (a launch choice). On the GPU only (the interpreter ignores the SMEM plan).
         self.ring_union = (split_out and not carry_in and not cfg.persistent
                            and interpret is None)
-        # A split's CTA: as many of the ring's slots as its SMEM holds (a launch
-        # choice: the same blocks in the same order), at most the configured count.
-        while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > SMEM_LIMIT:
+        # A split's CTA: as many of the ring's slots as its SMEM holds (a launch choice:
+        # the same blocks in the same order), at most the configured count.
+        #: MosaicConfig.split_ctas_per_sm == 2, where one slot and the rest fit half an
+        #: SM (not at D=256): no producer warpgroup; the compute warpgroup issues its
+        #: ring's loads (:meth:`load_k`, :meth:`load_v`) into the slots that fit.
+        #: (split_out: one compute warpgroup, no persistent grid, checked below.)
+        stages, self.stages = self.stages, 1
+        self.inline_loads = (split_out and cfg.split_ctas_per_sm == 2
+                             and smem_bytes(self.scratch(())) <= SMEM_LIMIT_TWO_CTAS)
+        self.stages = stages
+        limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
+        while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > limit:
             self.stages -= 1
 
         persistent = cfg.persistent
@@ -1049,9 +1071,9 @@ class _Forward:
         released it (the "consumed" barriers); with a key mask, each block's keep
         values with its V (they are read up to the softmax, V's slot is released after
         P V)."""
-        _, k_s, v_s, _, _, _, keep_s, *_ = smem
-        k_bar, v_bar, k_free, v_free, _, _, _, m_bar, *_ = bars
-        bn, stages = self.bn, self.stages
+        _, _, k_free, v_free, *_ = bars
+        stages = self.stages
+        refs = (k_ref, v_ref, keep_ref)
 
         def load(t, _):
             n = base + t
@@ -1062,19 +1084,30 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
-            self.load_block(k_ref, k_s, k_bar, slot, parts, kvh, kt=not self.gpu_operands)
+            self.load_k(refs, smem, bars, kvh, parts, slot)
 
             @pl.when(n >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
-            self.load_block(v_ref, v_s, v_bar, slot, parts, kvh)
-            if self.key_mask:
-                plgpu.copy_gmem_to_smem(keep_ref.at[bi, pl.ds(t * bn, bn)], keep_s.at[slot],
-                                        m_bar.at[slot])
+            self.load_v(refs, smem, bars, kvh, parts, slot, bi, t)
             return None
 
         lax.fori_loop(self.split_lo(), hi, load, None)
+
+    def load_k(self, refs, smem, bars, kvh, parts, slot):
+        """A key block's K (``parts``: :meth:`block_parts`) into the ring's ``slot``
+        (``refs``: K's, V's and the keep values' GMEM refs)."""
+        self.load_block(refs[0], smem[1], bars[0], slot, parts, kvh,
+                        kt=not self.gpu_operands)
+
+    def load_v(self, refs, smem, bars, kvh, parts, slot, bi, t):
+        """Key block ``t``'s V (and with a key mask its keep values) into ``slot``."""
+        self.load_block(refs[1], smem[2], bars[1], slot, parts, kvh)
+        if self.key_mask:
+            bn = self.bn
+            plgpu.copy_gmem_to_smem(refs[2].at[bi, pl.ds(t * bn, bn)], smem[6].at[slot],
+                                    bars[7].at[slot])
 
     def load_block(self, ref, ring, bar, slot, parts, kvh, kt=False):
         """The block's K or V rows into ``ring``'s ``slot``: with kv_boxes, one TMA box
@@ -1263,9 +1296,13 @@ class _Forward:
         into a fresh one added after; the next block's K is awaited while P V runs."""
         acc, m, l = carry
         _, k_s, v_s, _, ones_s, _, keep_s, *_ = it.smem
-        k_bar, v_bar, k_free, v_free, _, _, sched, *_ = it.bars
+        k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
         bm, bn, d = self.bm, self.bn, self.d
         slot = self.slot_of(it, t)
+        # inline_loads: block t + stages' copies, read before the products (a paged
+        # block's table entries are loads from global memory; their use waits for them)
+        nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
+               if self.inline_loads else None)
         self.wait_keep(it, t)
 
         def qk(acc_ref):
@@ -1282,7 +1319,7 @@ class _Forward:
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
+        self.release(it, n_steps, nxt, slot, "k")
         keep = keep_s.at[slot] if self.key_mask else None
         p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
         if self.gpu_operands:  # P as the P V wgmma's A operand: registers, or SMEM
@@ -1339,8 +1376,27 @@ class _Forward:
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
-        plgpu.barrier_arrive(v_free.at[slot])
+        self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
+
+    def release(self, it: _Item, n_steps, nxt, slot, kind: str):
+        """A block's K (``kind`` "k") or V ``slot`` read: an arrival on its "consumed"
+        barrier for the producer or, without one (``inline_loads``), the load of block
+        ``nxt = (t + stages, its parts)`` into the slot, if the warpgroup visits it.
+        (Pallas's copy starts with a warpgroup barrier, so every warp's products have
+        read the slot.)"""
+        if not self.inline_loads:
+            plgpu.barrier_arrive(it.bars[2 if kind == "k" else 3].at[slot])
+            return
+        t, parts = nxt
+        refs = self.dyn["kv"]
+
+        @pl.when(t < n_steps)
+        def _():
+            if kind == "k":
+                self.load_k(refs, it.smem, it.bars, it.kvh, parts, slot)
+            else:
+                self.load_v(refs, it.smem, it.bars, it.kvh, parts, slot, it.bi, t)
 
     # -- the SPLIT fold --------------------------------------------------------------
 
@@ -1384,7 +1440,8 @@ class _Forward:
             q_s, q_b = q_s.at[qbuf, w], q_bar.at[qbuf * self.nwg + w]
         it = _Item(w=w, q_s=q_s, q_b=q_b, lse_s=lse_s.at[w],
                    p_s=None if p_s is None else p_s.at[w], smem=smem, bars=bars,
-                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref)
+                   q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref,
+                   kvh=lax.div(h, jnp.int32(self.group)) if self.inline_loads else None)
         it.offset, it.position = self.offset_of(bi), self.position_of(bi)
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
@@ -1408,6 +1465,17 @@ class _Forward:
             q_in = smem[10].at[w]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(h * self.q_rows + it.q0, self.bm)],
                                     q_in, q_b)
+        if self.inline_loads:  # no producer: the ring's first blocks, then one a release
+            first_step, n_steps = self.steps(it)
+
+            def prologue(t, _):
+                parts, refs, slot = self.block_parts(bi, t), self.dyn["kv"], self.slot_of(it, t)
+                self.load_k(refs, smem, bars, it.kvh, parts, slot)
+                self.load_v(refs, smem, bars, it.kvh, parts, slot, bi, t)
+                return None
+
+            lax.fori_loop(first_step, lax.min(first_step + self.stages, n_steps), prologue,
+                          None)
         if self.state_in:
             self.issue_state(it)
         plgpu.barrier_wait(q_b)
@@ -1422,10 +1490,7 @@ class _Forward:
         if self.pingpong:
             pl.when(w == 1)(lambda: self.sync(it))
 
-        # The warpgroup's ring steps: [first_step, n_steps) (split_out: its split's).
-        first_step = self.split_lo()
-        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
-                   else it.hi)
+        first_step, n_steps = self.steps(it)
         n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
 
         @pl.when(first_step < n_steps)  # the first K (each later one: during P V)
@@ -1466,6 +1531,13 @@ class _Forward:
         if self.pingpong:
             pl.when(w == 0)(lambda: self.sync(it))
         self.epilogue(it, o_ref, lse_ref, out, lse)
+
+    def steps(self, it: _Item):
+        """The warpgroup's ring steps ``[first_step, n_steps)`` (split_out: its split's)."""
+        first_step = self.split_lo()
+        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
+                   else it.hi)
+        return first_step, n_steps
 
     def issue_state(self, it: _Item):
         """``state_in``: start the TMA loads of the item's rows of the folded state (its
@@ -1577,7 +1649,8 @@ class _Forward:
 
     def kernel(self, q_ref, k_ref, v_ref, *rest):
         """The CTA: ``compute_wgs`` consumer warpgroups and one producer warpgroup over
-        the CTA's items (:meth:`items_of_cta`), sharing the ring's SMEM and barriers."""
+        the CTA's items (:meth:`items_of_cta`), sharing the ring's SMEM and barriers;
+        with ``inline_loads`` the one compute warpgroup alone, issuing its own loads."""
         cfg, nwg, stages, bm = self.cfg, self.nwg, self.stages, self.bm
         ones_ref = None
         if self.use_mma_rowsum:
@@ -1603,6 +1676,7 @@ class _Forward:
         if self.dyn_offsets and not self.offs_from_lens:
             *rest, self.dyn["offs"] = rest
         keep_ref, flags_ref = rest if self.key_mask else (None, None)
+        self.dyn["kv"] = (k_ref, v_ref, keep_ref)  # (inline_loads: the consumer's loads)
         count, item_at = self.items_of_cta()
         scratch_refs = self.scratch((2,) if cfg.prefetch_q else ())
         barriers = (
@@ -1632,6 +1706,8 @@ class _Forward:
                 if self.set_regs:
                     plgpu.set_max_registers(cfg.registers[0], action="increase")
                 if self.use_mma_rowsum:
+                    if self.inline_loads:
+                        plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
                     plgpu.barrier_wait(bars[5].at[0])
 
                 def issue_q(tile0, h, bi, buf):
@@ -1664,6 +1740,9 @@ class _Forward:
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, -self.split_lo())
+
+            if self.inline_loads:  # no producer warpgroup
+                return
 
             @pl.when(wg == nwg)
             def _():
@@ -1722,12 +1801,14 @@ class _Forward:
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
-            num_threads=self.nwg + 1,
+            # (split_ctas_per_sm=2: no producer warpgroup)
+            num_threads=self.nwg + (0 if self.inline_loads else 1),
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
                 approx_math=cfg.approx_math,
                 lowering_semantics=getattr(plgpu.LoweringSemantics,
-                                           cfg.semantics.capitalize())),
+                                           cfg.semantics.capitalize()),
+                **(NO_REDUCTION_SCRATCH if self.inline_loads else {})),
             interpret=self.interpret,
         )
         # Constants of the program (numpy arrays).
@@ -1753,6 +1834,17 @@ PERSISTENT_MAX_BLOCKS = 64
 #: less what the Mosaic GPU lowering adds for barriers and its own use (2256 to 2320
 #: bytes at 6 to 8 ring slots of the split decode, JAX 0.10.2).
 SMEM_LIMIT = 227 * 1024 - 2560
+#: Compiler parameters of a kernel that reserves no SMEM for cross-warp reductions
+#: (Pallas reserves ``reduction_scratch_bytes``, 2 KiB, for any kernel with a
+#: reduction; the forward's are the rows of the WGMMA layout, within a warp, and take
+#: none), where this JAX's ``CompilerParams`` has the field.
+NO_REDUCTION_SCRATCH = ({"reduction_scratch_bytes": 0} if "reduction_scratch_bytes" in
+                        {f.name for f in dataclasses.fields(plgpu.CompilerParams)} else {})
+#: The buffers' SMEM (:func:`smem_bytes`) of a CTA of which two share an SM
+#: (``MosaicConfig.split_ctas_per_sm``): an H100's or H200's SM has 228 KiB, of which
+#: the runtime keeps 1 KiB a CTA; 512 bytes for the barriers, and the reduction
+#: scratch where it cannot be dropped (:data:`NO_REDUCTION_SCRATCH`).
+SMEM_LIMIT_TWO_CTAS = 113 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
 
 
 def smem_bytes(scratch) -> int:
