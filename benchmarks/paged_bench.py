@@ -37,8 +37,22 @@ flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("iters", 7, "Timed samples per point (median).")
 flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
+flags.DEFINE_list("mosaic_variants", [], "More backends: the Mosaic backend with "
+                  "MosaicConfig fields, name:key=value[:key=value...] (reported as "
+                  "mosaic:name), e.g. two:split_ctas_per_sm=2.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU.")
 FLAGS = flags.FLAGS
+
+
+def _backend(name: str):
+    """A ``--backends`` name, or ``mosaic:<variant>`` of ``--mosaic_variants``: the
+    Mosaic backend with that variant's MosaicConfig."""
+    if not name.startswith("mosaic:"):
+        return name
+    from jaxattn.backends.mosaic import forward as mf
+    from jaxattn.backends.mosaic.backend import MosaicBackend
+    fields = dict(v.partition(":")[::2] for v in FLAGS.mosaic_variants)[name[7:]]
+    return MosaicBackend(fwd_config=mf.MosaicConfig(**report.config_fields(fields)))
 
 
 def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffled"):
@@ -60,11 +74,12 @@ def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffl
         order = rng.permutation(n) if table_kind == "shuffled" else np.arange(n)
         table = jnp.asarray(order.reshape(b, max_pages).astype(np.int32))
         sets.append((q, kp, vp, table, jnp.full((b,), skv, jnp.int32)))
+    impl = _backend(backend)
     if ps is None:
-        fn = jax.jit(lambda q, k, v: jaxattn.attention(q, k, v, backend=backend))
+        fn = jax.jit(lambda q, k, v: jaxattn.attention(q, k, v, backend=impl))
     else:
         fn = jax.jit(lambda q, kp, vp, t, lens: jaxattn.paged.attention(
-            q, kp, vp, t, lens, backend=backend, layout=layout))
+            q, kp, vp, t, lens, backend=impl, layout=layout))
     sec, _ = report.sampled_seconds(fn, sets, jax.block_until_ready, FLAGS.iters, 2, 50,
                                     0.02)
     nbytes = 2 * b * hkv * skv * d * 2
@@ -78,7 +93,8 @@ def main(argv):
     del argv
     hq, hkv, d = FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
     points = list(zip(map(int, FLAGS.batches), map(int, FLAGS.kv_lens), strict=True))
-    page_sizes, backends = [int(p) for p in FLAGS.page_sizes], FLAGS.backends
+    page_sizes = [int(p) for p in FLAGS.page_sizes]
+    backends = FLAGS.backends + [f"mosaic:{v.partition(':')[0]}" for v in FLAGS.mosaic_variants]
     if FLAGS.smoke:
         hq, hkv, d, points, page_sizes, backends = 4, 2, 64, [(2, 128)], [16, 64], ["pallas"]
     rows = []
