@@ -219,22 +219,28 @@ def test_kv_boxes_keep_bits_on_gpu():
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(split_ctas_per_sm=2) (the split kernel without a producer
-    warpgroup, two CTAs an SM) gives the default's bits, out and lse, no NaN: the split
-    decode past several SPLITs, on and off the 8-row grid, 4 queries a head, D = 64,
-    a key padding mask with NaN in dropped K and inf in dropped V, pages of 16 and 64
-    keys (both layouts, NaN in unused slots, ragged lengths), and CP's split states of
-    a prefill chunk with per-sequence offsets; twice, on fresh inputs."""
+    warpgroup, two CTAs an SM; with 3 ring slots at D=128 and with 2) gives the
+    default's bits, out and lse, no NaN: the split decode past several SPLITs, on and
+    off the 8-row grid, 4 queries a head, D = 64, a key padding mask with NaN in
+    dropped K and inf in dropped V, pages of 16 and 64 keys (both layouts, NaN in
+    unused slots, ragged lengths), and CP's split states of a prefill chunk with
+    per-sequence offsets; twice, on fresh inputs."""
     from jaxattn import paged
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    one, two = mf.MosaicConfig(), mf.MosaicConfig(split_ctas_per_sm=2)
+    one = mf.MosaicConfig()
+    # three ring slots at D=128 (Q's landing slot shares the last V slot's SMEM), two
+    twos = (mf.MosaicConfig(split_ctas_per_sm=2),
+            mf.MosaicConfig(split_ctas_per_sm=2, split_decode_stages=2))
 
     def agree(f, tag, *args, **kw):
-        """``f(*args, config=c, **kw)``'s outputs under both configs ``c``, equal in
-        bits, no NaN."""
-        for x, y in zip(f(*args, config=one, **kw), f(*args, config=two, **kw), strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), tag
-            assert bits_equal(x, y), tag
+        """``f(*args, config=c, **kw)``'s outputs under the default and each of
+        ``twos``, equal in bits, no NaN."""
+        want = f(*args, config=one, **kw)
+        for two in twos:
+            for x, y in zip(want, f(*args, config=two, **kw), strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), (tag, two)
+                assert bits_equal(x, y), (tag, two)
 
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 300, 5000, 128, jnp.bfloat16)

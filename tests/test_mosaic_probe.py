@@ -514,8 +514,9 @@ def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     launches 256 threads (a producer warpgroup beside it: the registers of one CTA an
     SM; at D = 128 also more SMEM than half): the split decode at D = 64 and 128, with a
     key mask, off the 8-row grid (boxes), from pages of 16 and 64 keys (both layouts),
-    and CP's split states of a prefill; the fold kernel unchanged. At D = 256 one slot
-    does not fit half an SM: the default's launch. Any other count is refused. (Equal
+    and CP's split states of a prefill; the fold kernel unchanged; 3 ring slots at
+    D=128 (2 with a key mask). At D = 256 one slot does not fit half an SM: the
+    default's launch. Any other count is refused. (Equal
     bits: the interpreter's split decode test here, and
     test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu.)"""
     two_ctas = (228 * 1024) // 2 - 1024
@@ -560,6 +561,16 @@ def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
         assert two[1:] == default[1:], name  # the fold (CP's states: none)
         if name in ("decode", "mask", "boxes"):
             assert default[0][1] > two_ctas, (name, default)
+    # The ring's slots at D=128: 3, Q's untiled landing slot sharing the last V slot's
+    # SMEM (its first V load waits until Q has left), 2 with a key mask's keep ring.
+    for key_mask, slots in ((False, 3), (True, 2)):
+        f = mosaic_fwd._Forward(
+            b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=bf16, causal=True,
+            scale=0.1, cfg=cfg(compute_wgs=1, stages=4, split_ctas_per_sm=2),
+            gpu_operands=True, interpret=None, position=0, key_mask=key_mask,
+            dyn_offsets=False, split_out=True, state_rows=8, q_rows=4)
+        assert (f.stages, f.inline_loads, f.defer_v, f.q_alias) == (slots, True, True, True)
+        assert mosaic_fwd.smem_bytes(f.scratch(())) <= mosaic_fwd.SMEM_LIMIT_TWO_CTAS
     for bad in (0, 3, None):
         with pytest.raises(ValueError, match=f"split_ctas_per_sm must be 1 or 2, got {bad}"):
             cfg(split_ctas_per_sm=bad)

@@ -189,9 +189,10 @@ class MosaicConfig:
     #: SM); or 2, no producer warpgroup: the compute warpgroup issues each slot's next
     #: K and V loads itself, K's once its S is read, V's once its P V is, ``stages``
     #: blocks ahead, and the ring gets the slots that fit half an SM's SMEM
-    #: (:data:`SMEM_LIMIT_TWO_CTAS`), so one CTA's prologue (Q, the first blocks'
-    #: latency) and epilogue (the state's store) overlap the other's stream. The same
-    #: blocks in the same order: a launch choice.
+    #: (:data:`SMEM_LIMIT_TWO_CTAS`: 3 at D=128, Q's untiled landing slot sharing the
+    #: last V slot's SMEM; D=256 keeps the producer), so one CTA's prologue (Q, the
+    #: first blocks' latency) and epilogue (the state's store) overlap the other's
+    #: stream. The same blocks in the same order: a launch choice.
     split_ctas_per_sm: int = 1
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
@@ -874,10 +875,16 @@ class _Forward:
         #: SM (not at D=256): no producer warpgroup; the compute warpgroup issues its
         #: ring's loads (:meth:`load_k`, :meth:`load_v`) into the slots that fit.
         #: (split_out: one compute warpgroup, no persistent grid, checked below.)
+        #: With ``q_rows`` the last slot's first V load waits until Q has left its
+        #: untiled landing slot, which then shares the SMEM of that V slot
+        #: (``q_alias``, in the ring's union: a third slot at D=128).
+        self.defer_v = self.q_alias = False
         stages, self.stages = self.stages, 1
         self.inline_loads = (split_out and cfg.split_ctas_per_sm == 2
                              and smem_bytes(self.scratch(())) <= SMEM_LIMIT_TWO_CTAS)
         self.stages = stages
+        self.defer_v = self.inline_loads and q_rows is not None
+        self.q_alias = self.defer_v and self.ring_union
         limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
         while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > limit:
             self.stages -= 1
@@ -940,9 +947,17 @@ class _Forward:
         o32 = (plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
+        q_in = plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None
         if self.ring_union:  # the split's state staged where the ring was
-            k_ring, v_ring, o32, rows = (plgpu.RefUnion((k_ring, v_ring), (o32, rows)),
-                                         None, None, None)
+            groups = [(k_ring, v_ring), (o32, rows)]
+            if self.q_alias:  # Q's landing slot where the last V slot is (q_alias):
+                # a group's refs lie one after another, each 1 KiB-aligned (as
+                # smem_bytes counts them; another layout would give other bits in
+                # test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu)
+                slot = bn * d * isz  # a multiple of 1 KiB
+                groups.append((plgpu.SMEM(((2 * self.stages - 1) * slot,), jnp.int8), q_in))
+                q_in = None
+            k_ring, v_ring, o32, rows = plgpu.RefUnion(*groups), None, None, None
         return [
             plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, isz)),
             k_ring,
@@ -964,7 +979,7 @@ class _Forward:
             if self.state_in or self.state_out else None,
             # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
             # before it is stored into the tiled, swizzled Q slot that wgmma reads
-            plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None,
+            q_in,
         ]
 
     def layout(self, x, lay):
@@ -1468,10 +1483,16 @@ class _Forward:
         if self.inline_loads:  # no producer: the ring's first blocks, then one a release
             first_step, n_steps = self.steps(it)
 
+            last = first_step + (self.stages - 1)  # (the ring's last slot)
+
             def prologue(t, _):
                 parts, refs, slot = self.block_parts(bi, t), self.dyn["kv"], self.slot_of(it, t)
                 self.load_k(refs, smem, bars, it.kvh, parts, slot)
-                self.load_v(refs, smem, bars, it.kvh, parts, slot, bi, t)
+                if self.defer_v:  # (the last slot's V once Q has left its landing slot)
+                    pl.when(t != last)(lambda: self.load_v(refs, smem, bars, it.kvh, parts,
+                                                           slot, bi, t))
+                else:
+                    self.load_v(refs, smem, bars, it.kvh, parts, slot, bi, t)
                 return None
 
             lax.fori_loop(first_step, lax.min(first_step + self.stages, n_steps), prologue,
@@ -1484,6 +1505,11 @@ class _Forward:
             q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
                         if self.layout_hints else q_in[...])
             plgpu.commit_smem()
+            if self.defer_v:  # the last slot's first V (the copy waits for every warp)
+                @pl.when(last < n_steps)
+                def _():
+                    self.load_v(self.dyn["kv"], smem, bars, it.kvh, self.block_parts(bi, last),
+                                self.slot_of(it, last), bi, last)
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
@@ -1699,7 +1725,9 @@ class _Forward:
             wg = lax.axis_index("wg")
             if self.ring_union:  # the union's refs at the places scratch() gives them
                 smem = list(smem)
-                (smem[1], smem[2]), (smem[7], smem[5]) = smem[1]
+                (smem[1], smem[2]), (smem[7], smem[5]), *alias = smem[1]
+                if self.q_alias:
+                    (_, smem[10]), = alias
 
             @pl.when(wg < nwg)
             def _():
