@@ -217,21 +217,21 @@ def test_kv_boxes_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu():
-    """On sm90, MosaicConfig(split_ctas_per_sm=2) (the split kernel without a producer
-    warpgroup, two CTAs an SM; with 3 ring slots at D=128 and with 2) gives the
-    default's bits, out and lse, no NaN: the split decode past several SPLITs, on and
-    off the 8-row grid, 4 queries a head, D = 64, a key padding mask with NaN in
-    dropped K and inf in dropped V, pages of 16 and 64 keys (both layouts, NaN in
-    unused slots, ragged lengths), and CP's split states of a prefill chunk with
-    per-sequence offsets; twice, on fresh inputs."""
+def test_two_ctas_an_sm_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(ctas_per_sm=2) (the decode kernels without a producer
+    warpgroup, two CTAs an SM; the split kernel with 3 ring slots at D=128 and with 2)
+    gives the default's bits, out and lse, no NaN: the split decode past several
+    SPLITs, on and off the 8-row grid, 4 queries a head, the unsplit decode (B=20),
+    D = 64, a key padding mask with NaN in dropped K and inf in dropped V, pages of 16
+    and 64 keys (both layouts, NaN in unused slots, ragged lengths), and CP's split
+    states of a prefill chunk with per-sequence offsets; twice, on fresh inputs."""
     from jaxattn import paged
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     one = mf.MosaicConfig()
     # three ring slots at D=128 (Q's landing slot shares the last V slot's SMEM), two
-    twos = (mf.MosaicConfig(split_ctas_per_sm=2),
-            mf.MosaicConfig(split_ctas_per_sm=2, split_decode_stages=2))
+    twos = (mf.MosaicConfig(ctas_per_sm=2),
+            mf.MosaicConfig(ctas_per_sm=2, split_decode_stages=2))
 
     def agree(f, tag, *args, **kw):
         """``f(*args, config=c, **kw)``'s outputs under the default and each of
@@ -246,6 +246,11 @@ def test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu():
         q, k, v = rand_qkv(2, 32, 8, 300, 5000, 128, jnp.bfloat16)
         for b, sq, skv in ((2, 1, 5000), (1, 1, 4097), (2, 4, 3000), (2, 1, 1090)):
             agree(mf.forward, (b, sq, skv), q[:b, :, -sq:], k[:b, :, :skv], v[:b, :, :skv],
+                  causal=True)
+        # the unsplit decode (B * Hkv >= SPLIT_DECODE_BELOW_CTAS), on and off the grid
+        qb, kb, vb = rand_qkv(20, 32, 8, 1, 3000, 128, jnp.bfloat16)
+        for skv in (3000, 2049):
+            agree(mf.forward, ("unsplit", skv), qb, kb[:, :, :skv], vb[:, :, :skv],
                   causal=True)
         agree(mf.forward, "d64", *rand_qkv(2, 8, 8, 1, 3000, 64, jnp.bfloat16), causal=True)
         m = rng.random((2, 5000)) > 0.3

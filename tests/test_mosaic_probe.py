@@ -349,9 +349,10 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
     with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
-    other split is empty); so does the split kernel without a producer warpgroup
-    (``split_ctas_per_sm=2``: the compute warpgroup loads each slot's next block once
-    it has read the slot), there also from pages of 16 keys (four copies a block)."""
+    other split is empty); so do the split and the unsplit kernel without a producer
+    warpgroup (``ctas_per_sm=2``: the compute warpgroup loads each slot's next block
+    once it has read the slot), the split one also from pages of 16 keys (four copies a
+    block)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
@@ -360,7 +361,8 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
                 for c in (cfg(split_decode=False), cfg(split_decode=True),
-                          cfg(split_decode=True, split_ctas_per_sm=2))]
+                          cfg(split_decode=True, ctas_per_sm=2),
+                          cfg(split_decode=False, ctas_per_sm=2))]
         for want, *got in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(want, np.float32)).any()
             for y in got:
@@ -379,7 +381,7 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     out, lse = mosaic_fwd.paged_forward(
         q, *jnp.asarray(pool, jnp.bfloat16), jnp.asarray(table, jnp.int32),
         jnp.asarray(lens, jnp.int32), interpret=True,
-        config=cfg(split_decode=True, split_ctas_per_sm=2))
+        config=cfg(split_decode=True, ctas_per_sm=2))
     assert not np.isnan(np.asarray(out, np.float32)).any()
     for b, n in enumerate(lens):
         o, l = mosaic_fwd.forward(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
@@ -507,18 +509,18 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
 
 
 @needs_api
-def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
-    """MosaicConfig(split_ctas_per_sm=2): the split kernel lowers for CUDA as one
+def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
+    """MosaicConfig(ctas_per_sm=2): the decode kernel lowers for CUDA as one
     warpgroup (128 threads: no producer) in at most half an SM's SMEM less the 1 KiB
     the runtime keeps a CTA (two CTAs an SM on an H100 or H200), where the default
     launches 256 threads (a producer warpgroup beside it: the registers of one CTA an
-    SM; at D = 128 also more SMEM than half): the split decode at D = 64 and 128, with a
-    key mask, off the 8-row grid (boxes), from pages of 16 and 64 keys (both layouts),
-    and CP's split states of a prefill; the fold kernel unchanged; 3 ring slots at
-    D=128 (2 with a key mask). At D = 256 one slot does not fit half an SM: the
-    default's launch. Any other count is refused. (Equal
-    bits: the interpreter's split decode test here, and
-    test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu.)"""
+    SM; the split decode at D = 128 also more SMEM than half): the unsplit decode
+    (B=32), the split decode at D = 64 and 128, with a key mask, off the 8-row grid
+    (boxes), from pages of 16 and 64 keys (both layouts), and CP's split states of a
+    prefill; the fold kernel unchanged; the split kernel's ring 3 slots at D=128 (2
+    with a key mask). At D = 256 one slot does not fit half an SM: the default's
+    launch. Any other count is refused. (Equal bits: the interpreter's split decode
+    test here, and test_two_ctas_an_sm_keeps_bits_on_gpu.)"""
     two_ctas = (228 * 1024) // 2 - 1024
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     cfg = mosaic_fwd.MosaicConfig
@@ -543,7 +545,8 @@ def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
             q, k, k, causal=True, causal_offsets=o, config=c)).trace(q, k, offs).lower(
             lowering_platforms=("cuda",))
 
-    cases = {"decode": decode(8, 32, 8, 8192, 128), "d64": decode(2, 8, 8, 5000, 64),
+    cases = {"decode": decode(8, 32, 8, 8192, 128), "unsplit": decode(32, 32, 8, 8192, 128),
+             "d64": decode(2, 8, 8, 5000, 64),
              "d256": decode(2, 8, 8, 5000, 256), "mask": decode(8, 32, 8, 8192, 128, True),
              "boxes": decode(8, 32, 8, 8193, 128), "pages16": paged(16, "NHD"),
              "pages64": paged(64, "HND"), "cp": cp_states()}
@@ -551,7 +554,7 @@ def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
         default = mosaic_launches(functools.partial(lower, cfg()))
         if default is None:
             pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        two = mosaic_launches(functools.partial(lower, cfg(split_ctas_per_sm=2)))
+        two = mosaic_launches(functools.partial(lower, cfg(ctas_per_sm=2)))
         assert len(two) == len(default), name
         if name == "d256":
             assert two == default, (two, default)
@@ -566,14 +569,14 @@ def test_split_kernel_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     for key_mask, slots in ((False, 3), (True, 2)):
         f = mosaic_fwd._Forward(
             b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=bf16, causal=True,
-            scale=0.1, cfg=cfg(compute_wgs=1, stages=4, split_ctas_per_sm=2),
+            scale=0.1, cfg=cfg(compute_wgs=1, stages=4, ctas_per_sm=2),
             gpu_operands=True, interpret=None, position=0, key_mask=key_mask,
             dyn_offsets=False, split_out=True, state_rows=8, q_rows=4)
         assert (f.stages, f.inline_loads, f.defer_v, f.q_alias) == (slots, True, True, True)
         assert mosaic_fwd.smem_bytes(f.scratch(())) <= mosaic_fwd.SMEM_LIMIT_TWO_CTAS
     for bad in (0, 3, None):
-        with pytest.raises(ValueError, match=f"split_ctas_per_sm must be 1 or 2, got {bad}"):
-            cfg(split_ctas_per_sm=bad)
+        with pytest.raises(ValueError, match=f"ctas_per_sm must be 1 or 2, got {bad}"):
+            cfg(ctas_per_sm=bad)
 
 
 @needs_api

@@ -183,17 +183,18 @@ class MosaicConfig:
     #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
     #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
     split_decode_stages: int = 4
-    #: CTAs of a split kernel (``split_out``: the split decode's, CP's split states)
-    #: that should share an SM: 1, a producer warpgroup beside the compute warpgroup
-    #: (its 150 or more registers a thread for 256 threads leave room for one CTA an
-    #: SM); or 2, no producer warpgroup: the compute warpgroup issues each slot's next
-    #: K and V loads itself, K's once its S is read, V's once its P V is, ``stages``
-    #: blocks ahead, and the ring gets the slots that fit half an SM's SMEM
-    #: (:data:`SMEM_LIMIT_TWO_CTAS`: 3 at D=128, Q's untiled landing slot sharing the
-    #: last V slot's SMEM; D=256 keeps the producer), so one CTA's prologue (Q, the
-    #: first blocks' latency) and epilogue (the state's store) overlap the other's
-    #: stream. The same blocks in the same order: a launch choice.
-    split_ctas_per_sm: int = 1
+    #: CTAs of a kernel of one compute warpgroup (the decode's stacked rows, split or
+    #: not; CP's split states) that should share an SM: 1, a producer warpgroup beside
+    #: the compute warpgroup (150 to 216 registers a thread for 256 threads leave room
+    #: for one CTA an SM); or 2, no producer warpgroup: the compute warpgroup issues
+    #: each slot's next K and V loads itself, K's once its S is read, V's once its P V
+    #: is, ``stages`` blocks ahead, and the ring gets the slots that fit half an SM's
+    #: SMEM (:data:`SMEM_LIMIT_TWO_CTAS`: a split kernel 3 at D=128, Q's untiled
+    #: landing slot sharing the last V slot's SMEM, the unsplit decode its 2; D=256
+    #: keeps the producer), so one CTA's prologue (Q, the first blocks' latency) and
+    #: epilogue (the store) overlap the other's stream, and an SM has two CTAs' loads
+    #: in flight. The same blocks in the same order: a launch choice.
+    ctas_per_sm: int = 1
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -320,8 +321,8 @@ class MosaicConfig:
         if self.normalize not in ("divide", "reciprocal"):
             raise ValueError(f"normalize must be 'divide' or 'reciprocal', got "
                              f"{self.normalize!r}")
-        if self.split_ctas_per_sm not in (1, 2):
-            raise ValueError(f"split_ctas_per_sm must be 1 or 2, got {self.split_ctas_per_sm!r}")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
         if self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
@@ -871,22 +872,25 @@ class _Forward:
                            and interpret is None)
         # A split's CTA: as many of the ring's slots as its SMEM holds (a launch choice:
         # the same blocks in the same order), at most the configured count.
-        #: MosaicConfig.split_ctas_per_sm == 2, where one slot and the rest fit half an
-        #: SM (not at D=256): no producer warpgroup; the compute warpgroup issues its
-        #: ring's loads (:meth:`load_k`, :meth:`load_v`) into the slots that fit.
-        #: (split_out: one compute warpgroup, no persistent grid, checked below.)
+        #: MosaicConfig.ctas_per_sm == 2, for one compute warpgroup without a
+        #: persistent grid (split_out, or stacked decode rows), where one slot and the
+        #: rest fit half an SM (not at D=256): no producer warpgroup; the compute
+        #: warpgroup issues its ring's loads (:meth:`load_k`, :meth:`load_v`) into the
+        #: slots that fit.
         #: With ``q_rows`` the last slot's first V load waits until Q has left its
         #: untiled landing slot, which then shares the SMEM of that V slot
         #: (``q_alias``, in the ring's union: a third slot at D=128).
         self.defer_v = self.q_alias = False
         stages, self.stages = self.stages, 1
-        self.inline_loads = (split_out and cfg.split_ctas_per_sm == 2
+        self.inline_loads = ((split_out or position is not None) and self.nwg == 1
+                             and not cfg.persistent and cfg.ctas_per_sm == 2
                              and smem_bytes(self.scratch(())) <= SMEM_LIMIT_TWO_CTAS)
         self.stages = stages
         self.defer_v = self.inline_loads and q_rows is not None
         self.q_alias = self.defer_v and self.ring_union
         limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
-        while split_out and self.stages > 1 and smem_bytes(self.scratch(())) > limit:
+        while ((split_out or self.inline_loads) and self.stages > 1
+               and smem_bytes(self.scratch(())) > limit):
             self.stages -= 1
 
         persistent = cfg.persistent
@@ -953,7 +957,7 @@ class _Forward:
             if self.q_alias:  # Q's landing slot where the last V slot is (q_alias):
                 # a group's refs lie one after another, each 1 KiB-aligned (as
                 # smem_bytes counts them; another layout would give other bits in
-                # test_split_kernel_two_ctas_an_sm_keeps_bits_on_gpu)
+                # test_two_ctas_an_sm_keeps_bits_on_gpu)
                 slot = bn * d * isz  # a multiple of 1 KiB
                 groups.append((plgpu.SMEM(((2 * self.stages - 1) * slot,), jnp.int8), q_in))
                 q_in = None
@@ -1829,7 +1833,7 @@ class _Forward:
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
-            # (split_ctas_per_sm=2: no producer warpgroup)
+            # (ctas_per_sm=2: no producer warpgroup)
             num_threads=self.nwg + (0 if self.inline_loads else 1),
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
@@ -1869,7 +1873,7 @@ SMEM_LIMIT = 227 * 1024 - 2560
 NO_REDUCTION_SCRATCH = ({"reduction_scratch_bytes": 0} if "reduction_scratch_bytes" in
                         {f.name for f in dataclasses.fields(plgpu.CompilerParams)} else {})
 #: The buffers' SMEM (:func:`smem_bytes`) of a CTA of which two share an SM
-#: (``MosaicConfig.split_ctas_per_sm``): an H100's or H200's SM has 228 KiB, of which
+#: (``MosaicConfig.ctas_per_sm``): an H100's or H200's SM has 228 KiB, of which
 #: the runtime keeps 1 KiB a CTA; 512 bytes for the barriers, and the reduction
 #: scratch where it cannot be dropped (:data:`NO_REDUCTION_SCRATCH`).
 SMEM_LIMIT_TWO_CTAS = 113 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
