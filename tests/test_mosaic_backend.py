@@ -219,7 +219,7 @@ def test_kv_boxes_keep_bits_on_gpu():
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_two_ctas_an_sm_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(ctas_per_sm=2) (the decode kernels without a producer
-    warpgroup, two CTAs an SM; the split kernel with 3 ring slots at D=128 and with 2)
+    warpgroup, two CTAs an SM; 3 ring slots at D=128 and 2)
     gives the default's bits, out and lse, no NaN: the split decode past several
     SPLITs, on and off the 8-row grid, 4 queries a head, the unsplit decode (B=20),
     D = 64, a key padding mask with NaN in dropped K and inf in dropped V, pages of 16
@@ -229,9 +229,11 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     one = mf.MosaicConfig()
-    # three ring slots at D=128 (Q's landing slot shares the last V slot's SMEM), two
+    # the split kernel's 3 ring slots at D=128 (Q's landing slot shares the last V
+    # slot's SMEM) and 2; the unsplit decode's and CP's 2 (``stages``) and 3
     twos = (mf.MosaicConfig(ctas_per_sm=2),
-            mf.MosaicConfig(ctas_per_sm=2, split_decode_stages=2))
+            mf.MosaicConfig(ctas_per_sm=2, split_decode_stages=2),
+            mf.MosaicConfig(ctas_per_sm=2, stages=3))
 
     def agree(f, tag, *args, **kw):
         """``f(*args, config=c, **kw)``'s outputs under the default and each of

@@ -565,13 +565,15 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
         if name in ("decode", "mask", "boxes"):
             assert default[0][1] > two_ctas, (name, default)
     # The ring's slots at D=128: 3, Q's untiled landing slot sharing the last V slot's
-    # SMEM (its first V load waits until Q has left), 2 with a key mask's keep ring.
-    for key_mask, slots in ((False, 3), (True, 2)):
+    # SMEM (its first V load waits until Q has left), 2 with a key mask's keep ring;
+    # the unsplit decode's as asked (``stages``), 3 at most (its lse rows shared too).
+    for split, key_mask, slots in ((True, False, 3), (True, True, 2), (False, False, 3)):
         f = mosaic_fwd._Forward(
             b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=bf16, causal=True,
             scale=0.1, cfg=cfg(compute_wgs=1, stages=4, ctas_per_sm=2),
             gpu_operands=True, interpret=None, position=0, key_mask=key_mask,
-            dyn_offsets=False, split_out=True, state_rows=8, q_rows=4)
+            dyn_offsets=False, split_out=split, state_rows=8 if split else None,
+            q_rows=4, rows_out=not split)
         assert (f.stages, f.inline_loads, f.defer_v, f.q_alias) == (slots, True, True, True)
         assert mosaic_fwd.smem_bytes(f.scratch(())) <= mosaic_fwd.SMEM_LIMIT_TWO_CTAS
     for bad in (0, 3, None):

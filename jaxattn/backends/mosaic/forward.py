@@ -190,10 +190,11 @@ class MosaicConfig:
     #: each slot's next K and V loads itself, K's once its S is read, V's once its P V
     #: is, ``stages`` blocks ahead, and the ring gets the slots that fit half an SM's
     #: SMEM (:data:`SMEM_LIMIT_TWO_CTAS`: a split kernel 3 at D=128, Q's untiled
-    #: landing slot sharing the last V slot's SMEM, the unsplit decode its 2; D=256
-    #: keeps the producer), so one CTA's prologue (Q, the first blocks' latency) and
-    #: epilogue (the store) overlap the other's stream, and an SM has two CTAs' loads
-    #: in flight. The same blocks in the same order: a launch choice.
+    #: landing slot sharing the last V slot's SMEM; the unsplit decode its
+    #: ``stages``, 3 at most; D=256 keeps the producer), so one CTA's prologue (Q, the
+    #: first blocks' latency) and epilogue (the store) overlap the other's stream, and
+    #: an SM has two CTAs' loads in flight. The same blocks in the same order: a
+    #: launch choice.
     ctas_per_sm: int = 1
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
@@ -879,7 +880,9 @@ class _Forward:
         #: slots that fit.
         #: With ``q_rows`` the last slot's first V load waits until Q has left its
         #: untiled landing slot, which then shares the SMEM of that V slot
-        #: (``q_alias``, in the ring's union: a third slot at D=128).
+        #: (``q_alias``, in the ring's union: a third slot at D=128; the unsplit
+        #: decode's epilogue stores its rows through the landing slot once the ring
+        #: is idle).
         self.defer_v = self.q_alias = False
         stages, self.stages = self.stages, 1
         self.inline_loads = ((split_out or position is not None) and self.nwg == 1
@@ -887,7 +890,7 @@ class _Forward:
                              and smem_bytes(self.scratch(())) <= SMEM_LIMIT_TWO_CTAS)
         self.stages = stages
         self.defer_v = self.inline_loads and q_rows is not None
-        self.q_alias = self.defer_v and self.ring_union
+        self.q_alias = self.defer_v and interpret is None  # (as ring_union: the GPU's)
         limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
         while ((split_out or self.inline_loads) and self.stages > 1
                and smem_bytes(self.scratch(())) > limit):
@@ -952,8 +955,11 @@ class _Forward:
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
         q_in = plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None
-        if self.ring_union:  # the split's state staged where the ring was
-            groups = [(k_ring, v_ring), (o32, rows)]
+        if self.ring_union or self.q_alias:
+            groups = [(k_ring, v_ring)]
+            if self.ring_union:  # the split's state staged where the ring was
+                groups.append((o32, rows))
+                o32 = rows = None
             if self.q_alias:  # Q's landing slot where the last V slot is (q_alias):
                 # a group's refs lie one after another, each 1 KiB-aligned (as
                 # smem_bytes counts them; another layout would give other bits in
@@ -961,7 +967,10 @@ class _Forward:
                 slot = bn * d * isz  # a multiple of 1 KiB
                 groups.append((plgpu.SMEM(((2 * self.stages - 1) * slot,), jnp.int8), q_in))
                 q_in = None
-            k_ring, v_ring, o32, rows = plgpu.RefUnion(*groups), None, None, None
+                if not self.ring_union:  # (the unsplit decode's lse rows: its epilogue's)
+                    groups.append((rows,))
+                    rows = None
+            k_ring, v_ring = plgpu.RefUnion(*groups), None
         return [
             plgpu.SMEM((*qbufs, nwg, bm, d), dtype, transforms=_smem_transforms(d, isz)),
             k_ring,
@@ -1727,11 +1736,16 @@ class _Forward:
 
         def body(smem, bars):
             wg = lax.axis_index("wg")
-            if self.ring_union:  # the union's refs at the places scratch() gives them
+            if self.ring_union or self.q_alias:  # the union's refs at their places
                 smem = list(smem)
-                (smem[1], smem[2]), (smem[7], smem[5]), *alias = smem[1]
+                groups = list(smem[1])
+                smem[1], smem[2] = groups.pop(0)
+                if self.ring_union:
+                    smem[7], smem[5] = groups.pop(0)
                 if self.q_alias:
-                    (_, smem[10]), = alias
+                    _, smem[10] = groups.pop(0)
+                    if not self.ring_union:
+                        smem[5], = groups.pop(0)
 
             @pl.when(wg < nwg)
             def _():
