@@ -8,6 +8,7 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from mosaic_support import (
 )
 
 from benchmarks.mosaic_asm import launches as mosaic_launches
+from benchmarks.mosaic_asm import modules as mosaic_modules
 from jaxattn import reference, schedule
 from jaxattn.merge import finalize, merge
 
@@ -564,6 +566,19 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
         assert two[1:] == default[1:], name  # the fold (CP's states: none)
         if name in ("decode", "mask", "boxes"):
             assert default[0][1] > two_ctas, (name, default)
+    # Where the union puts its refs (the lowered module's subviews of it, byte offset
+    # and size): K's ring, V's ring, Q's landing slot on V's last slot, and the split
+    # state's fp32 tile and lse rows (split) or the lse rows (unsplit) on K's first.
+    slot = 64 * 128 * 2
+    for name, kw, rest in (("split", {}, {(0, 32768), (32768, 256)}),
+                           ("unsplit", {"stages": 3}, {(0, 256)})):
+        lower = cases["decode" if name == "split" else "unsplit"]
+        text, = [t for t in mosaic_modules(functools.partial(
+            lower, cfg(ctas_per_sm=2, **kw))) if "memref<98304xi8" in t]
+        views = {(int(o), int(n)) for o, n in re.findall(
+            r"memref\.subview %\w+\[(\d+)\] \[(\d+)\] \[1\] : memref<98304xi8", text)}
+        assert views == {(0, 3 * slot), (3 * slot, 3 * slot), (5 * slot, slot)} | rest, (
+            name, sorted(views))
     # The ring's slots at D=128: 3, Q's untiled landing slot sharing the last V slot's
     # SMEM (its first V load waits until Q has left), 2 with a key mask's keep ring;
     # the unsplit decode's as asked (``stages``), 3 at most (its lse rows shared too).

@@ -962,8 +962,8 @@ class _Forward:
                 o32 = rows = None
             if self.q_alias:  # Q's landing slot where the last V slot is (q_alias):
                 # a group's refs lie one after another, each 1 KiB-aligned (as
-                # smem_bytes counts them; another layout would give other bits in
-                # test_two_ctas_an_sm_keeps_bits_on_gpu)
+                # smem_bytes counts them; test_two_ctas_an_sm_lowers_for_cuda reads
+                # the offsets from the lowered module)
                 slot = bn * d * isz  # a multiple of 1 KiB
                 groups.append((plgpu.SMEM(((2 * self.stages - 1) * slot,), jnp.int8), q_in))
                 q_in = None
