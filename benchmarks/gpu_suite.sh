@@ -26,7 +26,8 @@
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
 # attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
-# Skv 1k to 128k) beside the peers, one process per B.
+# Skv 1k to 128k) beside the peers, one process per B; ctas: MosaicConfig.ctas_per_sm=2's
+# bits, then (if they hold) its decode steps and paged cache beside the default.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -229,6 +230,29 @@ if has mosaic; then
   timeout ${MOSAIC_TIMEOUT:-300} $PY -m benchmarks.mosaic_gpu_check --out_dir="$OUT/mosaic" \
       ${MOSAIC_ARGS:-} 2>&1 | tee "$OUT/mosaic.txt" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
+fi
+if has ctas; then
+  # MosaicConfig.ctas_per_sm=2 (the decode kernels two CTAs an SM, docs/notes.md
+  # "2026-12-04 (eleventh)"): its bits against the default first (a hang is a barrier
+  # bug: the timeout ends it), then, only if they hold, the decode steps beside the
+  # default (3 and 2 ring slots) and the paged cache.
+  mkdir -p "$OUT/ctas"
+  timeout ${CTAS_TESTS_TIMEOUT:-300} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
+      tests/test_mosaic_backend.py -k two_ctas 2>&1 | tee "$OUT/ctas/bits.txt" | tail -3
+  rc=${PIPESTATUS[0]}; status=$((status | rc))
+  if [[ $rc == 0 ]]; then
+    timeout ${CTAS_TIMEOUT:-420} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
+        --speed_shapes= --decode_rounds=3 --out_dir="$OUT/ctas/decode" \
+        --decode_speed=${CTAS_POINTS:-8:8192,8:32768,1:131072,2:4096,8:8193,8:8192:4,32:8192,128:8192} \
+        --decode_variants=two:ctas_per_sm=2,two2:ctas_per_sm=2:split_decode_stages=2,two3:ctas_per_sm=2:stages=3 \
+        2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/decode.txt" | tail -40
+    status=$((status | ${PIPESTATUS[0]}))
+    timeout ${CTAS_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/ctas/paged" \
+        --batches=8 --kv_lens=32768 --page_sizes=16,64 --layouts=NHD --backends=mosaic \
+        --mosaic_variants=two:ctas_per_sm=2 2>&1 | grep -v 'Unable to initialize backend' \
+        | tee "$OUT/ctas/paged.txt" | tail -12
+    status=$((status | ${PIPESTATUS[0]}))
+  fi
 fi
 if has mosaicspeed; then
   # The forward variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN (no
