@@ -1495,7 +1495,6 @@ class _Forward:
                                     q_in, q_b)
         if self.inline_loads:  # no producer: the ring's first blocks, then one a release
             first_step, n_steps = self.steps(it)
-
             last = first_step + (self.stages - 1)  # (the ring's last slot)
 
             def prologue(t, _):
