@@ -121,6 +121,25 @@ def rel_err(out, ref) -> float:
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def ragged_cache(layout, ps, lens, k, v, seed=0):
+    """K/V ``[B, Hkv, S, D]`` written into a shuffled paged cache of ``ps``-key pages
+    (``layout`` "HND" or "NHD"), only each sequence's first ``lens[b]`` keys; every other
+    slot and page NaN. Returns ``(k_pages, v_pages, block_table)``."""
+    from jaxattn import paged
+    b, max_pages = len(lens), -(-k.shape[2] // ps)
+    num_pages = b * max_pages + 3
+    table = jnp.asarray(np.random.default_rng(seed).permutation(num_pages)[:b * max_pages]
+                        .reshape(b, max_pages).astype(np.int32))
+    hkv, d = k.shape[1], k.shape[3]
+    shape = (num_pages, ps, hkv, d) if layout == "NHD" else (num_pages, hkv, ps, d)
+    kp, vp = jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
+    for i in range(b):
+        kp, vp, _ = paged.write(kp, vp, table[i:i + 1], jnp.zeros((1,), jnp.int32),
+                                k[i:i + 1, :, :lens[i]], v[i:i + 1, :, :lens[i]],
+                                layout=layout)
+    return kp, vp, table
+
+
 def np_attention(q, k, v, *, causal=True, scale=None, mask=None, q_pos=None, k_pos=None):
     """Independent float64 NumPy attention: (out, lse), loops over batch and heads."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, np_attention, rand_qkv, rel_err
+from conftest import ON_GPU, np_attention, ragged_cache, rand_qkv, rel_err
 from mosaic_support import (
     dropped_nan,
     missing_api,
@@ -225,7 +225,6 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
     D = 64, a key padding mask with NaN in dropped K and inf in dropped V, pages of 16
     and 64 keys (both layouts, NaN in unused slots, ragged lengths), and CP's split
     states of a prefill chunk with per-sequence offsets; twice, on fresh inputs."""
-    from jaxattn import paged
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     one = mf.MosaicConfig()
@@ -263,15 +262,7 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
               key_padding_mask=keep)
         lens = np.array([5000, 2100])
         for ps, layout in ((16, "NHD"), (64, "HND")):
-            n_pages = -(-5000 // ps)
-            table = jnp.asarray(rng.permutation(2 * n_pages + 3)[:2 * n_pages]
-                                .reshape(2, n_pages).astype(np.int32))
-            shape = ((2 * n_pages + 3, ps, 8, 128) if layout == "NHD"
-                     else (2 * n_pages + 3, 8, ps, 128))
-            kp, vp = jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
-            for i, n in enumerate(lens):
-                kp, vp, _ = paged.write(kp, vp, table[i:i + 1], jnp.zeros((1,), jnp.int32),
-                                        k[i:i + 1, :, :n], v[i:i + 1, :, :n], layout=layout)
+            kp, vp, table = ragged_cache(layout, ps, lens, k, v, seed=int(rng.integers(2**16)))
             agree(mf.paged_forward, (ps, layout), q[:, :, -1:], kp, vp, table,
                   jnp.asarray(lens, jnp.int32), layout=layout)
         agree(mf.split_partials, "cp", q, k, v, causal=True,

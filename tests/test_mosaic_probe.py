@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ragged_cache
 from mosaic_support import (
     bits,
     dropped_nan,
@@ -372,17 +373,10 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
                                               err_msg=f"{list(kw)} (seed {seed})")
     # Pages of 16 keys in a shuffled pool, NaN in every slot past a sequence's length,
     # the second sequence shorter: its rows are its contiguous call's.
-    ps, lens = 16, np.array([s, s - 70])
-    n_pages = -(-s // ps)
-    table = np.random.default_rng(seed).permutation(2 * n_pages).reshape(2, n_pages)
-    pool = np.full((2, 2 * n_pages, 1, ps, 64), np.nan, np.float32)
-    kv = np.asarray(jnp.stack([k, v]), np.float32)
-    for b, n in enumerate(lens):
-        for key in range(n):
-            pool[:, table[b, key // ps], :, key % ps] = kv[:, b, :, key]
+    lens = np.array([s, s - 70])
+    kp, vp, table = ragged_cache("HND", 16, lens, k, v, seed=seed)
     out, lse = mosaic_fwd.paged_forward(
-        q, *jnp.asarray(pool, jnp.bfloat16), jnp.asarray(table, jnp.int32),
-        jnp.asarray(lens, jnp.int32), interpret=True,
+        q, kp, vp, table, jnp.asarray(lens, jnp.int32), interpret=True,
         config=cfg(split_decode=True, ctas_per_sm=2))
     assert not np.isnan(np.asarray(out, np.float32)).any()
     for b, n in enumerate(lens):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rand_qkv, rel_err
+from conftest import ragged_cache, rand_qkv, rel_err
 
 import jaxattn
 from jaxattn import invariance, paged
@@ -133,23 +133,6 @@ def test_head_dims_the_kernels_are_not_compiled_for():
 
 # ------------------------------------------------------------ the Mosaic kernel, in place
 
-def _ragged_cache(layout, ps, lens, k, v, seed=0):
-    """K/V written into a shuffled paged cache of ``ps``-key pages, only each sequence's
-    first ``lens[b]`` keys; every other slot and page NaN."""
-    b, max_pages = len(lens), -(-k.shape[2] // ps)
-    num_pages = b * max_pages + 3
-    table = jnp.asarray(np.random.default_rng(seed).permutation(num_pages)[:b * max_pages]
-                        .reshape(b, max_pages).astype(np.int32))
-    hkv, d = k.shape[1], k.shape[3]
-    shape = (num_pages, ps, hkv, d) if layout == "NHD" else (num_pages, hkv, ps, d)
-    kp, vp = jnp.full(shape, jnp.nan, k.dtype), jnp.full(shape, jnp.nan, v.dtype)
-    for i in range(b):
-        kp, vp, _ = paged.write(kp, vp, table[i:i + 1], jnp.zeros((1,), jnp.int32),
-                                k[i:i + 1, :, :lens[i]], v[i:i + 1, :, :lens[i]],
-                                layout=layout)
-    return kp, vp, table
-
-
 def test_mosaic_reads_pages_in_place_without_a_gather():
     """The Mosaic backend's paged call, lowered for CUDA on this machine: its kernel reads
     the pages (no XLA gather of the cache, no copy of it) for page sizes of a multiple of
@@ -207,7 +190,7 @@ def test_mosaic_paged_in_place_equals_contiguous(ps, layout):
     lens = np.array([130, 37])
     q, k, v = rand_qkv(2, 2, 1, 3, 130, 64, jnp.bfloat16,
                        seed=int(np.random.default_rng().integers(2**16)))
-    kp, vp, table = _ragged_cache(layout, ps, lens, k, v)
+    kp, vp, table = ragged_cache(layout, ps, lens, k, v)
     junk = np.asarray(table).copy()
     for b, n in enumerate(lens):
         unused = junk[b, -(-n // ps):]

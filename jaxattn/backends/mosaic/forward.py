@@ -1417,14 +1417,16 @@ class _Forward:
             plgpu.barrier_arrive(it.bars[2 if kind == "k" else 3].at[slot])
             return
         t, parts = nxt
-        refs = self.dyn["kv"]
+        pl.when(t < n_steps)(lambda: self.load_inline(it, t, parts, slot, kind))
 
-        @pl.when(t < n_steps)
-        def _():
-            if kind == "k":
-                self.load_k(refs, it.smem, it.bars, it.kvh, parts, slot)
-            else:
-                self.load_v(refs, it.smem, it.bars, it.kvh, parts, slot, it.bi, t)
+    def load_inline(self, it: _Item, t, parts, slot, kind: str):
+        """``inline_loads``: the compute warpgroup's copy of key block ``t``'s K (``kind``
+        "k") or V (and keep values) into ``slot`` (``parts``: :meth:`block_parts`)."""
+        refs = self.dyn["kv"]
+        if kind == "k":
+            self.load_k(refs, it.smem, it.bars, it.kvh, parts, slot)
+        else:
+            self.load_v(refs, it.smem, it.bars, it.kvh, parts, slot, it.bi, t)
 
     # -- the SPLIT fold --------------------------------------------------------------
 
@@ -1453,7 +1455,7 @@ class _Forward:
         return part if state is None else kernel_merge(*state, *part)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
-                 flags_ref=None, qbuf=None, after_q=None):
+                 flags_ref=None, qbuf=None, after_q=None, kvh=None):
         """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
         splits folded in order (:meth:`split`), the blocks only the CTA's other
         warpgroup needs released, and the :meth:`epilogue`. ``base``: the K/V loads of
@@ -1469,7 +1471,7 @@ class _Forward:
         it = _Item(w=w, q_s=q_s, q_b=q_b, lse_s=lse_s.at[w],
                    p_s=None if p_s is None else p_s.at[w], smem=smem, bars=bars,
                    q0=tile0 + w * self.bm, h=h, bi=bi, base=base, flags_ref=flags_ref,
-                   kvh=lax.div(h, jnp.int32(self.group)) if self.inline_loads else None)
+                   kvh=kvh)
         it.offset, it.position = self.offset_of(bi), self.position_of(bi)
         # The position that decides the blocks and their paths: with ``position``, the
         # start of the prefill warpgroup tile that holds it (forward's padding aligns
@@ -1498,13 +1500,12 @@ class _Forward:
             last = first_step + (self.stages - 1)  # (the ring's last slot)
 
             def prologue(t, _):
-                parts, refs, slot = self.block_parts(bi, t), self.dyn["kv"], self.slot_of(it, t)
-                self.load_k(refs, smem, bars, it.kvh, parts, slot)
+                parts, slot = self.block_parts(bi, t), self.slot_of(it, t)
+                self.load_inline(it, t, parts, slot, "k")
                 if self.defer_v:  # (the last slot's V once Q has left its landing slot)
-                    pl.when(t != last)(lambda: self.load_v(refs, smem, bars, it.kvh, parts,
-                                                           slot, bi, t))
+                    pl.when(t != last)(lambda: self.load_inline(it, t, parts, slot, "v"))
                 else:
-                    self.load_v(refs, smem, bars, it.kvh, parts, slot, bi, t)
+                    self.load_inline(it, t, parts, slot, "v")
                 return None
 
             lax.fori_loop(first_step, lax.min(first_step + self.stages, n_steps), prologue,
@@ -1518,10 +1519,8 @@ class _Forward:
                         if self.layout_hints else q_in[...])
             plgpu.commit_smem()
             if self.defer_v:  # the last slot's first V (the copy waits for every warp)
-                @pl.when(last < n_steps)
-                def _():
-                    self.load_v(self.dyn["kv"], smem, bars, it.kvh, self.block_parts(bi, last),
-                                self.slot_of(it, last), bi, last)
+                pl.when(last < n_steps)(lambda: self.load_inline(
+                    it, last, self.block_parts(bi, last), self.slot_of(it, last), "v"))
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
@@ -1763,7 +1762,7 @@ class _Forward:
                         bars[4].at[buf * nwg + wg])
 
                 def one(k, base):
-                    tile0, h, bi, _, hi_cta = item_at(k)
+                    tile0, h, bi, kvh, hi_cta = item_at(k)
                     qbuf = after_q = None
                     if cfg.prefetch_q:
                         qbuf = lax.rem(k, jnp.int32(2))
@@ -1781,7 +1780,7 @@ class _Forward:
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
                     self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
-                                  hi_cta, base, flags_ref, qbuf, after_q)
+                                  hi_cta, base, flags_ref, qbuf, after_q, kvh)
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, -self.split_lo())
