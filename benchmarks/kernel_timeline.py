@@ -65,8 +65,8 @@ def main(argv):
                      jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)))
     results = {}
     for spec in FLAGS.configs:
-        name, _, fields = spec.partition(":")
-        cfg = mf.MosaicConfig(**report.config_fields(fields))
+        name, fields = report.named_config(spec)
+        cfg = mf.MosaicConfig(**fields)
         fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(q, k, v, causal=True, config=cfg))
         for x in sets:  # compile and warm up
             jax.block_until_ready(fn(*x))

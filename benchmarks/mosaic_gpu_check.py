@@ -355,8 +355,7 @@ def check_backward_tails(results: list) -> None:
 def _variant(spec: str):
     """``name[:key=value...]`` -> (name, MosaicConfig kwargs); values are ints, bools,
     None or strings, e.g. ``pp3:stages=3`` or ``r:registers=240/24`` (a tuple)."""
-    name, _, fields = spec.partition(":")
-    return name, report.config_fields(fields)
+    return report.named_config(spec)
 
 
 def time_speed(results: list) -> None:

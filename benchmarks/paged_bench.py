@@ -51,8 +51,8 @@ def _backend(name: str):
         return name
     from jaxattn.backends.mosaic import forward as mf
     from jaxattn.backends.mosaic.backend import MosaicBackend
-    fields = dict(v.partition(":")[::2] for v in FLAGS.mosaic_variants)[name[7:]]
-    return MosaicBackend(fwd_config=mf.MosaicConfig(**report.config_fields(fields)))
+    fields = dict(map(report.named_config, FLAGS.mosaic_variants))[name[7:]]
+    return MosaicBackend(fwd_config=mf.MosaicConfig(**fields))
 
 
 def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffled"):
@@ -94,7 +94,8 @@ def main(argv):
     hq, hkv, d = FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
     points = list(zip(map(int, FLAGS.batches), map(int, FLAGS.kv_lens), strict=True))
     page_sizes = [int(p) for p in FLAGS.page_sizes]
-    backends = FLAGS.backends + [f"mosaic:{v.partition(':')[0]}" for v in FLAGS.mosaic_variants]
+    backends = FLAGS.backends + [f"mosaic:{report.named_config(v)[0]}"
+                                 for v in FLAGS.mosaic_variants]
     if FLAGS.smoke:
         hq, hkv, d, points, page_sizes, backends = 4, 2, 64, [(2, 128)], [16, 64], ["pallas"]
     rows = []

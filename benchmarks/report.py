@@ -34,6 +34,13 @@ def config_fields(spec: str) -> dict:
     return kw
 
 
+def named_config(spec: str) -> tuple[str, dict]:
+    """``name[:key=value...]`` (a binary's launch variant) -> ``(name, kwargs)`` of
+    :func:`config_fields`."""
+    name, _, fields = spec.partition(":")
+    return name, config_fields(fields)
+
+
 def write(out_dir: str | None, data: Any, md: str | None = None, **json_kw) -> None:
     """``data`` as ``out_dir/results.json`` and ``md`` (if given) as ``results.md``;
     nothing when ``out_dir`` is None."""

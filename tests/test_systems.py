@@ -71,3 +71,14 @@ def test_timeline_summary_counts_gaps_and_overlaps():
     assert got["step_us"] == 110.5  # 109 and 112
     with pytest.raises(ValueError, match="not 4 steps"):
         report.timeline_summary(rows, steps=4)
+
+
+def test_named_config_parses_a_launch_variant():
+    """``report.named_config`` (the binaries' ``name[:key=value...]`` variants): ints,
+    True/False, None, ``a/b`` tuples and strings; a bare name has no field."""
+    from benchmarks import report
+    assert report.named_config("default") == ("default", {})
+    assert report.named_config("two:ctas_per_sm=2:pdl=off:fence=False:persistent=None:"
+                               "registers=240/24") == (
+        "two", {"ctas_per_sm": 2, "pdl": "off", "fence": False, "persistent": None,
+                "registers": (240, 24)})
