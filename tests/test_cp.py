@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_env, np_attention, rand, rand_qkv, rel_err
+from conftest import cpu_env, np_attention, rand, rand_qkv, rel_err, with_xla_flags
 from mosaic_support import missing_interpret, needs_threads
 
 import jaxattn
@@ -255,10 +255,6 @@ def test_registry_and_bad_arguments():
 
 def test_sharded_attention_on_8_cpu_devices_equals_one_device():
     code = textwrap.dedent("""
-        import os
-        # The test flags (tests/conftest.py) and 8 devices.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_force_host_platform_device_count=8")
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh
         import jaxattn
@@ -307,9 +303,11 @@ def test_sharded_attention_on_8_cpu_devices_equals_one_device():
             assert err(a, b) < 2e-2, err(a, b)
         print("SHARDED OK")
     """)
-    # Eight virtual CPU devices also on a GPU host (the multi-GPU run is benchmarks/cp_bench).
+    # Eight virtual CPU devices also on a GPU host (the multi-GPU run is benchmarks/cp_bench),
+    # compiled with the test flags (tests/conftest.py).
+    env = cpu_env(XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=8"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=900, env=cpu_env())
+                          timeout=900, env=env)
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-4000:]
 
 
