@@ -156,6 +156,16 @@ def test_flat_kv_keeps_bits_on_gpu():
                 assert bits_equal(x, y), (hq, sq, end, b, cfg)
 
 
+def _configs_agree_in_bits(f, configs, tag, *args, **kw):
+    """``f(*args, config=c, **kw)``'s outputs under each of ``configs`` after the first
+    equal the first's in bits, and none has a NaN."""
+    want = f(*args, config=configs[0], **kw)
+    for config in configs[1:]:
+        for x, y in zip(want, f(*args, config=config, **kw), strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), (tag, config)
+            assert bits_equal(x, y), (tag, config)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
@@ -174,11 +184,8 @@ def test_kv_boxes_keep_bits_on_gpu():
     def agree(q, k, v, tag, config=None, **kw):
         """The boxed call's out and lse equal the padded copy's in bits, no NaN
         (``config``: fields set on both)."""
-        want = mf.forward(q, k, v, config=dataclasses.replace(pad, **(config or {})), **kw)
-        got = mf.forward(q, k, v, config=dataclasses.replace(boxes, **(config or {})), **kw)
-        for x, y in zip(want, got, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), tag
-            assert bits_equal(x, y), tag
+        both = [dataclasses.replace(c, **(config or {})) for c in (pad, boxes)]
+        _configs_agree_in_bits(mf.forward, both, tag, q, k, v, **kw)
 
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
@@ -235,13 +242,7 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
             mf.MosaicConfig(ctas_per_sm=2, stages=3))
 
     def agree(f, tag, *args, **kw):
-        """``f(*args, config=c, **kw)``'s outputs under the default and each of
-        ``twos``, equal in bits, no NaN."""
-        want = f(*args, config=one, **kw)
-        for two in twos:
-            for x, y in zip(want, f(*args, config=two, **kw), strict=True):
-                assert not np.isnan(np.asarray(y, np.float32)).any(), (tag, two)
-                assert bits_equal(x, y), (tag, two)
+        _configs_agree_in_bits(f, (one, *twos), tag, *args, **kw)
 
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 300, 5000, 128, jnp.bfloat16)
