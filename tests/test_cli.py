@@ -195,7 +195,7 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
     relies on), and a config field (ctas_per_sm=2) changes the decode kernels'
     launches and nothing else (not the fold's or the prefills')."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from benchmarks import mosaic_asm
+    from benchmarks import lowered
     from jaxattn.backends.mosaic import forward as mf
     runs = {}
     for name, extra in (("a", []), ("two", ["--config=ctas_per_sm=2"])):
@@ -205,7 +205,7 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = {p.name: p.read_text() for p in out.iterdir()}
-    here = mosaic_asm.modules(lambda: mosaic_asm._shapes()["decode-split-8x8193"](
+    here = lowered.modules(lambda: lowered.shapes()["decode-split-8x8193"](
         mf.MosaicConfig()))
     assert "\n".join(here) == runs["a"]["decode-split-8x8193.mlir"]
     assert "loc(" not in runs["a"]["decode-split-8x8193.mlir"]

@@ -23,8 +23,8 @@ from mosaic_support import (
     needs_threads,
 )
 
-from benchmarks.mosaic_asm import launches as mosaic_launches
-from benchmarks.mosaic_asm import modules as mosaic_modules
+from benchmarks.lowered import launches as mosaic_launches
+from benchmarks.lowered import modules as mosaic_modules
 from jaxattn import reference, schedule
 from jaxattn.merge import finalize, merge
 

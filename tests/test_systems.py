@@ -82,3 +82,38 @@ def test_named_config_parses_a_launch_variant():
                                "registers=240/24") == (
         "two", {"ctas_per_sm": 2, "pdl": "off", "fence": False, "persistent": None,
                 "registers": (240, 24)})
+
+
+def test_sass_reader_finds_the_loop_and_its_order():
+    """``benchmarks.sass`` on a made-up ``nvdisasm -c`` excerpt: the guarded back branch
+    is the loop (the unguarded jump back from an out-of-line retry is not), its mix,
+    and the order of its events with runs collapsed."""
+    from benchmarks import sass
+    text = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_5:",
+        "        /*0010*/                   WARPGROUP.ARRIVE ;",
+        "        /*0020*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT ;",
+        "        /*0030*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR9], R88, gsb0 ;",
+        ".L_x_6:",
+        "        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R3 ;",
+        "        /*0050*/              @!P0 BRA `(.L_x_9) ;",
+        "        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "        /*0070*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR6], RZ ;",
+        "        /*0080*/                   MUFU.EX2 R4, R4 ;",
+        "        /*0090*/                   MUFU.EX2 R5, R5 ;",
+        "        /*00a0*/                   STS [R2], R5 ;",
+        "        /*00b0*/                   F2FP.BF16.F32.PACK_AB R6, R5, R4 ;",
+        "        /*00c0*/               @P1 BRA `(.L_x_5) ;",
+        "        /*00d0*/                   EXIT ;",
+        ".L_x_9:",
+        "        /*00e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R3 ;",
+        "        /*00f0*/                   BRA `(.L_x_6) ;",
+    ])
+    instrs, labels = sass.parse(text)
+    assert len(instrs) == 16 and labels == {".L_x_5": 0x10, ".L_x_6": 0x40, ".L_x_9": 0xe0}
+    assert instrs[5].pred == "@!P0" and instrs[5].base == "BRA"
+    assert sass.loops(instrs, labels) == [(0x10, 0xc0)]
+    loop = sass.body(instrs, (0x10, 0xc0))
+    assert sass.mix(loop, top=3) == "WARPGROUP 2, HGMMA 2, SYNCS 2"
+    assert sass.timeline(loop) == "fence mma*2 trywait wait0 arrive mufu*2 sts cvt"
