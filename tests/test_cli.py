@@ -216,3 +216,50 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
                        "decode-mask-8x8192 kernel 0", "decode-paged16 kernel 0",
                        "decode-32x8192 kernel 0"}, changed
     assert "decode-split-8x8192 kernel 0: 128 threads" in runs["two"]["launches.txt"]
+
+
+def _sass_toolchain_missing() -> str | None:
+    """Why benchmarks.mosaic_sass cannot run here without a download, or None."""
+    import os
+    import shutil
+
+    import jaxlib
+    cache = os.path.expanduser(f"~/.cache/jaxattn-sass/pjrt-{jaxlib.__version__}/.done")
+    if not os.path.exists(cache):
+        return "the CUDA plugin wheel is not cached (python -m benchmarks.mosaic_sass fetches it)"
+    if not os.path.exists("/usr/local/cuda/bin/ptxas") or shutil.which("gcc") is None:
+        return "no CUDA toolkit's ptxas in /usr/local/cuda, or no gcc"
+    return None
+
+
+@pytest.mark.skipif(_sass_toolchain_missing() is not None,
+                    reason=str(_sass_toolchain_missing()))
+def test_mosaic_sass_shows_ptxas_order_and_the_pin(tmp_path):
+    """benchmarks.mosaic_sass compiles the prefill kernel to SASS on this machine: 168
+    registers a thread, and its unmasked key-block loop as the H200 ran it (332
+    instructions, 12 wgmmas, 34 exponentials). ptxas issues the ping-pong's "softmax
+    done" arrival before the block's first exponential (three arrivals before it: the
+    hand-off after Q K^T, K's slot, and that one); with
+    MosaicConfig(pingpong_pin=True) the row sums' two stores and then the arrival
+    follow every exponential."""
+    orders = {}
+    for name, extra in (("default", []), ("pin", ["--config=pingpong_pin=True"])):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_sass",
+                               f"--out_dir={out}", "--shapes=prefill-2x4096", *extra],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (out / "summary.txt").read_text().splitlines()
+        assert "Used 168 registers" in lines[0], lines[0]
+        loop = next(i for i, line in enumerate(lines) if line.startswith("  loop"))
+        orders[name] = lines[loop + 1].split("order:")[1].split()
+        if name == "default":
+            assert "332 instructions" in lines[loop] and "HGMMA 12" in lines[loop], lines[loop]
+        assert orders[name].count("mufu") + sum(
+            int(t.split("*")[1]) for t in orders[name] if t.startswith("mufu*")) == 34
+    first = {n: next(i for i, t in enumerate(o) if t.startswith("mufu"))
+             for n, o in orders.items()}
+    assert orders["default"][:first["default"]].count("arrive") == 3, orders["default"]
+    pin = orders["pin"]
+    assert pin[:first["pin"]].count("arrive") == 2, pin
+    assert pin[first["pin"] + 1:first["pin"] + 3] == ["sts*2", "arrive"], pin

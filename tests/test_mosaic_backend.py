@@ -273,6 +273,42 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_pingpong_pin_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(pingpong_pin=True) (each block's row sums stored before the
+    ping-pong arrival, so ptxas keeps the softmax ahead of it) gives the default's
+    bits, out and lse, no NaN: causal prefills on and off the block grid (a persistent
+    grid and not), a chunk, non-causal, a key padding mask with NaN in dropped K and
+    inf in dropped V, per-sequence offsets, D = 64 and 256, [B, S, H, D]; twice, on
+    fresh inputs."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    configs = (mf.MosaicConfig(), mf.MosaicConfig(pingpong_pin=True))
+
+    def agree(tag, *args, **kw):
+        _configs_agree_in_bits(mf.forward, configs, tag, *args, **kw)
+
+    for _ in range(2):
+        q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
+        for b, sq, skv, causal in ((2, 1100, 1100, True), (1, 1024, 1024, True),
+                                   (2, 300, 1100, True), (2, 1100, 1100, False)):
+            agree((b, sq, skv, causal), q[:b, :, -sq:], k[:b, :, :skv], v[:b, :, :skv],
+                  causal=causal)
+        m = rng.random((2, 1100)) > 0.3
+        m[:, -1] = True
+        keep = jnp.asarray(m)
+        (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+        agree("mask", q, k_nan, v_inf, causal=True, key_padding_mask=keep)
+        agree("offsets", q[:, :, -200:], k, v, causal=True,
+              causal_offsets=jnp.asarray([900, 500], jnp.int32))
+        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        agree("btnh", t(q), t(k), t(v), causal=True, btnh=True)
+        for d in (64, 256):
+            agree(("d", d), *rand_qkv(2, 8, 8, 700, 700, d, jnp.bfloat16), causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_key_mask_reads_kv_in_place_on_gpu():
     """On sm90, a key padding mask with NaN in the dropped keys of K and inf in V's
     (the kernel zeroes V's dropped rows in SMEM; XLA no longer zeroes a copy): the

@@ -591,6 +591,36 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
 
 
 @needs_api
+def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
+    """MosaicConfig(pingpong_pin=True): the kernels with two compute warpgroups (the
+    prefills, causal and not, D = 64 and 128) lower for CUDA with the row sums' buffer
+    (2 x 64 fp32: one more KiB of SMEM) and otherwise the same launch; a kernel of one
+    compute warpgroup (the decode), or ping-pong off, is the same module as without it.
+    (Where ptxas puts the store: test_pingpong_pin_orders_the_softmax_first_in_sass;
+    the bits: test_pingpong_pin_keeps_bits_on_gpu.)"""
+    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    cfg = mosaic_fwd.MosaicConfig
+
+    def call(b, sq, skv, d=128, causal=True):
+        q, k = S((b, 32, sq, d), bf16), S((b, 8, skv, d), bf16)
+        return lambda c: mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=c)
+
+    for name, lower in {"causal": call(2, 4096, 4096), "d64": call(2, 4096, 4096, 64),
+                        "noncausal": call(2, 2048, 2048, causal=False),
+                        "partial": call(1, 1000, 1000)}.items():
+        default = mosaic_launches(functools.partial(lower, cfg()))
+        if default is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        pinned = mosaic_launches(functools.partial(lower, cfg(pingpong_pin=True)))
+        assert pinned == [(t, s + 1024) for t, s in default], (name, default, pinned)
+        off = functools.partial(lower, cfg(pingpong=False))
+        assert mosaic_modules(off) == mosaic_modules(
+            functools.partial(lower, cfg(pingpong=False, pingpong_pin=True))), name
+    decode = call(8, 1, 8192)
+    assert mosaic_modules(functools.partial(decode, cfg())) == mosaic_modules(
+        functools.partial(decode, cfg(pingpong_pin=True)))
+
+
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
     K or V (only the query's); where Skv is not a multiple of 8 (head h's first key

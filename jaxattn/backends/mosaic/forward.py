@@ -204,6 +204,16 @@ class MosaicConfig:
     #: sum, row max, P) before the ping-pong hand-off, as JAX's ``attention_mgpu``
     #: (which found the order of that code to matter): scheduling only, the same bits.
     fence: bool = True
+    #: With ping-pong: each block's row sums stored to a small SMEM buffer just before
+    #: the "softmax done" arrival. ptxas schedules the compiled code itself, and with
+    #: nothing tying the arrival to the softmax it issues the arrival first, right
+    #: after the Q K^T wait, before any exponential (``benchmarks.mosaic_sass``: every
+    #: prefill kernel, any head dim), so the other warpgroup is released before this
+    #: one's softmax and the two do not stagger. An mbarrier arrival releases the
+    #: stores before it, so the store (of the sum of every exponential of the block)
+    #: keeps the softmax ahead of the arrival. Two shared stores a thread a block;
+    #: the same bits (nothing reads the buffer).
+    pingpong_pin: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
     #: the split's finalize costs a division per element otherwise, every SPLIT of
@@ -834,6 +844,8 @@ class _Forward:
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
         self.gpu_operands, self.interpret = gpu_operands, interpret
         self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+        # (scratch() reads it; the interpreter has no ptxas to order)
+        self.pin = cfg.pingpong_pin and cfg.pingpong and self.nwg == 2 and interpret is None
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -993,6 +1005,8 @@ class _Forward:
             # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
             # before it is stored into the tiled, swizzled Q slot that wgmma reads
             q_in,
+            # pingpong_pin: each warpgroup's row sums, stored before its arrival
+            plgpu.SMEM((nwg, bm), jnp.float32) if self.pin else None,
         ]
 
     def layout(self, x, lay):
@@ -1367,6 +1381,8 @@ class _Forward:
         acc = acc * _rows(alpha, acc.shape)
         if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
+        if self.pin:  # the stored sums keep the softmax ahead of the arrival
+            self.store_rows(it.smem[11].at[it.w], l)
         if self.pingpong:
             plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
         plgpu.barrier_wait(v_bar.at[slot])
@@ -1406,6 +1422,16 @@ class _Forward:
             acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
+
+    def store_rows(self, ref, x):
+        """A row vector into SMEM ``ref``, each thread its rows, with no warpgroup
+        barrier around it (Pallas's ``ref[...] = x`` has one before and one after;
+        nothing else reads or writes the buffer while the kernel runs)."""
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.row_layout))
+        def store(_, ref, x):
+            x.store_untiled(ref, optimized=False)
+
+        store(ref, x)
 
     def release(self, it: _Item, n_steps, nxt, slot, kind: str):
         """A block's K (``kind`` "k") or V ``slot`` read: an arrival on its "consumed"
