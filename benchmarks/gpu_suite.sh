@@ -28,8 +28,8 @@
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
 # Skv 1k to 128k) beside the peers, one process per B; ctas: MosaicConfig.ctas_per_sm=2's
 # bits, then (if they hold) its decode steps and paged cache beside the default; pin:
-# MosaicConfig.pingpong_pin's bits, then the forward's TFLOP/s with it, without it and
-# without ping-pong, beside cuDNN (D=128 causal and not, D=64).
+# MosaicConfig.pingpong_pin's and overlap's bits, then the forward's TFLOP/s with each,
+# without them and without ping-pong, beside cuDNN (D=128 causal and not, D=64).
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -261,7 +261,7 @@ if has pin; then
   # ptxas keeps the softmax ahead of it; docs/notes.md "2026-12-05"): bits first.
   mkdir -p "$OUT/pin"
   timeout ${PIN_TESTS_TIMEOUT:-240} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
-      tests/test_mosaic_backend.py -k pingpong_pin 2>&1 | tee "$OUT/pin/bits.txt" | tail -3
+      tests/test_mosaic_backend.py -k pingpong_pin_and_overlap 2>&1 | tee "$OUT/pin/bits.txt" | tail -3
   rc=${PIPESTATUS[0]}; status=$((status | rc))
   if [[ $rc == 0 ]]; then
     for run in "128 --speed_causal" "128 --nospeed_causal" "64 --speed_causal"; do
@@ -269,7 +269,7 @@ if has pin; then
       timeout ${PIN_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
           --peers=cudnn --iters=${PIN_ITERS:-7} --speed_head_dim=$1 $2 \
           --speed_shapes=${PIN_SHAPES:-2:4096,16:1024,1:16384} \
-          --fwd_variants=default,pin:pingpong_pin=True,nopp:pingpong=False,pin2:pingpong_pin=True \
+          --fwd_variants=default,pin:pingpong_pin=True,ov:overlap=True,nopp:pingpong=False,ov2:overlap=True \
           --out_dir="$OUT/pin/d$1$2" 2>&1 | grep -v 'Unable to initialize backend' \
           | tee "$OUT/pin/d$1$2.txt" | tail -12
       status=$((status | ${PIPESTATUS[0]}))

@@ -273,16 +273,19 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_pingpong_pin_keeps_bits_on_gpu():
+def test_pingpong_pin_and_overlap_keep_bits_on_gpu():
     """On sm90, MosaicConfig(pingpong_pin=True) (each block's row sums stored before the
-    ping-pong arrival, so ptxas keeps the softmax ahead of it) gives the default's
-    bits, out and lse, no NaN: causal prefills on and off the block grid (a persistent
-    grid and not), a chunk, non-causal, a key padding mask with NaN in dropped K and
-    inf in dropped V, per-sequence offsets, D = 64 and 256, [B, S, H, D]; twice, on
-    fresh inputs."""
+    ping-pong arrival, so ptxas keeps the softmax ahead of it) and
+    MosaicConfig(overlap=True) (block j's S issued with block j - 1's P V, j's softmax
+    while it runs; the pin with it) give the default's bits, out and lse, no NaN:
+    causal prefills on and off the block grid (a persistent grid and not; one block a
+    split and several), a chunk, non-causal, a key padding mask with NaN in dropped K
+    and inf in dropped V, per-sequence offsets, D = 64 and 256, [B, S, H, D]; twice,
+    on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    configs = (mf.MosaicConfig(), mf.MosaicConfig(pingpong_pin=True))
+    configs = (mf.MosaicConfig(), mf.MosaicConfig(pingpong_pin=True),
+               mf.MosaicConfig(overlap=True), mf.MosaicConfig(overlap=True, persistent=0))
 
     def agree(tag, *args, **kw):
         _configs_agree_in_bits(mf.forward, configs, tag, *args, **kw)
@@ -290,7 +293,8 @@ def test_pingpong_pin_keeps_bits_on_gpu():
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
         for b, sq, skv, causal in ((2, 1100, 1100, True), (1, 1024, 1024, True),
-                                   (2, 300, 1100, True), (2, 1100, 1100, False)):
+                                   (2, 300, 1100, True), (2, 1100, 1100, False),
+                                   (2, 64, 64, True), (1, 130, 130, False)):
             agree((b, sq, skv, causal), q[:b, :, -sq:], k[:b, :, :skv], v[:b, :, :skv],
                   causal=causal)
         m = rng.random((2, 1100)) > 0.3

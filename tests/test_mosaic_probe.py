@@ -592,12 +592,14 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
 
 @needs_api
 def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
-    """MosaicConfig(pingpong_pin=True): the kernels with two compute warpgroups (the
-    prefills, causal and not, D = 64 and 128) lower for CUDA with the row sums' buffer
-    (2 x 64 fp32: one more KiB of SMEM) and otherwise the same launch; a kernel of one
-    compute warpgroup (the decode), or ping-pong off, is the same module as without it.
-    (Where ptxas puts the store: test_pingpong_pin_orders_the_softmax_first_in_sass;
-    the bits: test_pingpong_pin_keeps_bits_on_gpu.)"""
+    """MosaicConfig(pingpong_pin=True), and overlap=True (which turns the pin on): the
+    kernels with two compute warpgroups (the prefills, causal and not, D = 64 and 128)
+    lower for CUDA with the row sums' buffer (2 x 64 fp32: one more KiB of SMEM) and
+    otherwise the same launch, overlap's module another than the pin's; a kernel of
+    one compute warpgroup (the decode), or ping-pong off, is the same module as
+    without them. (Where ptxas puts the store and the waits: test_cli's
+    test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
+    test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     cfg = mosaic_fwd.MosaicConfig
 
@@ -613,12 +615,18 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
             pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
         pinned = mosaic_launches(functools.partial(lower, cfg(pingpong_pin=True)))
         assert pinned == [(t, s + 1024) for t, s in default], (name, default, pinned)
-        off = functools.partial(lower, cfg(pingpong=False))
-        assert mosaic_modules(off) == mosaic_modules(
-            functools.partial(lower, cfg(pingpong=False, pingpong_pin=True))), name
+        over = functools.partial(lower, cfg(overlap=True))
+        assert mosaic_launches(over) == pinned, name
+        assert mosaic_modules(over) != mosaic_modules(
+            functools.partial(lower, cfg(pingpong_pin=True))), name
+        off = mosaic_modules(functools.partial(lower, cfg(pingpong=False)))
+        for kw in ({"pingpong_pin": True}, {"overlap": True}):
+            assert off == mosaic_modules(
+                functools.partial(lower, cfg(pingpong=False, **kw))), (name, kw)
     decode = call(8, 1, 8192)
-    assert mosaic_modules(functools.partial(decode, cfg())) == mosaic_modules(
-        functools.partial(decode, cfg(pingpong_pin=True)))
+    for kw in ({"pingpong_pin": True}, {"overlap": True}):
+        assert mosaic_modules(functools.partial(decode, cfg())) == mosaic_modules(
+            functools.partial(decode, cfg(**kw))), kw
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):

@@ -214,6 +214,19 @@ class MosaicConfig:
     #: keeps the softmax ahead of the arrival. Two shared stores a thread a block;
     #: the same bits (nothing reads the buffer).
     pingpong_pin: bool = False
+    #: Intra-warpgroup overlap (FlashAttention-3): a step issues block j's S = Q K^T
+    #: and block j - 1's P V together, runs block j's softmax while that P V is on the
+    #: tensor cores, then awaits it, rescales the accumulator by block j's alpha and
+    #: converts block j's P (after the wait: P's registers are the P V's operand, and
+    #: ptxas serialises every wgmma when they are written while it runs, C7513). Each
+    #: row sees the same operations in the same order (``acc * alpha`` is still the P
+    #: V wgmma's initial accumulator): a launch choice. It turns ``pingpong_pin`` on:
+    #: with the row sums' store before the ping-pong arrival ptxas keeps the softmax
+    #: between the two waits (``benchmarks.mosaic_sass``); without it, ptxas moves the
+    #: P V wait ahead of the softmax, and nothing overlaps. So with two compute
+    #: warpgroups in ping-pong only (the prefill kernels), on the GPU operand path with
+    #: the in-place accumulator and ``rowsum="reduce32"`` (elsewhere ignored).
+    overlap: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
     #: the split's finalize costs a division per element otherwise, every SPLIT of
@@ -844,8 +857,9 @@ class _Forward:
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
         self.gpu_operands, self.interpret = gpu_operands, interpret
         self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
-        # (scratch() reads it; the interpreter has no ptxas to order)
-        self.pin = cfg.pingpong_pin and cfg.pingpong and self.nwg == 2 and interpret is None
+        # (scratch() reads it; the interpreter has no ptxas to order; overlap needs it)
+        self.pin = ((cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
+                    and interpret is None)
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -923,6 +937,8 @@ class _Forward:
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
+        self.overlap = (cfg.overlap and self.pin and self.inplace and self.gpu_operands
+                        and not self.use_mma_rowsum)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1279,10 +1295,11 @@ class _Forward:
 
     # -- the softmax consumer --------------------------------------------------------
 
-    def softmax(self, it: _Item, j, s, m, l, masked, keep):
+    def softmax(self, it: _Item, j, s, m, l, masked, keep, cast=True):
         """Online-softmax step of key block ``j`` on the raw scores ``s``: ``(p, alpha,
-        m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
-        ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
+        m_new, l_new)`` with ``p`` the probabilities in the input dtype (fp32 without
+        ``cast``); with ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the
+        caller's."""
         # The row max is taken of the raw scores and scaled after (the same value: the
         # scale is positive and rounding is monotone), so ``s * scale`` has one use,
         # the exponent, where the compiler contracts ``s * scale - m`` into one FMA
@@ -1320,16 +1337,16 @@ class _Forward:
         if masked:
             p32 = jnp.where(visible, p32, 0.0)
         l_new = None if self.use_mma_rowsum else l * alpha + p32.sum(axis=1)
-        return p32.astype(self.dtype), alpha, m_new, l_new
+        return p32.astype(self.dtype) if cast else p32, alpha, m_new, l_new
 
-    def softmax_at(self, it: _Item, j, s, m, l, masked, keep):
+    def softmax_at(self, it: _Item, j, s, m, l, masked, keep, cast=True):
         """:meth:`softmax` on the block's path: with a key mask, a block that would take
         the unmasked path takes the masked one where it drops a key."""
         if masked or not self.key_mask:
-            return self.softmax(it, j, s, m, l, masked, keep)
+            return self.softmax(it, j, s, m, l, masked, keep, cast)
         return lax.cond(it.flags_ref[it.bi, j] != 0,
-                        lambda: self.softmax(it, j, s, m, l, True, keep),
-                        lambda: self.softmax(it, j, s, m, l, False, keep))
+                        lambda: self.softmax(it, j, s, m, l, True, keep, cast),
+                        lambda: self.softmax(it, j, s, m, l, False, keep, cast))
 
     def block_step(self, it: _Item, n_steps, t, carry, *, masked):
         """Softmax consumer, key block ``t`` (taking the masked path if ``masked``): S =
@@ -1423,6 +1440,107 @@ class _Forward:
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
 
+    def blocks_overlapped(self, it: _Item, n_steps, lo, mid, end, init):
+        """Blocks [lo, end) of a split (the unmasked path before ``mid``) with
+        intra-warpgroup overlap (``MosaicConfig.overlap``): block ``lo``'s S and softmax
+        alone; then a step per later block j that issues S_j and P_{j-1} V_{j-1}
+        together, reads S_j while P V runs (``wait_n=1``), takes block j's softmax
+        step, awaits P V, rescales the accumulator by block j's alpha and converts
+        block j's P; the last block's P V after the loop. Per row the operations and
+        their order are :meth:`block_step`'s, and so are the ring's barriers (two
+        ping-pong arrivals a block; block ``lo``'s K awaited before, block ``end``'s,
+        if the warpgroup has it, here). ``lo < end``."""
+        _, k_s, v_s, _, _, _, keep_s, *_ = it.smem
+        k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
+        bm, bn, d = self.bm, self.bn, self.d
+
+        def keep_of(slot):
+            return keep_s.at[slot] if self.key_mask else None
+
+        def issue_s(s_ref, t):
+            """Block t's S = Q K^T issued into ``s_ref`` (zeroed first: the first
+            wgmma does not accumulate)."""
+            self.wait_keep(it, t)
+            s_ref[...] = self.layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+            for c, k_t in self.kv_slot(k_s, self.slot_of(it, t)):
+                q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
+                plgpu.wgmma(s_ref, q_t, k_t.transpose((1, 0)))
+
+        def issue_pv(o_ref, p, t):
+            """Block t's P V issued into ``o_ref`` (its V awaited, invisible rows
+            zeroed in the slot)."""
+            slot = self.slot_of(it, t)
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_parts = self.kv_slot(v_s, slot)
+            if self.page_size is not None:
+                self.zero_tail(it, t, v_parts)
+            if self.key_mask:
+                self.zero_dropped(it, t, v_parts, keep_of(slot))
+            for c, v_t in v_parts:
+                plgpu.wgmma(o_ref if c is None else o_ref.at[:, pl.ds(c, self.box_cols)],
+                            p, v_t)
+
+        def softmax_step(o_ref, s, t, m, l, masked, pv_in_flight):
+            """Block t's softmax on ``s``, then (P V of block t - 1 awaited, its V slot
+            released) the accumulator times alpha and P in the input dtype."""
+            self.release(it, n_steps, None, self.slot_of(it, t), "k")
+            p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked,
+                                               keep_of(self.slot_of(it, t)), cast=False)
+            if self.pin:
+                self.store_rows(it.smem[11].at[it.w], l)
+            if self.pingpong:
+                plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
+            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+            if pv_in_flight:
+                self.release(it, n_steps, None, self.slot_of(it, t - 1), "v")
+            acc = acc * _rows(alpha, acc.shape)
+            if self.cfg.fence:
+                acc, m, l, p32 = lax.optimization_barrier((acc, m, l, p32))
+            o_ref[...] = acc
+            p = p32.astype(self.dtype)  # after the wait: P V's operand registers
+            if self.pingpong:
+                plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+
+            @pl.when(t + 1 < n_steps)
+            def _():
+                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
+
+            return p, m, l
+
+        def body(s_ref, o_ref):
+            acc0, m0, l0 = init
+            o_ref[...] = acc0
+            issue_s(s_ref, lo)
+            if self.pingpong:
+                self.sync(it)
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+            carry = lax.cond(
+                lo < mid,
+                lambda: softmax_step(o_ref, s, lo, m0, l0, False, False),
+                lambda: softmax_step(o_ref, s, lo, m0, l0, True, False))
+
+            def step(j, carry, *, masked):
+                p_prev, m, l = carry
+                issue_s(s_ref, j)
+                issue_pv(o_ref, p_prev, j - 1)
+                if self.pingpong:
+                    self.sync(it)
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                return softmax_step(o_ref, s, j, m, l, masked, True)
+
+            first = lo + 1
+            carry = lax.fori_loop(first, lax.max(mid, first),
+                                  functools.partial(step, masked=False), carry)
+            p, m, l = lax.fori_loop(lax.max(mid, first), end,
+                                    functools.partial(step, masked=True), carry)
+            issue_pv(o_ref, p, end - 1)  # the last block's P V
+            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+            self.release(it, n_steps, None, self.slot_of(it, end - 1), "v")
+            return acc, m, l
+
+        return pl.run_scoped(body, plgpu.ACC((bm, bn), jnp.float32),
+                             plgpu.ACC((bm, d), jnp.float32))
+
     def store_rows(self, ref, x):
         """A row vector into SMEM ``ref``, each thread its rows, with no warpgroup
         barrier around it (Pallas's ``ref[...] = x`` has one before and one after;
@@ -1470,9 +1588,13 @@ class _Forward:
                                 plgpu.Layout.WGMMA),
                     self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
                     self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
-        step = functools.partial(self.block_step, it, n_steps)
-        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
-        acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
+        if self.overlap:
+            acc, m, l = self.blocks_overlapped(it, n_steps, lo, mid, end, init)
+        else:
+            step = functools.partial(self.block_step, it, n_steps)
+            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+            acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True),
+                                      carry)
         if self.raw_out:
             return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
