@@ -260,7 +260,7 @@ if has pin; then
   # MosaicConfig.pingpong_pin (the row sums stored before the ping-pong arrival, so
   # ptxas keeps the softmax ahead of it; docs/notes.md "2026-12-05"): bits first.
   mkdir -p "$OUT/pin"
-  timeout ${PIN_TESTS_TIMEOUT:-240} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
+  timeout ${PIN_TESTS_TIMEOUT:-420} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
       tests/test_mosaic_backend.py -k pingpong_pin_and_overlap 2>&1 | tee "$OUT/pin/bits.txt" | tail -3
   rc=${PIPESTATUS[0]}; status=$((status | rc))
   if [[ $rc == 0 ]]; then
@@ -274,6 +274,13 @@ if has pin; then
           | tee "$OUT/pin/d$1$2.txt" | tail -12
       status=$((status | ${PIPESTATUS[0]}))
     done
+    # overlap's one-warpgroup kernels: the decode steps, split and unsplit
+    timeout ${PIN_DECODE_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
+        --speed_shapes= --decode_rounds=3 --out_dir="$OUT/pin/decode" \
+        --decode_speed=${PIN_DECODE_POINTS:-8:8192,8:32768,1:131072,32:8192,128:8192} \
+        --decode_variants=ov:overlap=True 2>&1 | grep -v 'Unable to initialize backend' \
+        | tee "$OUT/pin/decode.txt" | tail -20
+    status=$((status | ${PIPESTATUS[0]}))
   fi
 fi
 if has mosaicspeed; then

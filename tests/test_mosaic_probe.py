@@ -595,9 +595,10 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     """MosaicConfig(pingpong_pin=True), and overlap=True (which turns the pin on): the
     kernels with two compute warpgroups (the prefills, causal and not, D = 64 and 128)
     lower for CUDA with the row sums' buffer (2 x 64 fp32: one more KiB of SMEM) and
-    otherwise the same launch, overlap's module another than the pin's; a kernel of
-    one compute warpgroup (the decode), or ping-pong off, is the same module as
-    without them. (Where ptxas puts the store and the waits: test_cli's
+    otherwise the same launch, overlap's module another than the pin's; ping-pong off,
+    the same module as without them. One compute warpgroup (the split and unsplit
+    decode): the pin changes nothing, overlap adds the buffer, and with
+    ctas_per_sm=2 is ignored. (Where ptxas puts the store and the waits: test_cli's
     test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -623,10 +624,19 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
         for kw in ({"pingpong_pin": True}, {"overlap": True}):
             assert off == mosaic_modules(
                 functools.partial(lower, cfg(pingpong=False, **kw))), (name, kw)
-    decode = call(8, 1, 8192)
-    for kw in ({"pingpong_pin": True}, {"overlap": True}):
-        assert mosaic_modules(functools.partial(decode, cfg())) == mosaic_modules(
-            functools.partial(decode, cfg(**kw))), kw
+    # One compute warpgroup (the split and unsplit decode): the pin alone changes
+    # nothing; overlap stores the sums (one more KiB) before K's release; with
+    # ctas_per_sm=2's loads it is ignored.
+    for b in (8, 32):
+        decode = call(b, 1, 8192)
+        default = mosaic_modules(functools.partial(decode, cfg()))
+        assert default == mosaic_modules(functools.partial(decode, cfg(pingpong_pin=True)))
+        over = functools.partial(decode, cfg(overlap=True))
+        assert mosaic_modules(over) != default, b
+        assert [(t, s + 1024) for t, s in mosaic_launches(functools.partial(
+            decode, cfg()))][:1] == mosaic_launches(over)[:1], b
+        assert mosaic_modules(functools.partial(decode, cfg(ctas_per_sm=2))) == \
+            mosaic_modules(functools.partial(decode, cfg(ctas_per_sm=2, overlap=True))), b
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):

@@ -220,12 +220,16 @@ class MosaicConfig:
     #: converts block j's P (after the wait: P's registers are the P V's operand, and
     #: ptxas serialises every wgmma when they are written while it runs, C7513). Each
     #: row sees the same operations in the same order (``acc * alpha`` is still the P
-    #: V wgmma's initial accumulator): a launch choice. It turns ``pingpong_pin`` on:
-    #: with the row sums' store before the ping-pong arrival ptxas keeps the softmax
-    #: between the two waits (``benchmarks.mosaic_sass``); without it, ptxas moves the
-    #: P V wait ahead of the softmax, and nothing overlaps. So with two compute
-    #: warpgroups in ping-pong only (the prefill kernels), on the GPU operand path with
-    #: the in-place accumulator and ``rowsum="reduce32"`` (elsewhere ignored).
+    #: V wgmma's initial accumulator): a launch choice. ptxas keeps the softmax
+    #: between the two waits only where something after it in the program depends on
+    #: it (``benchmarks.mosaic_sass``; otherwise it moves the P V wait ahead of the
+    #: softmax, and nothing overlaps): the row sums are stored to a small SMEM buffer
+    #: before the ping-pong arrival with two compute warpgroups (``pingpong_pin``,
+    #: turned on with it), before the K slot's release with one (the decode, CP's
+    #: states; the slot then waits for the softmax, not only for S). On the GPU
+    #: operand path with the in-place accumulator and ``rowsum="reduce32"``; not with
+    #: ``ctas_per_sm=2``'s loads, nor two warpgroups without ping-pong (elsewhere
+    #: ignored).
     overlap: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
@@ -857,9 +861,13 @@ class _Forward:
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
         self.gpu_operands, self.interpret = gpu_operands, interpret
         self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
-        # (scratch() reads it; the interpreter has no ptxas to order; overlap needs it)
-        self.pin = ((cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
-                    and interpret is None)
+        # The row sums' store that orders ptxas's code (scratch() reads it; the
+        # interpreter has no ptxas): before the ping-pong arrival with two compute
+        # warpgroups (pingpong_pin, overlap), before the K slot's release with one
+        # (overlap; not with ctas_per_sm=2's loads, which release a slot by a load).
+        self.pin = interpret is None and (
+            (cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
+            or cfg.overlap and self.nwg == 1 and cfg.ctas_per_sm == 1)
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -938,7 +946,7 @@ class _Forward:
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
         self.overlap = (cfg.overlap and self.pin and self.inplace and self.gpu_operands
-                        and not self.use_mma_rowsum)
+                        and not self.use_mma_rowsum and not self.inline_loads)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1398,7 +1406,7 @@ class _Forward:
         acc = acc * _rows(alpha, acc.shape)
         if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
-        if self.pin:  # the stored sums keep the softmax ahead of the arrival
+        if self.pin and self.pingpong:  # the stored sums keep the softmax ahead of it
             self.store_rows(it.smem[11].at[it.w], l)
         if self.pingpong:
             plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
@@ -1483,13 +1491,16 @@ class _Forward:
         def softmax_step(o_ref, s, t, m, l, masked, pv_in_flight):
             """Block t's softmax on ``s``, then (P V of block t - 1 awaited, its V slot
             released) the accumulator times alpha and P in the input dtype."""
-            self.release(it, n_steps, None, self.slot_of(it, t), "k")
-            p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked,
-                                               keep_of(self.slot_of(it, t)), cast=False)
-            if self.pin:
-                self.store_rows(it.smem[11].at[it.w], l)
+            slot = self.slot_of(it, t)
+            if self.pingpong:
+                self.release(it, n_steps, None, slot, "k")
+            p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, keep_of(slot),
+                                               cast=False)
+            self.store_rows(it.smem[11].at[it.w], l)  # the softmax before what follows
             if self.pingpong:
                 plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
+            else:  # one warpgroup: K's slot released once the sums are stored
+                self.release(it, n_steps, None, slot, "k")
             acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
             if pv_in_flight:
                 self.release(it, n_steps, None, self.slot_of(it, t - 1), "v")
