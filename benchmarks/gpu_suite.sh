@@ -29,7 +29,8 @@
 # Skv 1k to 128k) beside the peers, one process per B; ctas: MosaicConfig.ctas_per_sm=2's
 # bits, then (if they hold) its decode steps and paged cache beside the default; pin:
 # MosaicConfig.pingpong_pin's and overlap's bits, then the forward's TFLOP/s with each,
-# without them and without ping-pong, beside cuDNN (D=128 causal and not, D=64).
+# without them and without ping-pong, beside cuDNN (D=128 causal and not, D=64), the
+# backward with BwdConfig.dp_overlap, and overlap's decode steps.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -274,6 +275,13 @@ if has pin; then
           | tee "$OUT/pin/d$1$2.txt" | tail -12
       status=$((status | ${PIPESTATUS[0]}))
     done
+    # BwdConfig.dp_overlap: the backward's dK/dV kernel with P^T computed during dP^T
+    timeout ${PIN_BWD_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
+        --backward_speed --peers= --iters=${PIN_ITERS:-7} --fwd_variants=default \
+        --bwd_variants=default,dpov:dp_overlap=True,dpov2:dp_overlap=True \
+        --speed_shapes=${PIN_BWD_SHAPES:-2:4096,1:16384} --out_dir="$OUT/pin/bwd" 2>&1 \
+        | grep -v 'Unable to initialize backend' | tee "$OUT/pin/bwd.txt" | tail -12
+    status=$((status | ${PIPESTATUS[0]}))
     # overlap's one-warpgroup kernels: the decode steps, split and unsplit
     timeout ${PIN_DECODE_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
         --speed_shapes= --decode_rounds=3 --out_dir="$OUT/pin/decode" \

@@ -276,7 +276,7 @@ def check_backward(results: list) -> None:
         # agree in bits. "inplace" is its own arithmetic (errors only).
         configs = [{}, dict(dkdv_wgs=1), dict(dq_wgs=2),
                    dict(registers=None), dict(semantics="warpgroup"),
-                   dict(gpu_operands=False), dict(split_dkdv=True),
+                   dict(gpu_operands=False), dict(split_dkdv=True), dict(dp_overlap=True),
                    dict(accumulate="inplace"),
                    # their own arithmetic (errors; bits only against the default's where
                    # both mask paths meet: the all-kept key mask, check_backward_tails)

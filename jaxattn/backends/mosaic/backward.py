@@ -171,6 +171,14 @@ class BwdConfig:
     #: "trigger" or "off"; :func:`~jaxattn.backends.mosaic.forward.launch`). A launch
     #: choice.
     pdl: str = "both"
+    #: The dK/dV kernel's probabilities computed while its dP^T = V dO^T product runs
+    #: (issued, then P^T from S^T, then the wait), where the default awaits dP^T first.
+    #: ptxas overlaps them on its own in the dQ kernel and in the dK/dV kernel's masked
+    #: blocks, but not in its unmasked ones (``benchmarks.mosaic_sass``, 2026-12-05:
+    #: there both products are awaited before the first exponential; with this, the
+    #: exponentials sit between dP^T's wgmmas, and the kernel spills 104 bytes against
+    #: 148). The same operations: a launch choice.
+    dp_overlap: bool = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -574,14 +582,24 @@ class _DkdvKernel:
         qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
         dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
         s_t = _wgmma(sm["k"], qt, (bkv, bq))
-        dp_t = _wgmma(sm["v"], dot_, (bkv, bq)) if want_dk else None  # dV alone: no dP
+        overlap = want_dk and cfg.dp_overlap  # P^T computed while dP^T runs
+        if not overlap:
+            dp_t = _wgmma(sm["v"], dot_, (bkv, bq)) if want_dk else None  # dV alone: no dP
         visible = None
         if masked:
             visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
             if blk.kept is not None:
                 visible = blk.kept if visible is None else visible & blk.kept
         lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
-        p_t = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
+        if overlap:
+            def dp_and_p(dp_ref):
+                plgpu.wgmma(dp_ref, sm["v"], dot_)
+                p = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
+                return dp_ref[...], p
+
+            dp_t, p_t = pl.run_scoped(dp_and_p, plgpu.ACC((bkv, bq), jnp.float32))
+        else:
+            p_t = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
         p_op = (_a_operand(p_t.astype(self.dtype), sm.get("p"), gpu_operands) if want_dv
                 else None)
         ds_op = None
