@@ -79,19 +79,24 @@ CUresult cuModuleLoadData(void **m, const void *image) { return 100; }
 
 
 def _pip_fetch(spec: str, dest: str) -> str:
-    """The wheel of ``spec`` unpacked under ``dest`` (fetched once)."""
-    done = os.path.join(dest, ".done")
-    if not os.path.exists(done):
-        os.makedirs(dest, exist_ok=True)
+    """The wheel of ``spec`` unpacked into ``dest`` (fetched once: unpacked beside it,
+    then renamed into place, so a second process sees all of it or none)."""
+    if not os.path.exists(os.path.join(dest, ".done")):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(dest))
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "-d", dest, spec], check=True)
-        for whl in glob.glob(os.path.join(dest, "*.whl")):
+                        "-d", tmp, spec], check=True)
+        for whl in glob.glob(os.path.join(tmp, "*.whl")):
             with zipfile.ZipFile(whl) as z:
-                z.extractall(dest)
+                z.extractall(tmp)
             os.remove(whl)
-        for tool in glob.glob(os.path.join(dest, "**", "bin", "*"), recursive=True):
+        for tool in glob.glob(os.path.join(tmp, "**", "bin", "*"), recursive=True):
             os.chmod(tool, 0o755)  # zip extraction drops the executable bit
-        open(done, "w").close()
+        open(os.path.join(tmp, ".done"), "w").close()
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -150,9 +155,10 @@ class Compiler:
         self.workdir = os.path.join(cache, "work")
         os.makedirs(self.workdir, exist_ok=True)
         link = os.path.join(self.workdir, "cuda_sdk_lib")
-        if os.path.islink(link):
-            os.remove(link)
-        os.symlink(os.path.realpath(cuda_root), link)
+        if os.path.realpath(link) != os.path.realpath(cuda_root):
+            tmp = f"{link}.{os.getpid()}"
+            os.symlink(os.path.realpath(cuda_root), tmp)
+            os.replace(tmp, link)  # (atomic: another process may be reading it)
         os.environ["MOSAIC_GPU_CUDA_ROOT"] = os.path.realpath(cuda_root)
 
     def ptx(self, module: bytes) -> str:
