@@ -523,8 +523,10 @@ def test_config_rejects_bad_values(mosaic_bwd):
                {"mask": "logits"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
-    # Retired options (docs/mosaic.md, "Configuration options retired").
-    for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic")):
+    # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag
+    # given something else.
+    for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
+                        ("dp_overlap", "yes")):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

@@ -768,7 +768,9 @@ def test_interpret_split_partials_fold_to_forward(mosaic_fwd):
     XLA:CPU compiles each interpreted kernel's arithmetic in its own context, and the
     same row sum or finalize can round differently in two kernels (measured on a CPU
     host in 2026-12: 1 to 3 of 40 rows an ulp or two apart, for most seeds; docs/mosaic.md,
-    "Bits in the interpreter"). The bits are claimed where the kernels run natively:
+    "Bits in the interpreter"); an output that cancels to near zero in its row may be
+    more ulps apart, within 8 fp32 ulps of the row's largest (:func:`_assert_ulps`).
+    The bits are claimed where the kernels run natively:
     :func:`test_split_partials_fold_to_forward_on_gpu`. The fold kernel against the same
     merges under XLA is in bits here (:func:`test_interpret_split_partials_fold_kernel`)."""
     from jaxattn.merge import fold
@@ -804,7 +806,11 @@ def _ulp_key(x):
 
 def _assert_ulps(x, y, ulps, msg):
     """``x`` and ``y`` of one dtype equal in bits (``ulps=0``) or at most ``ulps``
-    units in the last place apart; neither has a NaN."""
+    units in the last place apart, but for elements that cancel: where a row's
+    result is near zero against its largest element, a few fp32 roundings of the
+    row's terms (8 ulps of an fp32 at the row's scale) are more ulps of the result
+    (seen in the interpreter: 1.94e-6 against 1.91e-6, two bf16 ulps, in a row whose
+    largest output is 0.31). Neither has a NaN."""
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, msg
     assert not np.isnan(x.astype(np.float32)).any(), msg
@@ -813,8 +819,12 @@ def _assert_ulps(x, y, ulps, msg):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=msg)
         return
     far = np.abs(_ulp_key(x) - _ulp_key(y))
-    assert far.max() <= ulps, f"{msg}: {int(far.max())} ulps apart ({int((far > 0).sum())} " \
-                              f"of {far.size} differ)"
+    x32, y32 = x.astype(np.float64), y.astype(np.float64)
+    scale = np.max(np.abs(y32), axis=-1, keepdims=True) if y.ndim else np.abs(y32)
+    cancels = np.abs(x32 - y32) <= 8 * 2.0**-23 * scale
+    bad = (far > ulps) & ~cancels
+    assert not bad.any(), f"{msg}: {int(far[bad].max())} ulps apart ({int(bad.sum())} " \
+                          f"of {far.size} differ beyond {ulps} ulps and do not cancel)"
 
 
 def _split_partials_fold_to_forward(mosaic_fwd, fold, interpret, ulps, causal):
@@ -1267,8 +1277,10 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_cols": 8}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
-    # The retired options are gone, not ignored (docs/mosaic.md, retired options).
-    for kw in ({"overlap": "smem"}, {"key_bound": "always"}, {"blocks_per_step": 2},
+    # The retired options are gone, not ignored (docs/mosaic.md, retired options);
+    # overlap is a flag again, and its retired modes ("registers", "smem") are refused.
+    for kw in ({"overlap": "smem"}, {"overlap": 1}, {"pingpong_pin": "yes"},
+               {"key_bound": "always"}, {"blocks_per_step": 2},
                {"persistent_order": "snake"}, {"wait_next_k": False}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)

@@ -184,6 +184,8 @@ class BwdConfig:
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         check_pdl("pdl", self.pdl)
+        if not isinstance(self.dp_overlap, bool):
+            raise TypeError(f"dp_overlap must be True or False, got {self.dp_overlap!r}")
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):

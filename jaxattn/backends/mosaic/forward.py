@@ -365,6 +365,10 @@ class MosaicConfig:
             check_pdl(name, getattr(self, name), optional=name != "pdl")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
+        if not isinstance(self.pingpong_pin, bool):
+            raise TypeError(f"pingpong_pin must be True or False, got {self.pingpong_pin!r}")
+        if not isinstance(self.overlap, bool):  # (its retired modes were strings)
+            raise TypeError(f"overlap must be True or False, got {self.overlap!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
