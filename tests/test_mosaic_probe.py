@@ -595,7 +595,8 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     """MosaicConfig(pingpong_pin=True), and overlap=True (which turns the pin on): the
     kernels with two compute warpgroups (the prefills, causal and not, D = 64 and 128)
     lower for CUDA with the row sums' buffer (2 x 64 fp32: one more KiB of SMEM) and
-    otherwise the same launch, overlap's module another than the pin's; ping-pong off,
+    otherwise the same launch, overlap's module another than the pin's (at D = 256 the
+    pin's: overlap would spill); ping-pong off,
     the same module as without them. One compute warpgroup (the split and unsplit
     decode): the pin changes nothing, overlap adds the buffer, and with
     ctas_per_sm=2 is ignored. (Where ptxas puts the store and the waits: test_cli's
@@ -624,6 +625,10 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
         for kw in ({"pingpong_pin": True}, {"overlap": True}):
             assert off == mosaic_modules(
                 functools.partial(lower, cfg(pingpong=False, **kw))), (name, kw)
+    # D=256: overlap leaves the pin alone (its accumulator leaves no registers).
+    wide = call(2, 2048, 2048, 256)
+    assert mosaic_modules(functools.partial(wide, cfg(overlap=True))) == mosaic_modules(
+        functools.partial(wide, cfg(pingpong_pin=True)))
     # One compute warpgroup (the split and unsplit decode): the pin alone changes
     # nothing; overlap stores the sums (one more KiB) before K's release; with
     # ctas_per_sm=2's loads it is ignored.

@@ -227,9 +227,10 @@ class MosaicConfig:
     #: before the ping-pong arrival with two compute warpgroups (``pingpong_pin``,
     #: turned on with it), before the K slot's release with one (the decode, CP's
     #: states; the slot then waits for the softmax, not only for S). On the GPU
-    #: operand path with the in-place accumulator and ``rowsum="reduce32"``; not with
+    #: operand path with the in-place accumulator and ``rowsum="reduce32"``, D <= 128
+    #: (at 256 the accumulator leaves no registers: it spills in the loop); not with
     #: ``ctas_per_sm=2``'s loads, nor two warpgroups without ping-pong (elsewhere
-    #: ignored).
+    #: ignored; with two warpgroups the pin stays).
     overlap: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
@@ -871,7 +872,7 @@ class _Forward:
         # (overlap; not with ctas_per_sm=2's loads, which release a slot by a load).
         self.pin = interpret is None and (
             (cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
-            or cfg.overlap and self.nwg == 1 and cfg.ctas_per_sm == 1)
+            or cfg.overlap and self.nwg == 1 and cfg.ctas_per_sm == 1 and d <= 128)
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -949,8 +950,10 @@ class _Forward:
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
+        # (not at D=256: its 64 x 256 accumulator leaves no room, 28 spill accesses a
+        # masked block in the SASS)
         self.overlap = (cfg.overlap and self.pin and self.inplace and self.gpu_operands
-                        and not self.use_mma_rowsum and not self.inline_loads)
+                        and not self.use_mma_rowsum and not self.inline_loads and d <= 128)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
