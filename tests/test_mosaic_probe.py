@@ -388,6 +388,43 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_overlap_keeps_bits(mosaic_fwd):
+    """MosaicConfig(overlap=True) in the interpreter (one compute warpgroup; its own
+    operand path and fresh accumulators: S_j issued with P_{j-1} V, j's softmax while
+    it runs) gives the bits of the block-by-block steps, out and lse: a causal prefill
+    over partial blocks with a key mask over NaN in dropped K and V, a non-causal one,
+    and the split decode past a SPLIT from a shuffled pool of 16-key pages with NaN
+    past each length. (The GPU's in-place accumulator and register P:
+    test_pingpong_pin_and_overlap_keep_bits_on_gpu; its SASS order: test_cli.) A wrong
+    block's V hangs the interpreter, a dropped running sum fails it (both tried)."""
+    cfg = mosaic_fwd.MosaicConfig
+    seed, q, k, v = _inputs(1, 2, 1, 130, 300, 64)
+    keep = jnp.asarray(np.arange(300) % 7 != 3)[None]
+    k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+    v_nan = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+    for kw, args in (({"causal": True, "key_padding_mask": keep}, (q, k_nan, v_nan)),
+                     ({"causal": False}, (q[:, :, :70], k[:, :, :130], v[:, :, :130]))):
+        want, got = (mosaic_fwd.forward(*args, interpret=True, config=cfg(**_ONE_WG, **c),
+                                        **kw)
+                     for c in ({}, {"overlap": True}))
+        for x, y in zip(want, got, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), (list(kw), seed)
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{list(kw)} {seed}")
+    s = schedule.SPLIT + 100
+    seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
+    lens = np.array([s, s - 70])
+    kp, vp, table = ragged_cache("NHD", 16, lens, k, v, seed=seed)
+    want, got = (mosaic_fwd.paged_forward(q, kp, vp, table, jnp.asarray(lens, jnp.int32),
+                                          interpret=True, layout="NHD",
+                                          config=cfg(split_decode=True, **c))
+                 for c in ({}, {"overlap": True}))
+    for x, y in zip(want, got, strict=True):
+        assert not np.isnan(np.asarray(y, np.float32)).any(), ("paged", seed)
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"paged {seed}")
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
     block is partial (the next head's keys, or zeros, past Skv; no padded copy), and

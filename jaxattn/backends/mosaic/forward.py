@@ -230,7 +230,9 @@ class MosaicConfig:
     #: operand path with the in-place accumulator and ``rowsum="reduce32"``, D <= 128
     #: (at 256 the accumulator leaves no registers: it spills in the loop); not with
     #: ``ctas_per_sm=2``'s loads, nor two warpgroups without ping-pong (elsewhere
-    #: ignored; with two warpgroups the pin stays).
+    #: ignored; with two warpgroups the pin stays). The interpreter runs the same
+    #: steps with its operand path and fresh accumulators (the same bits as its
+    #: block-by-block steps: the pipeline's slots, barriers and masks checked on a CPU).
     overlap: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
@@ -951,9 +953,11 @@ class _Forward:
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
         # (not at D=256: its 64 x 256 accumulator leaves no room, 28 spill accesses a
-        # masked block in the SASS)
-        self.overlap = (cfg.overlap and self.pin and self.inplace and self.gpu_operands
-                        and not self.use_mma_rowsum and not self.inline_loads and d <= 128)
+        # masked block in the SASS; in the interpreter, its own operand path and
+        # accumulation: blocks_overlapped)
+        self.overlap = (cfg.overlap and not self.use_mma_rowsum and not self.inline_loads
+                        and d <= 128 and (self.pin and self.inplace and self.gpu_operands
+                                          or interpret is not None))
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1464,25 +1468,41 @@ class _Forward:
         block j's P; the last block's P V after the loop. Per row the operations and
         their order are :meth:`block_step`'s, and so are the ring's barriers (two
         ping-pong arrivals a block; block ``lo``'s K awaited before, block ``end``'s,
-        if the warpgroup has it, here). ``lo < end``."""
+        if the warpgroup has it, here). ``lo < end``.
+
+        On the GPU the accumulator is P V's wgmma accumulator (``acc * alpha`` its
+        initial value) and P its register operand. The interpreter runs the same steps
+        with its own operand path (K^T's slot, P staged in SMEM once the P V before it
+        is done) and a fresh P V accumulator added to the rescaled sum, as
+        :meth:`block_step` does there: the same bits as its steps (a test of the
+        pipeline's slots, barriers and masks on the CPU)."""
         _, k_s, v_s, _, _, _, keep_s, *_ = it.smem
         k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
         bm, bn, d = self.bm, self.bn, self.d
+        fresh = not self.inplace
 
         def keep_of(slot):
             return keep_s.at[slot] if self.key_mask else None
 
+        def zeroed(ref):
+            ref[...] = self.layout(jnp.zeros(ref.shape, jnp.float32), plgpu.Layout.WGMMA)
+
         def issue_s(s_ref, t):
-            """Block t's S = Q K^T issued into ``s_ref`` (zeroed first: the first
-            wgmma does not accumulate)."""
+            """Block t's S = Q K^T issued into ``s_ref`` (held across blocks: zeroed
+            first, the first wgmma does not accumulate)."""
             self.wait_keep(it, t)
-            s_ref[...] = self.layout(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-            for c, k_t in self.kv_slot(k_s, self.slot_of(it, t)):
+            if not fresh:
+                zeroed(s_ref)
+            slot = self.slot_of(it, t)
+            if not self.gpu_operands:  # K^T's slot
+                plgpu.wgmma(s_ref, it.q_s, k_s.at[slot])
+                return
+            for c, k_t in self.kv_slot(k_s, slot):
                 q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
                 plgpu.wgmma(s_ref, q_t, k_t.transpose((1, 0)))
 
-        def issue_pv(o_ref, p, t):
-            """Block t's P V issued into ``o_ref`` (its V awaited, invisible rows
+        def issue_pv(pv_ref, p, t):
+            """Block t's P V issued into ``pv_ref`` (its V awaited, invisible rows
             zeroed in the slot)."""
             slot = self.slot_of(it, t)
             plgpu.barrier_wait(v_bar.at[slot])
@@ -1491,31 +1511,42 @@ class _Forward:
                 self.zero_tail(it, t, v_parts)
             if self.key_mask:
                 self.zero_dropped(it, t, v_parts, keep_of(slot))
+            p_op = p if self.gpu_operands else it.p_s
             for c, v_t in v_parts:
-                plgpu.wgmma(o_ref if c is None else o_ref.at[:, pl.ds(c, self.box_cols)],
-                            p, v_t)
+                plgpu.wgmma(pv_ref if c is None else pv_ref.at[:, pl.ds(c, self.box_cols)],
+                            p_op, v_t)
 
-        def softmax_step(o_ref, s, t, m, l, masked, pv_in_flight):
+        def softmax_step(pv_ref, acc, s, t, m, l, masked, pv_in_flight):
             """Block t's softmax on ``s``, then (P V of block t - 1 awaited, its V slot
-            released) the accumulator times alpha and P in the input dtype."""
+            released) the accumulator times alpha and P in the input dtype (GPU
+            operands: in registers; else staged in SMEM). ``acc``: the running sum
+            (fresh accumulators; in place it is ``pv_ref``'s)."""
             slot = self.slot_of(it, t)
             if self.pingpong:
                 self.release(it, n_steps, None, slot, "k")
             p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, keep_of(slot),
                                                cast=False)
-            self.store_rows(it.smem[11].at[it.w], l)  # the softmax before what follows
+            if self.pin:  # the softmax before what follows
+                self.store_rows(it.smem[11].at[it.w], l)
             if self.pingpong:
                 plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
             else:  # one warpgroup: K's slot released once the sums are stored
                 self.release(it, n_steps, None, slot, "k")
-            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+            if pv_in_flight or not fresh:
+                pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+                acc = acc + pv if fresh else pv
             if pv_in_flight:
                 self.release(it, n_steps, None, self.slot_of(it, t - 1), "v")
             acc = acc * _rows(alpha, acc.shape)
             if self.cfg.fence:
                 acc, m, l, p32 = lax.optimization_barrier((acc, m, l, p32))
-            o_ref[...] = acc
-            p = p32.astype(self.dtype)  # after the wait: P V's operand registers
+            if not fresh:
+                pv_ref[...] = acc
+            p = p32.astype(self.dtype)  # after the wait: P V's operand
+            if not self.gpu_operands:
+                it.p_s[...] = p
+                plgpu.commit_smem()
+                p = None
             if self.pingpong:
                 plgpu.barrier_wait(sched.at[0])  # the other's products are issued
 
@@ -1523,40 +1554,71 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
 
-            return p, m, l
+            return p, acc if fresh else None, m, l  # (in place: the sum is pv_ref's)
 
-        def body(s_ref, o_ref):
+        def run(s_ref, pv_ref):
+            """The blocks, with S's and (in place) the sum's accumulators ``s_ref`` and
+            ``pv_ref`` held across them, or (fresh) with scoped ones a block (None)."""
+            def with_s(f):  # f(s_ref): S's accumulator
+                if s_ref is None:
+                    return pl.run_scoped(f, plgpu.ACC((bm, bn), jnp.float32))
+                return f(s_ref)
+
+            def with_pv(f):  # f(pv_ref): P V's accumulator
+                if pv_ref is None:
+                    return pl.run_scoped(f, plgpu.ACC((bm, d), jnp.float32))
+                return f(pv_ref)
+
             acc0, m0, l0 = init
-            o_ref[...] = acc0
-            issue_s(s_ref, lo)
-            if self.pingpong:
-                self.sync(it)
-            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-            carry = lax.cond(
-                lo < mid,
-                lambda: softmax_step(o_ref, s, lo, m0, l0, False, False),
-                lambda: softmax_step(o_ref, s, lo, m0, l0, True, False))
+            if not fresh:
+                pv_ref[...] = acc0
 
-            def step(j, carry, *, masked):
-                p_prev, m, l = carry
-                issue_s(s_ref, j)
-                issue_pv(o_ref, p_prev, j - 1)
+            def first_block(s_ref):
+                issue_s(s_ref, lo)
                 if self.pingpong:
                     self.sync(it)
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                return softmax_step(o_ref, s, j, m, l, masked, True)
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+                return with_pv(lambda pv: lax.cond(
+                    lo < mid,
+                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, False, False),
+                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, True, False)))
+
+            carry = with_s(first_block)
+
+            def step(j, carry, *, masked):
+                p_prev, acc, m, l = carry
+
+                def blocks(s_ref):
+                    issue_s(s_ref, j)
+
+                    def after_pv(pv):
+                        issue_pv(pv, p_prev, j - 1)
+                        if self.pingpong:
+                            self.sync(it)
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                        return softmax_step(pv, acc, s, j, m, l, masked, True)
+
+                    return with_pv(after_pv)
+
+                return with_s(blocks)
 
             first = lo + 1
             carry = lax.fori_loop(first, lax.max(mid, first),
                                   functools.partial(step, masked=False), carry)
-            p, m, l = lax.fori_loop(lax.max(mid, first), end,
-                                    functools.partial(step, masked=True), carry)
-            issue_pv(o_ref, p, end - 1)  # the last block's P V
-            acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-            self.release(it, n_steps, None, self.slot_of(it, end - 1), "v")
-            return acc, m, l
+            p, acc, m, l = lax.fori_loop(lax.max(mid, first), end,
+                                         functools.partial(step, masked=True), carry)
 
-        return pl.run_scoped(body, plgpu.ACC((bm, bn), jnp.float32),
+            def last_pv(pv_ref):  # the last block's P V
+                issue_pv(pv_ref, p, end - 1)
+                return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+
+            pv = with_pv(last_pv)
+            self.release(it, n_steps, None, self.slot_of(it, end - 1), "v")
+            return acc + pv if fresh else pv, m, l
+
+        if fresh:
+            return run(None, None)
+        return pl.run_scoped(run, plgpu.ACC((bm, bn), jnp.float32),
                              plgpu.ACC((bm, d), jnp.float32))
 
     def store_rows(self, ref, x):
