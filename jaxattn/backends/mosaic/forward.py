@@ -871,7 +871,8 @@ class _Forward:
         # The row sums' store that orders ptxas's code (scratch() reads it; the
         # interpreter has no ptxas): before the ping-pong arrival with two compute
         # warpgroups (pingpong_pin, overlap), before the K slot's release with one
-        # (overlap; not with ctas_per_sm=2's loads, which release a slot by a load).
+        # (overlap; not with ctas_per_sm=2's loads, which release a slot by a load,
+        # nor at D=256, where overlap is not used).
         self.pin = interpret is None and (
             (cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
             or cfg.overlap and self.nwg == 1 and cfg.ctas_per_sm == 1 and d <= 128)
@@ -1040,7 +1041,8 @@ class _Forward:
             # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
             # before it is stored into the tiled, swizzled Q slot that wgmma reads
             q_in,
-            # pingpong_pin: each warpgroup's row sums, stored before its arrival
+            # pingpong_pin / overlap: each warpgroup's row sums, stored before its
+            # ping-pong arrival (two warpgroups) or K's release (one); never read
             plgpu.SMEM((nwg, bm), jnp.float32) if self.pin else None,
         ]
 
