@@ -51,6 +51,7 @@ PY=${PY:-python3}
 source benchmarks/wheels.sh && install_wheels
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+part() { [[ ",$2," == *",$1,"* ]]; }  # part NAME LIST: NAME is one of LIST's
 
 if has env; then
   { date -u; nvidia-smi; $PY -c 'import jax, jaxlib, sys; print(sys.version); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print(jax.devices())';
@@ -238,50 +239,69 @@ if has ctas; then
   # MosaicConfig.ctas_per_sm=2 (the decode kernels two CTAs an SM, docs/notes.md
   # "2026-12-04 (eleventh)"): its bits against the default first (a hang is a barrier
   # bug: the timeout ends it), then, only if they hold, the decode steps beside the
-  # default (3 and 2 ring slots) and the paged cache.
+  # default (3 and 2 ring slots; with overlap, whose row sums' KiB leaves 2) and the
+  # paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
+  # under the device's 10 minutes.
+  CTAS_PARTS=${CTAS_PARTS:-bits,decode,paged}
   mkdir -p "$OUT/ctas"
-  timeout ${CTAS_TESTS_TIMEOUT:-300} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
-      tests/test_mosaic_backend.py -k two_ctas 2>&1 | tee "$OUT/ctas/bits.txt" | tail -3
-  rc=${PIPESTATUS[0]}; status=$((status | rc))
-  if [[ $rc == 0 ]]; then
-    timeout ${CTAS_TIMEOUT:-420} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
+  rc=0
+  if part bits "$CTAS_PARTS"; then
+    timeout ${CTAS_TESTS_TIMEOUT:-300} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
+        tests/test_mosaic_backend.py -k two_ctas 2>&1 | tee "$OUT/ctas/bits.txt" | tail -3
+    rc=${PIPESTATUS[0]}; status=$((status | rc))
+  fi
+  if [[ $rc == 0 ]] && part decode "$CTAS_PARTS"; then
+    timeout ${CTAS_TIMEOUT:-480} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
         --speed_shapes= --decode_rounds=3 --out_dir="$OUT/ctas/decode" \
         --decode_speed=${CTAS_POINTS:-8:8192,8:32768,1:131072,2:4096,8:8193,8:8192:4,32:8192,128:8192} \
-        --decode_variants=two:ctas_per_sm=2,two2:ctas_per_sm=2:split_decode_stages=2,two3:ctas_per_sm=2:stages=3 \
+        --decode_variants=two:ctas_per_sm=2,two2:ctas_per_sm=2:split_decode_stages=2,two3:ctas_per_sm=2:stages=3,twoov:ctas_per_sm=2:overlap=True \
         2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/decode.txt" | tail -40
     status=$((status | ${PIPESTATUS[0]}))
+  fi
+  if [[ $rc == 0 ]] && part paged "$CTAS_PARTS"; then
     timeout ${CTAS_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/ctas/paged" \
         --batches=8 --kv_lens=32768 --page_sizes=16,64 --layouts=NHD --backends=mosaic \
-        --mosaic_variants=two:ctas_per_sm=2 2>&1 | grep -v 'Unable to initialize backend' \
-        | tee "$OUT/ctas/paged.txt" | tail -12
+        --mosaic_variants=two:ctas_per_sm=2,twoov:ctas_per_sm=2:overlap=True 2>&1 \
+        | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/paged.txt" | tail -12
     status=$((status | ${PIPESTATUS[0]}))
   fi
 fi
 if has pin; then
   # MosaicConfig.pingpong_pin (the row sums stored before the ping-pong arrival, so
-  # ptxas keeps the softmax ahead of it; docs/notes.md "2026-12-05"): bits first.
+  # ptxas keeps the softmax ahead of it), MosaicConfig.overlap and BwdConfig.dp_overlap
+  # (docs/notes.md "2026-12-05"): bits first; PIN_PARTS picks parts
+  # (bits,fwd,bwd,decode), so that each call stays under the device's 10 minutes.
+  PIN_PARTS=${PIN_PARTS:-bits,fwd,bwd,decode}
   mkdir -p "$OUT/pin"
-  timeout ${PIN_TESTS_TIMEOUT:-420} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
-      tests/test_mosaic_backend.py -k pingpong_pin_and_overlap 2>&1 | tee "$OUT/pin/bits.txt" | tail -3
-  rc=${PIPESTATUS[0]}; status=$((status | rc))
-  if [[ $rc == 0 ]]; then
-    for run in "128 --speed_causal" "128 --nospeed_causal" "64 --speed_causal"; do
+  rc=0
+  if part bits "$PIN_PARTS"; then
+    timeout ${PIN_TESTS_TIMEOUT:-420} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
+        tests/test_mosaic_backend.py -k pingpong_pin_and_overlap 2>&1 \
+        | tee "$OUT/pin/bits.txt" | tail -3
+    rc=${PIPESTATUS[0]}; status=$((status | rc))
+  fi
+  if [[ $rc == 0 ]] && part fwd "$PIN_PARTS"; then
+    for run in "128 --speed_causal 2:4096,16:1024,1:16384" "128 --nospeed_causal 2:4096" \
+               "64 --speed_causal 2:4096,1:16384"; do
       set -- $run
       timeout ${PIN_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
-          --peers=cudnn --iters=${PIN_ITERS:-7} --speed_head_dim=$1 $2 \
-          --speed_shapes=${PIN_SHAPES:-2:4096,16:1024,1:16384} \
+          --peers=cudnn --iters=${PIN_ITERS:-5} --speed_head_dim=$1 $2 --speed_shapes=$3 \
           --fwd_variants=default,pin:pingpong_pin=True,ov:overlap=True,nopp:pingpong=False,ov2:overlap=True \
           --out_dir="$OUT/pin/d$1$2" 2>&1 | grep -v 'Unable to initialize backend' \
           | tee "$OUT/pin/d$1$2.txt" | tail -12
       status=$((status | ${PIPESTATUS[0]}))
     done
+  fi
+  if [[ $rc == 0 ]] && part bwd "$PIN_PARTS"; then
     # BwdConfig.dp_overlap: the backward's dK/dV kernel with P^T computed during dP^T
     timeout ${PIN_BWD_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
-        --backward_speed --peers= --iters=${PIN_ITERS:-7} --fwd_variants=default \
+        --backward_speed --peers= --iters=${PIN_ITERS:-5} --fwd_variants=default \
         --bwd_variants=default,dpov:dp_overlap=True,dpov2:dp_overlap=True \
         --speed_shapes=${PIN_BWD_SHAPES:-2:4096,1:16384} --out_dir="$OUT/pin/bwd" 2>&1 \
         | grep -v 'Unable to initialize backend' | tee "$OUT/pin/bwd.txt" | tail -12
     status=$((status | ${PIPESTATUS[0]}))
+  fi
+  if [[ $rc == 0 ]] && part decode "$PIN_PARTS"; then
     # overlap's one-warpgroup kernels: the decode steps, split and unsplit
     timeout ${PIN_DECODE_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
         --speed_shapes= --decode_rounds=3 --out_dir="$OUT/pin/decode" \

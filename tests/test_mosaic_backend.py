@@ -281,16 +281,18 @@ def test_pingpong_pin_and_overlap_keep_bits_on_gpu():
     causal prefills on and off the block grid (a persistent grid and not; one block a
     split and several), a chunk, non-causal, a key padding mask with NaN in dropped K
     and inf in dropped V, per-sequence offsets, D = 64 and 256, [B, S, H, D]; and
-    overlap's one-warpgroup kernels: the split and unsplit decode, 4 queries a head, a
-    key mask, pages of 16 (NHD) and 64 (HND) keys with NaN in unused slots, CP's split
-    states; twice, on fresh inputs."""
+    overlap's one-warpgroup kernels, with ctas_per_sm=2's loads too: the split and
+    unsplit decode, 4 queries a head, a key mask, pages of 16 (NHD) and 64 (HND) keys
+    with NaN in unused slots, CP's split states; twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     configs = (mf.MosaicConfig(), mf.MosaicConfig(pingpong_pin=True),
                mf.MosaicConfig(overlap=True), mf.MosaicConfig(overlap=True, persistent=0))
+    # one compute warpgroup: also where K's release is ctas_per_sm=2's next load
+    decode_configs = (*configs, mf.MosaicConfig(ctas_per_sm=2, overlap=True))
 
-    def agree(tag, *args, **kw):
-        _configs_agree_in_bits(mf.forward, configs, tag, *args, **kw)
+    def agree(tag, *args, f=mf.forward, cfgs=configs, **kw):
+        _configs_agree_in_bits(f, cfgs, tag, *args, **kw)
 
     for _ in range(2):
         q, k, v = rand_qkv(2, 32, 8, 1100, 1100, 128, jnp.bfloat16)
@@ -316,22 +318,23 @@ def test_pingpong_pin_and_overlap_keep_bits_on_gpu():
         qd, kd, vd = rand_qkv(2, 32, 8, 300, 5000, 128, jnp.bfloat16)
         for b, sq, skv in ((2, 1, 5000), (1, 1, 4097), (2, 4, 3000)):
             agree(("decode", b, sq, skv), qd[:b, :, -sq:], kd[:b, :, :skv],
-                  vd[:b, :, :skv], causal=True)
-        agree("unsplit", *rand_qkv(20, 32, 8, 1, 3000, 128, jnp.bfloat16), causal=True)
+                  vd[:b, :, :skv], causal=True, cfgs=decode_configs)
+        agree("unsplit", *rand_qkv(20, 32, 8, 1, 3000, 128, jnp.bfloat16), causal=True,
+              cfgs=decode_configs)
         m = rng.random((2, 5000)) > 0.3
         m[:, -1] = True
         keep = jnp.asarray(m)
         (k_nan, v_inf), _ = dropped_nan(kd, vd, keep)
-        agree("decode-mask", qd[:, :, -1:], k_nan, v_inf, causal=True, key_padding_mask=keep)
+        agree("decode-mask", qd[:, :, -1:], k_nan, v_inf, causal=True, key_padding_mask=keep,
+              cfgs=decode_configs)
         lens = np.array([5000, 2100])
         for ps, layout in ((16, "NHD"), (64, "HND")):
             kp, vp, table = ragged_cache(layout, ps, lens, kd, vd,
                                          seed=int(rng.integers(2**16)))
-            _configs_agree_in_bits(mf.paged_forward, configs, (ps, layout), qd[:, :, -1:],
-                                   kp, vp, table, jnp.asarray(lens, jnp.int32),
-                                   layout=layout)
-        _configs_agree_in_bits(mf.split_partials, configs, "cp", qd, kd, vd, causal=True,
-                               causal_offsets=jnp.asarray([4700, 2000], jnp.int32))
+            agree((ps, layout), qd[:, :, -1:], kp, vp, table, jnp.asarray(lens, jnp.int32),
+                  layout=layout, f=mf.paged_forward, cfgs=decode_configs)
+        agree("cp", qd, kd, vd, causal=True, causal_offsets=jnp.asarray([4700, 2000], jnp.int32),
+              f=mf.split_partials, cfgs=decode_configs)
 
 
 @pytest.mark.gpu

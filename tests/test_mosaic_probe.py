@@ -394,7 +394,9 @@ def test_interpret_overlap_keeps_bits(mosaic_fwd):
     it runs) gives the bits of the block-by-block steps, out and lse: a causal prefill
     over partial blocks with a key mask over NaN in dropped K and V, a non-causal one,
     and the split decode past a SPLIT from a shuffled pool of 16-key pages with NaN
-    past each length. (The GPU's in-place accumulator and register P:
+    past each length, split and not, also with ``ctas_per_sm=2``'s loads (each slot's
+    next block loaded once its S, or its P V, is read). (The GPU's in-place
+    accumulator and register P:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu; its SASS order: test_cli.) A wrong
     block's V hangs the interpreter, a dropped running sum fails it (both tried)."""
     cfg = mosaic_fwd.MosaicConfig
@@ -414,13 +416,16 @@ def test_interpret_overlap_keeps_bits(mosaic_fwd):
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     lens = np.array([s, s - 70])
     kp, vp, table = ragged_cache("NHD", 16, lens, k, v, seed=seed)
-    want, got = (mosaic_fwd.paged_forward(q, kp, vp, table, jnp.asarray(lens, jnp.int32),
-                                          interpret=True, layout="NHD",
-                                          config=cfg(split_decode=True, **c))
-                 for c in ({}, {"overlap": True}))
-    for x, y in zip(want, got, strict=True):
-        assert not np.isnan(np.asarray(y, np.float32)).any(), ("paged", seed)
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"paged {seed}")
+    for split in (True, False):
+        want, *gots = (mosaic_fwd.paged_forward(
+            q, kp, vp, table, jnp.asarray(lens, jnp.int32), interpret=True, layout="NHD",
+            config=cfg(split_decode=split, **c))
+            for c in ({}, {"overlap": True}, {"overlap": True, "ctas_per_sm": 2}))
+        for got in gots:
+            for x, y in zip(want, got, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any(), ("paged", split, seed)
+                np.testing.assert_array_equal(bits(x), bits(y),
+                                              err_msg=f"paged {split} {seed}")
 
 
 @needs_threads
@@ -635,8 +640,8 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     otherwise the same launch, overlap's module another than the pin's (at D = 256 the
     pin's: overlap would spill); ping-pong off,
     the same module as without them. One compute warpgroup (the split and unsplit
-    decode): the pin changes nothing, overlap adds the buffer, and with
-    ctas_per_sm=2 is ignored. (Where ptxas puts the store and the waits: test_cli's
+    decode): the pin changes nothing, overlap adds the buffer, also with
+    ctas_per_sm=2 (within half an SM). (Where ptxas puts the store and the waits: test_cli's
     test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -667,8 +672,9 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     assert mosaic_modules(functools.partial(wide, cfg(overlap=True))) == mosaic_modules(
         functools.partial(wide, cfg(pingpong_pin=True)))
     # One compute warpgroup (the split and unsplit decode): the pin alone changes
-    # nothing; overlap stores the sums (one more KiB) before K's release; with
-    # ctas_per_sm=2's loads it is ignored.
+    # nothing; overlap stores the sums (one more KiB) before K's release, with
+    # ctas_per_sm=2's loads too (where the KiB leaves the split kernel 2 ring slots of
+    # 3, within half an SM).
     for b in (8, 32):
         decode = call(b, 1, 8192)
         default = mosaic_modules(functools.partial(decode, cfg()))
@@ -677,8 +683,10 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
         assert mosaic_modules(over) != default, b
         assert [(t, s + 1024) for t, s in mosaic_launches(functools.partial(
             decode, cfg()))][:1] == mosaic_launches(over)[:1], b
-        assert mosaic_modules(functools.partial(decode, cfg(ctas_per_sm=2))) == \
-            mosaic_modules(functools.partial(decode, cfg(ctas_per_sm=2, overlap=True))), b
+        two = mosaic_launches(functools.partial(decode, cfg(ctas_per_sm=2)))
+        two_ov = mosaic_launches(functools.partial(decode, cfg(ctas_per_sm=2, overlap=True)))
+        assert two_ov[0][0] == two[0][0] == 128 and two_ov[0][1] <= (228 * 1024) // 2 - 1024
+        assert two_ov[0][1] == (two[0][1] + 1024 if b == 32 else 83024), (b, two, two_ov)
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):

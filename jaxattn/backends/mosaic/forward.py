@@ -228,9 +228,10 @@ class MosaicConfig:
     #: turned on with it), before the K slot's release with one (the decode, CP's
     #: states; the slot then waits for the softmax, not only for S). On the GPU
     #: operand path with the in-place accumulator and ``rowsum="reduce32"``, D <= 128
-    #: (at 256 the accumulator leaves no registers: it spills in the loop); not with
-    #: ``ctas_per_sm=2``'s loads, nor two warpgroups without ping-pong (elsewhere
-    #: ignored; with two warpgroups the pin stays). The interpreter runs the same
+    #: (at 256 the accumulator leaves no registers: it spills in the loop); not two
+    #: warpgroups without ping-pong (elsewhere ignored; with two warpgroups the pin
+    #: stays). With ``ctas_per_sm=2`` the release is the slot's next load, and the
+    #: buffer's KiB leaves the split decode 2 ring slots of 3. The interpreter runs the same
     #: steps with its operand path and fresh accumulators (the same bits as its
     #: block-by-block steps: the pipeline's slots, barriers and masks checked on a CPU).
     overlap: bool = False
@@ -871,11 +872,11 @@ class _Forward:
         # The row sums' store that orders ptxas's code (scratch() reads it; the
         # interpreter has no ptxas): before the ping-pong arrival with two compute
         # warpgroups (pingpong_pin, overlap), before the K slot's release with one
-        # (overlap; not with ctas_per_sm=2's loads, which release a slot by a load,
-        # nor at D=256, where overlap is not used).
+        # (overlap; with ctas_per_sm=2's loads the release is the slot's next load;
+        # not at D=256, where overlap is not used).
         self.pin = interpret is None and (
             (cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
-            or cfg.overlap and self.nwg == 1 and cfg.ctas_per_sm == 1 and d <= 128)
+            or cfg.overlap and self.nwg == 1 and d <= 128)
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -956,9 +957,9 @@ class _Forward:
         # (not at D=256: its 64 x 256 accumulator leaves no room, 28 spill accesses a
         # masked block in the SASS; in the interpreter, its own operand path and
         # accumulation: blocks_overlapped)
-        self.overlap = (cfg.overlap and not self.use_mma_rowsum and not self.inline_loads
-                        and d <= 128 and (self.pin and self.inplace and self.gpu_operands
-                                          or interpret is not None))
+        self.overlap = (cfg.overlap and not self.use_mma_rowsum and d <= 128
+                        and (self.pin and self.inplace and self.gpu_operands
+                             or interpret is not None))
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1381,8 +1382,7 @@ class _Forward:
         slot = self.slot_of(it, t)
         # inline_loads: block t + stages' copies, read before the products (a paged
         # block's table entries are loads from global memory; their use waits for them)
-        nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
-               if self.inline_loads else None)
+        nxt = self.next_block(it, t)
         self.wait_keep(it, t)
 
         def qk(acc_ref):
@@ -1518,14 +1518,14 @@ class _Forward:
                 plgpu.wgmma(pv_ref if c is None else pv_ref.at[:, pl.ds(c, self.box_cols)],
                             p_op, v_t)
 
-        def softmax_step(pv_ref, acc, s, t, m, l, masked, pv_in_flight):
+        def softmax_step(pv_ref, acc, s, t, m, l, masked, pv_in_flight, nxt_k, nxt_v):
             """Block t's softmax on ``s``, then (P V of block t - 1 awaited, its V slot
             released) the accumulator times alpha and P in the input dtype (GPU
             operands: in registers; else staged in SMEM). ``acc``: the running sum
             (fresh accumulators; in place it is ``pv_ref``'s)."""
             slot = self.slot_of(it, t)
             if self.pingpong:
-                self.release(it, n_steps, None, slot, "k")
+                self.release(it, n_steps, nxt_k, slot, "k")
             p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, keep_of(slot),
                                                cast=False)
             if self.pin:  # the softmax before what follows
@@ -1533,12 +1533,12 @@ class _Forward:
             if self.pingpong:
                 plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
             else:  # one warpgroup: K's slot released once the sums are stored
-                self.release(it, n_steps, None, slot, "k")
+                self.release(it, n_steps, nxt_k, slot, "k")
             if pv_in_flight or not fresh:
                 pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
                 acc = acc + pv if fresh else pv
             if pv_in_flight:
-                self.release(it, n_steps, None, self.slot_of(it, t - 1), "v")
+                self.release(it, n_steps, nxt_v, self.slot_of(it, t - 1), "v")
             acc = acc * _rows(alpha, acc.shape)
             if self.cfg.fence:
                 acc, m, l, p32 = lax.optimization_barrier((acc, m, l, p32))
@@ -1576,19 +1576,23 @@ class _Forward:
                 pv_ref[...] = acc0
 
             def first_block(s_ref):
+                nxt_k = self.next_block(it, lo)
                 issue_s(s_ref, lo)
                 if self.pingpong:
                     self.sync(it)
                 s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
                 return with_pv(lambda pv: lax.cond(
                     lo < mid,
-                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, False, False),
-                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, True, False)))
+                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, False, False, nxt_k, None),
+                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, True, False, nxt_k, None)))
 
             carry = with_s(first_block)
 
             def step(j, carry, *, masked):
                 p_prev, acc, m, l = carry
+                # (the loads that follow block j's K and block j - 1's V)
+                nxt_k, nxt_v = ((self.next_block(it, j), self.next_block(it, j - 1))
+                                if self.inline_loads else (None, None))
 
                 def blocks(s_ref):
                     issue_s(s_ref, j)
@@ -1598,7 +1602,7 @@ class _Forward:
                         if self.pingpong:
                             self.sync(it)
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                        return softmax_step(pv, acc, s, j, m, l, masked, True)
+                        return softmax_step(pv, acc, s, j, m, l, masked, True, nxt_k, nxt_v)
 
                     return with_pv(after_pv)
 
@@ -1615,7 +1619,8 @@ class _Forward:
                 return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
 
             pv = with_pv(last_pv)
-            self.release(it, n_steps, None, self.slot_of(it, end - 1), "v")
+            last = self.next_block(it, end - 1) if self.inline_loads else None
+            self.release(it, n_steps, last, self.slot_of(it, end - 1), "v")
             return acc + pv if fresh else pv, m, l
 
         if fresh:
@@ -1632,6 +1637,15 @@ class _Forward:
             x.store_untiled(ref, optimized=False)
 
         store(ref, x)
+
+    def next_block(self, it: _Item, t):
+        """``inline_loads``: ``(t + stages, its copies)``, the block whose loads follow
+        block ``t``'s into its slots (a paged block's table entries are loads from
+        global memory: read at the top of a step, their use waits for them); else
+        None."""
+        if not self.inline_loads:
+            return None
+        return t + self.stages, self.block_parts(it.bi, t + self.stages)
 
     def release(self, it: _Item, n_steps, nxt, slot, kind: str):
         """A block's K (``kind`` "k") or V ``slot`` read: an arrival on its "consumed"
