@@ -281,9 +281,13 @@ if has pin; then
     rc=${PIPESTATUS[0]}; status=$((status | rc))
   fi
   if [[ $rc == 0 ]] && part fwd "$PIN_PARTS"; then
-    for run in "128 --speed_causal 2:4096,16:1024,1:16384" "128 --nospeed_causal 2:4096" \
-               "64 --speed_causal 2:4096,1:16384"; do
-      set -- $run
+    # PIN_FWD picks the forward runs: 128c (D=128 causal, three shapes), 128n (D=128
+    # non-causal), 64c (D=64 causal)
+    declare -A fwd_runs=([128c]="128 --speed_causal 2:4096,16:1024,1:16384"
+                         [128n]="128 --nospeed_causal 2:4096"
+                         [64c]="64 --speed_causal 2:4096,1:16384")
+    for name in ${PIN_FWD:-128c 128n 64c}; do
+      set -- ${fwd_runs[$name]}
       timeout ${PIN_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
           --peers=cudnn --iters=${PIN_ITERS:-5} --speed_head_dim=$1 $2 --speed_shapes=$3 \
           --fwd_variants=default,pin:pingpong_pin=True,ov:overlap=True,nopp:pingpong=False,ov2:overlap=True \
