@@ -638,53 +638,51 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     kernels with two compute warpgroups (the prefills, causal and not, D = 64 and 128)
     lower for CUDA with the row sums' buffer (2 x 64 fp32: one more KiB of SMEM) and
     otherwise the same launch, overlap's module another than the pin's (at D = 256 the
-    pin's: overlap would spill); ping-pong off,
-    the same module as without them. One compute warpgroup (the split and unsplit
-    decode): the pin changes nothing, overlap adds the buffer, also with
-    ctas_per_sm=2 (within half an SM). (Where ptxas puts the store and the waits: test_cli's
+    pin's: overlap would spill); with ping-pong off, the same module as without them.
+    One compute warpgroup (the split and unsplit decode): the pin changes nothing,
+    overlap adds the buffer, also with ctas_per_sm=2 (within half an SM). (Where
+    ptxas puts the store and the waits: test_cli's
     test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
+    from benchmarks.lowered import launch_of
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    cfg = mosaic_fwd.MosaicConfig
 
     def call(b, sq, skv, d=128, causal=True):
         q, k = S((b, 32, sq, d), bf16), S((b, 8, skv, d), bf16)
-        return lambda c: mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=c)
+
+        def modules(**kw):  # each kernel's module, lowered with MosaicConfig(**kw)
+            got = mosaic_modules(lambda: mosaic_fwd.lower_for_cuda(
+                q, k, k, causal=causal, config=mosaic_fwd.MosaicConfig(**kw)))
+            if got is None:
+                pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+            return got
+        return modules
+
+    def launches(mods):
+        return [launch_of(m) for m in mods]
 
     for name, lower in {"causal": call(2, 4096, 4096), "d64": call(2, 4096, 4096, 64),
                         "noncausal": call(2, 2048, 2048, causal=False),
                         "partial": call(1, 1000, 1000)}.items():
-        default = mosaic_launches(functools.partial(lower, cfg()))
-        if default is None:
-            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        pinned = mosaic_launches(functools.partial(lower, cfg(pingpong_pin=True)))
-        assert pinned == [(t, s + 1024) for t, s in default], (name, default, pinned)
-        over = functools.partial(lower, cfg(overlap=True))
-        assert mosaic_launches(over) == pinned, name
-        assert mosaic_modules(over) != mosaic_modules(
-            functools.partial(lower, cfg(pingpong_pin=True))), name
-        off = mosaic_modules(functools.partial(lower, cfg(pingpong=False)))
+        default, pinned, over = lower(), lower(pingpong_pin=True), lower(overlap=True)
+        assert launches(pinned) == [(t, s + 1024) for t, s in launches(default)], name
+        assert launches(over) == launches(pinned) and over != pinned, name
+        off = lower(pingpong=False)
         for kw in ({"pingpong_pin": True}, {"overlap": True}):
-            assert off == mosaic_modules(
-                functools.partial(lower, cfg(pingpong=False, **kw))), (name, kw)
+            assert off == lower(pingpong=False, **kw), (name, kw)
     # D=256: overlap leaves the pin alone (its accumulator leaves no registers).
     wide = call(2, 2048, 2048, 256)
-    assert mosaic_modules(functools.partial(wide, cfg(overlap=True))) == mosaic_modules(
-        functools.partial(wide, cfg(pingpong_pin=True)))
+    assert wide(overlap=True) == wide(pingpong_pin=True)
     # One compute warpgroup (the split and unsplit decode): the pin alone changes
     # nothing; overlap stores the sums (one more KiB) before K's release, with
     # ctas_per_sm=2's loads too (where the KiB leaves the split kernel 2 ring slots of
     # 3, within half an SM).
     for b in (8, 32):
         decode = call(b, 1, 8192)
-        default = mosaic_modules(functools.partial(decode, cfg()))
-        assert default == mosaic_modules(functools.partial(decode, cfg(pingpong_pin=True)))
-        over = functools.partial(decode, cfg(overlap=True))
-        assert mosaic_modules(over) != default, b
-        assert [(t, s + 1024) for t, s in mosaic_launches(functools.partial(
-            decode, cfg()))][:1] == mosaic_launches(over)[:1], b
-        two = mosaic_launches(functools.partial(decode, cfg(ctas_per_sm=2)))
-        two_ov = mosaic_launches(functools.partial(decode, cfg(ctas_per_sm=2, overlap=True)))
+        default, over = decode(), decode(overlap=True)
+        assert default == decode(pingpong_pin=True) and over != default, b
+        assert [(t, s + 1024) for t, s in launches(default)][:1] == launches(over)[:1], b
+        two, two_ov = (launches(decode(ctas_per_sm=2, **kw)) for kw in ({}, {"overlap": True}))
         assert two_ov[0][0] == two[0][0] == 128 and two_ov[0][1] <= (228 * 1024) // 2 - 1024
         assert two_ov[0][1] == (two[0][1] + 1024 if b == 32 else 83024), (b, two, two_ov)
 
