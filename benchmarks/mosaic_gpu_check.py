@@ -393,9 +393,18 @@ def time_speed(results: list) -> None:
                 fns[peer] = (sysm, jax.jit(f) if sysm.framework == "jax" else f)
             except Exception as e:  # a missing peer is reported
                 print({"peer": peer, "error": str(e)[:200]}, flush=True)
+        base = None  # the default's out and lse on the first set: the variants' bits
         for name, fn in fns.items():
             row = {"kind": "speed", "system": name, "B": b, "S": s, "D": d,
                    "causal": causal}
+            if name.startswith("mosaic:"):
+                try:
+                    got = jax.block_until_ready(fn(*sets[0]))
+                    base = got if base is None else base
+                    row["bits_as_first_variant"] = all(
+                        _same(a, c) for a, c in zip(base, got, strict=True))
+                except Exception as e:  # reported below by the timing
+                    row["bits_error"] = f"{type(e).__name__}: {e}"[:200]
             try:
                 if isinstance(fn, tuple):
                     sysm, f = fn
@@ -419,11 +428,16 @@ def time_speed(results: list) -> None:
                 for name, kw in map(_variant, FLAGS.bwd_variants)]
         bwds.append(("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
             q, k, v, None, o, l, do, None, causal=True, scale=scale, interpret=False)))
+        first = None
         for name, bwd in bwds:
             row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
             try:
                 fn = jax.jit(bwd)
                 before = jax.block_until_ready(fn(q, k, v, o, lse, do))
+                first = before if name.startswith("mosaic-bwd:") and first is None else first
+                if name.startswith("mosaic-bwd:"):  # the variants' bits: the first's
+                    row["bits_as_first_variant"] = all(
+                        _same(a, c) for a, c in zip(first, before, strict=True))
                 sec, reps = report.sampled_seconds(fn, [(q, k, v, o, lse, do)],
                                      jax.block_until_ready, FLAGS.iters, 3, 10, 0.03)
                 after = fn(q, k, v, o, lse, do)
