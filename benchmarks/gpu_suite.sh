@@ -26,8 +26,9 @@
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
 # attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
-# Skv 1k to 128k) beside the peers, one process per B; ctas: MosaicConfig.ctas_per_sm=2's
-# bits, then (if they hold) its decode steps and paged cache beside the default; pin:
+# Skv 1k to 128k) beside the peers, one process per B; ctas: the default two CTAs an SM's
+# bits against ctas_per_sm=1, then (if they hold) the decode steps and paged cache with
+# one and two CTAs an SM; pin:
 # MosaicConfig.pingpong_pin's and overlap's bits, then the forward's TFLOP/s with each,
 # without them and without ping-pong, beside cuDNN (D=128 causal and not, D=64), the
 # backward with BwdConfig.dp_overlap, and overlap's decode steps.
@@ -236,11 +237,11 @@ if has mosaic; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if has ctas; then
-  # MosaicConfig.ctas_per_sm=2 (the decode kernels two CTAs an SM, docs/notes.md
-  # "2026-12-04 (eleventh)"): its bits against the default first (a hang is a barrier
-  # bug: the timeout ends it), then, only if they hold, the decode steps beside the
-  # default (3 and 2 ring slots; with overlap, whose row sums' KiB leaves 2) and the
-  # paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
+  # MosaicConfig.ctas_per_sm=2, the default since 2026-12-05 (the decode kernels two
+  # CTAs an SM, docs/notes.md "2026-12-04 (eleventh)"): its bits against
+  # ctas_per_sm=1 first (a hang is a barrier bug: the timeout ends it), then, only if
+  # they hold, the decode steps beside ctas_per_sm=1 (the default's 2 ring slots, 3;
+  # with overlap) and the paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
   # under the device's 10 minutes.
   CTAS_PARTS=${CTAS_PARTS:-bits,decode,paged}
   mkdir -p "$OUT/ctas"
@@ -254,14 +255,14 @@ if has ctas; then
     timeout ${CTAS_TIMEOUT:-480} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
         --speed_shapes= --decode_rounds=3 --out_dir="$OUT/ctas/decode" \
         --decode_speed=${CTAS_POINTS:-8:8192,8:32768,1:131072,2:4096,8:8193,8:8192:4,32:8192,128:8192} \
-        --decode_variants=two:ctas_per_sm=2,two2:ctas_per_sm=2:split_decode_stages=2,two3:ctas_per_sm=2:stages=3,twoov:ctas_per_sm=2:overlap=True \
+        --decode_variants=one:ctas_per_sm=1,three:split_decode_stages=3,st3:stages=3,ov:overlap=True \
         2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/decode.txt" | tail -40
     status=$((status | ${PIPESTATUS[0]}))
   fi
   if [[ $rc == 0 ]] && part paged "$CTAS_PARTS"; then
     timeout ${CTAS_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/ctas/paged" \
         --batches=8 --kv_lens=32768 --page_sizes=16,64 --layouts=NHD --backends=mosaic \
-        --mosaic_variants=two:ctas_per_sm=2,twoov:ctas_per_sm=2:overlap=True 2>&1 \
+        --mosaic_variants=one:ctas_per_sm=1,ov:overlap=True 2>&1 \
         | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/paged.txt" | tail -12
     status=$((status | ${PIPESTATUS[0]}))
   fi

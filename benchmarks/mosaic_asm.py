@@ -1,6 +1,6 @@
 """The Mosaic GPU modules of jaxattn's kernels as lowered for CUDA, on any machine.
 
-    python -m benchmarks.mosaic_asm --out_dir=/tmp/asm [--config=ctas_per_sm=2]
+    python -m benchmarks.mosaic_asm --out_dir=/tmp/asm [--config=ctas_per_sm=1]
 
 Lowers the Mosaic forward for CUDA (no GPU needed) at a set of shapes (decode split and
 not, off the 8-row grid, a key mask, pages of 16 keys, prefills) and writes each kernel's

@@ -39,7 +39,7 @@ flags.DEFINE_integer("iters", 7, "Timed samples per point (median).")
 flags.DEFINE_string("out_dir", None, "Write results.json and results.md here.")
 flags.DEFINE_list("mosaic_variants", [], "More backends: the Mosaic backend with "
                   "MosaicConfig fields, name:key=value[:key=value...] (reported as "
-                  "mosaic:name), e.g. two:ctas_per_sm=2.")
+                  "mosaic:name), e.g. one:ctas_per_sm=1.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes that run on a CPU.")
 FLAGS = flags.FLAGS
 

@@ -192,13 +192,14 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
     """benchmarks.mosaic_asm lowers the Mosaic forward for CUDA on this machine and
     writes each shape's modules without source locations, and launches.txt; this
     process lowering one of its shapes gets the same bytes (what a diff of two trees
-    relies on), and a config field (ctas_per_sm=2) changes the decode kernels'
-    launches and nothing else (not the fold's or the prefills')."""
+    relies on), and a config field (ctas_per_sm=1: a producer warpgroup, against the
+    default's two CTAs an SM) changes the decode kernels' launches and nothing else
+    (not the fold's or the prefills')."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from benchmarks import lowered
     from jaxattn.backends.mosaic import forward as mf
     runs = {}
-    for name, extra in (("a", []), ("two", ["--config=ctas_per_sm=2"])):
+    for name, extra in (("a", []), ("one", ["--config=ctas_per_sm=1"])):
         out = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_asm",
                                f"--out_dir={out}", *extra], capture_output=True, text=True,
@@ -209,13 +210,14 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
         mf.MosaicConfig()))
     assert "\n".join(here) == runs["a"]["decode-split-8x8193.mlir"]
     assert "loc(" not in runs["a"]["decode-split-8x8193.mlir"]
-    lines = dict(zip(*[iter(runs[n]["launches.txt"].splitlines()) for n in ("a", "two")],
+    lines = dict(zip(*[iter(runs[n]["launches.txt"].splitlines()) for n in ("a", "one")],
                      strict=True))
     changed = {a.split(":")[0] for a, b in lines.items() if a != b}
     assert changed == {"decode-split-8x8192 kernel 0", "decode-split-8x8193 kernel 0",
                        "decode-mask-8x8192 kernel 0", "decode-paged16 kernel 0",
                        "decode-32x8192 kernel 0"}, changed
-    assert "decode-split-8x8192 kernel 0: 128 threads" in runs["two"]["launches.txt"]
+    assert "decode-split-8x8192 kernel 0: 128 threads" in runs["a"]["launches.txt"]
+    assert "decode-split-8x8192 kernel 0: 256 threads" in runs["one"]["launches.txt"]
 
 
 def _sass_toolchain_missing() -> str | None:

@@ -225,21 +225,21 @@ def test_kv_boxes_keep_bits_on_gpu():
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_two_ctas_an_sm_keeps_bits_on_gpu():
-    """On sm90, MosaicConfig(ctas_per_sm=2) (the decode kernels without a producer
-    warpgroup, two CTAs an SM; 3 ring slots at D=128 and 2)
-    gives the default's bits, out and lse, no NaN: the split decode past several
+    """On sm90, MosaicConfig(ctas_per_sm=2), the default (the decode kernels without a
+    producer warpgroup, two CTAs an SM; 2 ring slots at D=128 and 3) gives the bits of
+    ctas_per_sm=1 (a producer warpgroup), out and lse, no NaN: the split decode past several
     SPLITs, on and off the 8-row grid, 4 queries a head, the unsplit decode (B=20),
     D = 64, a key padding mask with NaN in dropped K and inf in dropped V, pages of 16
     and 64 keys (both layouts, NaN in unused slots, ragged lengths), and CP's split
     states of a prefill chunk with per-sequence offsets; twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    one = mf.MosaicConfig()
-    # the split kernel's 3 ring slots at D=128 (Q's landing slot shares the last V
-    # slot's SMEM) and 2; the unsplit decode's and CP's 2 (``stages``) and 3
-    twos = (mf.MosaicConfig(ctas_per_sm=2),
-            mf.MosaicConfig(ctas_per_sm=2, split_decode_stages=2),
-            mf.MosaicConfig(ctas_per_sm=2, stages=3))
+    one = mf.MosaicConfig(ctas_per_sm=1)
+    # the default: the split kernel's 2 ring slots at D=128, and 3 (Q's landing slot
+    # shares the last V slot's SMEM); the unsplit decode's and CP's 2 (``stages``) and 3
+    twos = (mf.MosaicConfig(),
+            mf.MosaicConfig(split_decode_stages=3),
+            mf.MosaicConfig(stages=3))
 
     def agree(f, tag, *args, **kw):
         _configs_agree_in_bits(f, (one, *twos), tag, *args, **kw)
@@ -281,15 +281,16 @@ def test_pingpong_pin_and_overlap_keep_bits_on_gpu():
     causal prefills on and off the block grid (a persistent grid and not; one block a
     split and several), a chunk, non-causal, a key padding mask with NaN in dropped K
     and inf in dropped V, per-sequence offsets, D = 64 and 256, [B, S, H, D]; and
-    overlap's one-warpgroup kernels, with ctas_per_sm=2's loads too: the split and
+    overlap's one-warpgroup kernels, with a producer warpgroup too: the split and
     unsplit decode, 4 queries a head, a key mask, pages of 16 (NHD) and 64 (HND) keys
     with NaN in unused slots, CP's split states; twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     configs = (mf.MosaicConfig(), mf.MosaicConfig(pingpong_pin=True),
                mf.MosaicConfig(overlap=True), mf.MosaicConfig(overlap=True, persistent=0))
-    # one compute warpgroup: also where K's release is ctas_per_sm=2's next load
-    decode_configs = (*configs, mf.MosaicConfig(ctas_per_sm=2, overlap=True))
+    # one compute warpgroup: K's release the slot's next load (the default) or an
+    # arrival for the producer warpgroup (ctas_per_sm=1)
+    decode_configs = (*configs, mf.MosaicConfig(ctas_per_sm=1, overlap=True))
 
     def agree(tag, *args, f=mf.forward, cfgs=configs, **kw):
         _configs_agree_in_bits(f, cfgs, tag, *args, **kw)

@@ -352,10 +352,10 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
     with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
-    other split is empty); so do the split and the unsplit kernel without a producer
-    warpgroup (``ctas_per_sm=2``: the compute warpgroup loads each slot's next block
-    once it has read the slot), the split one also from pages of 16 keys (four copies a
-    block)."""
+    other split is empty), with a producer warpgroup (``ctas_per_sm=1``); so do the
+    split and the unsplit kernel without one (the default ``ctas_per_sm=2``: the compute
+    warpgroup loads each slot's next block once it has read the slot), the split one
+    also from pages of 16 keys (four copies a block)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
@@ -363,9 +363,9 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     cfg = mosaic_fwd.MosaicConfig
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
-                for c in (cfg(split_decode=False), cfg(split_decode=True),
-                          cfg(split_decode=True, ctas_per_sm=2),
-                          cfg(split_decode=False, ctas_per_sm=2))]
+                for c in (cfg(split_decode=False, ctas_per_sm=1),
+                          cfg(split_decode=True, ctas_per_sm=1),
+                          cfg(split_decode=True), cfg(split_decode=False))]
         for want, *got in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(want, np.float32)).any()
             for y in got:
@@ -377,11 +377,12 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     kp, vp, table = ragged_cache("HND", 16, lens, k, v, seed=seed)
     out, lse = mosaic_fwd.paged_forward(
         q, kp, vp, table, jnp.asarray(lens, jnp.int32), interpret=True,
-        config=cfg(split_decode=True, ctas_per_sm=2))
+        config=cfg(split_decode=True))
     assert not np.isnan(np.asarray(out, np.float32)).any()
     for b, n in enumerate(lens):
         o, l = mosaic_fwd.forward(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
-                                  causal=True, interpret=True, config=cfg(split_decode=False))
+                                  causal=True, interpret=True,
+                                  config=cfg(split_decode=False, ctas_per_sm=1))
         np.testing.assert_array_equal(bits(out[b:b + 1]), bits(o), err_msg=f"paged {b}")
         np.testing.assert_array_equal(bits(lse[b:b + 1]), bits(l), err_msg=f"paged {b}")
 
@@ -394,8 +395,9 @@ def test_interpret_overlap_keeps_bits(mosaic_fwd):
     it runs) gives the bits of the block-by-block steps, out and lse: a causal prefill
     over partial blocks with a key mask over NaN in dropped K and V, a non-causal one,
     and the split decode past a SPLIT from a shuffled pool of 16-key pages with NaN
-    past each length, split and not, also with ``ctas_per_sm=2``'s loads (each slot's
-    next block loaded once its S, or its P V, is read). (The GPU's in-place
+    past each length, split and not, with the default ``ctas_per_sm=2``'s loads (each
+    slot's next block loaded once its S, or its P V, is read) and, split, with a
+    producer warpgroup (``ctas_per_sm=1``). (The GPU's in-place
     accumulator and register P:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu; its SASS order: test_cli.) A wrong
     block's V hangs the interpreter, a dropped running sum fails it (both tried)."""
@@ -416,12 +418,12 @@ def test_interpret_overlap_keeps_bits(mosaic_fwd):
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     lens = np.array([s, s - 70])
     kp, vp, table = ragged_cache("NHD", 16, lens, k, v, seed=seed)
-    for split, variants in ((True, ({"overlap": True}, {"overlap": True, "ctas_per_sm": 2})),
-                            (False, ({"overlap": True, "ctas_per_sm": 2},))):
+    for split, variants in ((True, ({"overlap": True, "ctas_per_sm": 1}, {"overlap": True})),
+                            (False, ({"overlap": True},))):
         want, *gots = (mosaic_fwd.paged_forward(
             q, kp, vp, table, jnp.asarray(lens, jnp.int32), interpret=True, layout="NHD",
             config=cfg(split_decode=split, **c))
-            for c in ({}, *variants))
+            for c in ({"ctas_per_sm": 1}, *variants))
         for got in gots:
             for x, y in zip(want, got, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any(), ("paged", split, seed)
@@ -517,7 +519,8 @@ def test_key_mask_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
 
 @needs_api
 def test_split_decode_ring_fits_the_smem(mosaic_fwd):
-    """The split decode stages its fp32 state in the K/V ring's SMEM (a RefUnion) and
+    """The split decode with a producer warpgroup (``ctas_per_sm=1``) stages its fp32
+    state in the K/V ring's SMEM (a RefUnion) and
     takes as many ring slots as fit, up to ``split_decode_stages``: 6 unmasked at
     D=128, 5 with a key mask's keep ring, and any larger request lowers (the kernel
     takes fewer); the SMEM plan counts a union once, at its largest group."""
@@ -526,7 +529,7 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
     keep = jax.ShapeDtypeStruct((8, 8192), jnp.bool_)
     for mask in (None, keep):
         for stages in (6, 12):
-            cfg = mosaic_fwd.MosaicConfig(split_decode_stages=stages)
+            cfg = mosaic_fwd.MosaicConfig(split_decode_stages=stages, ctas_per_sm=1)
             text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg,
                                              key_padding_mask=mask).as_text()
             assert text.count("custom_call @mosaic_gpu") == 2  # the split kernel, the fold
@@ -534,7 +537,8 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
     for key_mask in (False, True):
         f = mosaic_fwd._Forward(
             b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=128, dtype=jnp.bfloat16,
-            causal=True, scale=0.1, cfg=mosaic_fwd.MosaicConfig(compute_wgs=1, stages=12),
+            causal=True, scale=0.1,
+            cfg=mosaic_fwd.MosaicConfig(compute_wgs=1, stages=12, ctas_per_sm=1),
             gpu_operands=True, interpret=None, position=0, key_mask=key_mask,
             dyn_offsets=False, split_out=True, state_rows=8, q_rows=4)
         slots[key_mask] = f.stages
@@ -549,17 +553,18 @@ def test_split_decode_ring_fits_the_smem(mosaic_fwd):
 
 @needs_api
 def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
-    """MosaicConfig(ctas_per_sm=2): the decode kernel lowers for CUDA as one
+    """MosaicConfig(ctas_per_sm=2), the default: the decode kernel lowers for CUDA as one
     warpgroup (128 threads: no producer) in at most half an SM's SMEM less the 1 KiB
-    the runtime keeps a CTA (two CTAs an SM on an H100 or H200), where the default
+    the runtime keeps a CTA (two CTAs an SM on an H100 or H200), where ctas_per_sm=1
     launches 256 threads (a producer warpgroup beside it: the registers of one CTA an
     SM; the split decode at D = 128 also more SMEM than half): the unsplit decode
     (B=32), the split decode at D = 64 and 128, with a key mask, off the 8-row grid
     (boxes), from pages of 16 and 64 keys (both layouts), and CP's split states of a
-    prefill; the fold kernel unchanged; the split kernel's ring 3 slots at D=128 (2
-    with a key mask). At D = 256 one slot does not fit half an SM: the default's
-    launch. Any other count is refused. (Equal bits: the interpreter's split decode
-    test here, and test_two_ctas_an_sm_keeps_bits_on_gpu.)"""
+    prefill; the fold kernel unchanged; the split kernel's ring 2 slots at D=128 (the
+    default ``split_decode_stages``), 3 where asked (2 with a key mask). At D = 256 one
+    slot does not fit half an SM: ctas_per_sm=1's launch. Any other count is refused.
+    (Equal bits: the interpreter's split decode test here, and
+    test_two_ctas_an_sm_keeps_bits_on_gpu.)"""
     two_ctas = (228 * 1024) // 2 - 1024
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     cfg = mosaic_fwd.MosaicConfig
@@ -590,10 +595,10 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
              "boxes": decode(8, 32, 8, 8193, 128), "pages16": paged(16, "NHD"),
              "pages64": paged(64, "HND"), "cp": cp_states()}
     for name, lower in cases.items():
-        default = mosaic_launches(functools.partial(lower, cfg()))
+        default = mosaic_launches(functools.partial(lower, cfg(ctas_per_sm=1)))
         if default is None:
             pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        two = mosaic_launches(functools.partial(lower, cfg(ctas_per_sm=2)))
+        two = mosaic_launches(functools.partial(lower, cfg()))
         assert len(two) == len(default), name
         if name == "d256":
             assert two == default, (two, default)
@@ -607,11 +612,11 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     # and size): K's ring, V's ring, Q's landing slot on V's last slot, and the split
     # state's fp32 tile and lse rows (split) or the lse rows (unsplit) on K's first.
     slot = 64 * 128 * 2
-    for name, kw, rest in (("split", {}, {(0, 32768), (32768, 256)}),
+    for name, kw, rest in (("split", {"split_decode_stages": 3}, {(0, 32768), (32768, 256)}),
                            ("unsplit", {"stages": 3}, {(0, 256)})):
         lower = cases["decode" if name == "split" else "unsplit"]
         text, = [t for t in mosaic_modules(functools.partial(
-            lower, cfg(ctas_per_sm=2, **kw))) if "memref<98304xi8" in t]
+            lower, cfg(**kw))) if "memref<98304xi8" in t]
         views = {(int(o), int(n)) for o, n in re.findall(
             r"memref\.subview %\w+\[(\d+)\] \[(\d+)\] \[1\] : memref<98304xi8", text)}
         assert views == {(0, 3 * slot), (3 * slot, 3 * slot), (5 * slot, slot)} | rest, (
@@ -641,7 +646,8 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     otherwise the same launch, overlap's module another than the pin's (at D = 256 the
     pin's: overlap would spill); with ping-pong off, the same module as without them.
     One compute warpgroup (the split and unsplit decode): the pin changes nothing,
-    overlap adds the buffer, also with ctas_per_sm=2 (within half an SM). (Where
+    overlap adds the buffer, with a producer warpgroup and without (the default
+    ctas_per_sm=2: within half an SM). (Where
     ptxas puts the store and the waits: test_cli's
     test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
     test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
@@ -675,17 +681,20 @@ def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
     wide = call(2, 2048, 2048, 256)
     assert wide(overlap=True) == wide(pingpong_pin=True)
     # One compute warpgroup (the split and unsplit decode): the pin alone changes
-    # nothing; overlap stores the sums (one more KiB) before K's release, with
-    # ctas_per_sm=2's loads too (where the KiB leaves the split kernel 2 ring slots of
-    # 3, within half an SM).
+    # nothing; overlap stores the sums (one more KiB) before K's release, with a
+    # producer warpgroup (ctas_per_sm=1) and with the default's loads (two CTAs an SM,
+    # within half an SM; where the KiB leaves a split kernel asked for 3 ring slots 2).
     for b in (8, 32):
         decode = call(b, 1, 8192)
-        default, over = decode(), decode(overlap=True)
-        assert default == decode(pingpong_pin=True) and over != default, b
-        assert [(t, s + 1024) for t, s in launches(default)][:1] == launches(over)[:1], b
-        two, two_ov = (launches(decode(ctas_per_sm=2, **kw)) for kw in ({}, {"overlap": True}))
+        one, one_ov = decode(ctas_per_sm=1), decode(ctas_per_sm=1, overlap=True)
+        assert one == decode(ctas_per_sm=1, pingpong_pin=True) and one_ov != one, b
+        assert [(t, s + 1024) for t, s in launches(one)][:1] == launches(one_ov)[:1], b
+        two, two_ov = (launches(decode(**kw)) for kw in ({}, {"overlap": True}))
         assert two_ov[0][0] == two[0][0] == 128 and two_ov[0][1] <= (228 * 1024) // 2 - 1024
-        assert two_ov[0][1] == (two[0][1] + 1024 if b == 32 else 83024), (b, two, two_ov)
+        assert two_ov[0][1] == two[0][1] + 1024, (b, two, two_ov)
+        if b == 8:
+            three_ov = launches(decode(split_decode_stages=3, overlap=True))
+            assert three_ov[0] == two_ov[0], (three_ov, two_ov)
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):

@@ -180,9 +180,11 @@ class MosaicConfig:
     #: S=16384 43.9 against 206 us, B=8 189 against 212 us; B=32 682 against 508 us).
     split_decode: bool | None = None
     #: K/V ring slots of the split decode kernel where D <= 128 (one warpgroup: SMEM
-    #: holds more slots than the prefill's; 4 against 2 on the H200: 40.7 against 57.2
-    #: us at B=2 Skv=4096, run of 2026-12-01, 79e97f6). A launch choice.
-    split_decode_stages: int = 4
+    #: holds more slots than the prefill's; 4 against 2 on the H200 with a producer
+    #: warpgroup: 40.7 against 57.2 us at B=2 Skv=4096, run of 2026-12-01, 79e97f6).
+    #: None: 4 with one CTA an SM, 2 with two (``ctas_per_sm``; 2 and 3 within 2% of
+    #: each other there, run of 2026-12-05, 2bf087a). A launch choice.
+    split_decode_stages: int | None = None
     #: CTAs of a kernel of one compute warpgroup (the decode's stacked rows, split or
     #: not; CP's split states) that should share an SM: 1, a producer warpgroup beside
     #: the compute warpgroup (150 to 216 registers a thread for 256 threads leave room
@@ -194,8 +196,10 @@ class MosaicConfig:
     #: ``stages``, 3 at most; D=256 keeps the producer), so one CTA's prologue (Q, the
     #: first blocks' latency) and epilogue (the store) overlap the other's stream, and
     #: an SM has two CTAs' loads in flight. The same blocks in the same order: a
-    #: launch choice.
-    ctas_per_sm: int = 1
+    #: launch choice. The default, 2: 2 to 6% faster decode steps than 1 at every
+    #: point measured, contiguous and paged (H200, run of 2026-12-05, 2bf087a:
+    #: B=8 Skv=8192 83.1 against 78.1 us, B=1 Skv=131072 150.5 against 145.0).
+    ctas_per_sm: int = 2
     #: Build the causal mask's row and column indices inside each masked block (as
     #: JAX's ``attention_mgpu``) instead of once per tile: integer ops, the same bits;
     #: the tile's index arrays then do not hold registers through the unmasked blocks.
@@ -355,7 +359,7 @@ class MosaicConfig:
                              f"{self.normalize!r}")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
-        if self.split_decode_stages < 1:
+        if self.split_decode_stages is not None and self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
         if self.fold_slots is not None and (self.fold_slots < 2 or self.fold_slots % 2):
@@ -2131,6 +2135,14 @@ NO_REDUCTION_SCRATCH = ({"reduction_scratch_bytes": 0} if "reduction_scratch_byt
 SMEM_LIMIT_TWO_CTAS = 113 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
 
 
+def split_decode_stages(cfg: MosaicConfig) -> int:
+    """The split decode kernel's ring slots where D <= 128 (``cfg.split_decode_stages``;
+    None: 4 with one CTA an SM, 2 with two)."""
+    if cfg.split_decode_stages is not None:
+        return cfg.split_decode_stages
+    return 2 if cfg.ctas_per_sm == 2 else 4
+
+
 def smem_bytes(scratch) -> int:
     """The SMEM of a kernel's buffers (``plgpu.SMEM`` or ``RefUnion`` specs, None
     skipped) as Mosaic GPU lays them out: each starts 1 KiB-aligned."""
@@ -2345,7 +2357,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         split = partials or (want and not cfg.persistent
                              and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         if split and not partials and d <= 128:
-            cfg = dataclasses.replace(cfg, stages=cfg.split_decode_stages)
+            cfg = dataclasses.replace(cfg, stages=split_decode_stages(cfg))
         # The split decode writes only the group's rows of each split's state (rounded
         # up to a power of two from 8: the fold kernel's fold_layout then gives each
         # thread one row); CP's partial states keep the whole tile (their unpad reads
