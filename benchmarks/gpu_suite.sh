@@ -28,10 +28,8 @@
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
 # Skv 1k to 128k) beside the peers, one process per B; ctas: the default two CTAs an SM's
 # bits against ctas_per_sm=1, then (if they hold) the decode steps and paged cache with
-# one and two CTAs an SM; pin:
-# MosaicConfig.pingpong_pin's and overlap's bits, then the forward's TFLOP/s with each,
-# without them and without ping-pong, beside cuDNN (D=128 causal and not, D=64), the
-# backward with BwdConfig.dp_overlap, and overlap's decode steps.
+# one and two CTAs an SM; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
+# S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -240,8 +238,8 @@ if has ctas; then
   # MosaicConfig.ctas_per_sm=2, the default since 2026-12-05 (the decode kernels two
   # CTAs an SM, docs/notes.md "2026-12-04 (eleventh)"): its bits against
   # ctas_per_sm=1 first (a hang is a barrier bug: the timeout ends it), then, only if
-  # they hold, the decode steps beside ctas_per_sm=1 (the default's 2 ring slots, 3;
-  # with overlap) and the paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
+  # they hold, the decode steps beside ctas_per_sm=1 (the default's 2 ring slots, 3)
+  # and the paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
   # under the device's 10 minutes.
   CTAS_PARTS=${CTAS_PARTS:-bits,decode,paged}
   mkdir -p "$OUT/ctas"
@@ -255,66 +253,36 @@ if has ctas; then
     timeout ${CTAS_TIMEOUT:-480} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
         --speed_shapes= --decode_rounds=3 --out_dir="$OUT/ctas/decode" \
         --decode_speed=${CTAS_POINTS:-8:8192,8:32768,1:131072,2:4096,8:8193,8:8192:4,32:8192,128:8192} \
-        --decode_variants=one:ctas_per_sm=1,three:split_decode_stages=3,st3:stages=3,ov:overlap=True \
+        --decode_variants=one:ctas_per_sm=1,three:split_decode_stages=3,st3:stages=3 \
         2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/decode.txt" | tail -40
     status=$((status | ${PIPESTATUS[0]}))
   fi
   if [[ $rc == 0 ]] && part paged "$CTAS_PARTS"; then
     timeout ${CTAS_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/ctas/paged" \
         --batches=8 --kv_lens=32768 --page_sizes=16,64 --layouts=NHD --backends=mosaic \
-        --mosaic_variants=one:ctas_per_sm=1,ov:overlap=True 2>&1 \
+        --mosaic_variants=one:ctas_per_sm=1 2>&1 \
         | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/paged.txt" | tail -12
     status=$((status | ${PIPESTATUS[0]}))
   fi
 fi
-if has pin; then
-  # MosaicConfig.pingpong_pin (the row sums stored before the ping-pong arrival, so
-  # ptxas keeps the softmax ahead of it), MosaicConfig.overlap and BwdConfig.dp_overlap
-  # (docs/notes.md "2026-12-05"): bits first; PIN_PARTS picks parts
-  # (bits,fwd,bwd,decode), so that each call stays under the device's 10 minutes.
-  PIN_PARTS=${PIN_PARTS:-bits,fwd,bwd,decode}
-  mkdir -p "$OUT/pin"
-  rc=0
-  if part bits "$PIN_PARTS"; then
-    timeout ${PIN_TESTS_TIMEOUT:-420} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
-        tests/test_mosaic_backend.py -k pingpong_pin_and_overlap 2>&1 \
-        | tee "$OUT/pin/bits.txt" | tail -3
-    rc=${PIPESTATUS[0]}; status=$((status | rc))
-  fi
-  if [[ $rc == 0 ]] && part fwd "$PIN_PARTS"; then
-    # PIN_FWD picks the forward runs: 128c (D=128 causal, three shapes), 128n (D=128
-    # non-causal), 64c (D=64 causal)
-    declare -A fwd_runs=([128c]="128 --speed_causal 2:4096,16:1024,1:16384"
-                         [128n]="128 --nospeed_causal 2:4096"
-                         [64c]="64 --speed_causal 2:4096,1:16384")
-    for name in ${PIN_FWD:-128c 128n 64c}; do
-      set -- ${fwd_runs[$name]}
-      timeout ${PIN_TIMEOUT:-200} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
-          --peers=cudnn --iters=${PIN_ITERS:-5} --speed_head_dim=$1 $2 --speed_shapes=$3 \
-          --fwd_variants=default,pin:pingpong_pin=True,ov:overlap=True,nopp:pingpong=False,ov2:overlap=True \
-          --out_dir="$OUT/pin/d$1$2" 2>&1 | grep -v 'Unable to initialize backend' \
-          | tee "$OUT/pin/d$1$2.txt" | tail -12
-      status=$((status | ${PIPESTATUS[0]}))
-    done
-  fi
-  if [[ $rc == 0 ]] && part bwd "$PIN_PARTS"; then
-    # BwdConfig.dp_overlap: the backward's dK/dV kernel with P^T computed during dP^T
-    timeout ${PIN_BWD_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
-        --backward_speed --peers= --iters=${PIN_ITERS:-5} --fwd_variants=default \
-        --bwd_variants=default,dpov:dp_overlap=True,dpov2:dp_overlap=True \
-        --speed_shapes=${PIN_BWD_SHAPES:-2:4096,1:16384} --out_dir="$OUT/pin/bwd" 2>&1 \
-        | grep -v 'Unable to initialize backend' | tee "$OUT/pin/bwd.txt" | tail -12
+if has fwd33; then
+  # Issue 33's forward sweep (B * S = 32k tokens, S 1k to 32k) beside torch cuDNN and
+  # JAX cuDNN, one process per head dim and mask (FWD33_RUNS: 128c 128n 64c 64n, c
+  # causal, n not); FWD33_VARIANTS: the Mosaic forward's launch variants (the default
+  # twice: the spread within one process; each variant's bits against the first's are
+  # in its rows); FWD33_BWD=1 adds the backward (causal runs) with BWD33_VARIANTS.
+  mkdir -p "$OUT/fwd33"
+  for name in ${FWD33_RUNS:-128c 128n 64c 64n}; do
+    d=${name%?}; c=--nospeed_causal; [[ $name == *c ]] && c=--speed_causal
+    timeout ${FWD33_TIMEOUT:-150} $PY -m benchmarks.mosaic_gpu_check --nochecks --speed \
+        --peers=cudnn,torch_cudnn --iters=${FWD33_ITERS:-5} --speed_head_dim=$d $c \
+        --speed_shapes=${FWD33_SHAPES:-32:1024,16:2048,8:4096,4:8192,2:16384,1:32768} \
+        --fwd_variants=${FWD33_VARIANTS:-default,default2} \
+        ${FWD33_BWD:+--backward_speed --bwd_variants=${BWD33_VARIANTS:-default,default2}} \
+        --out_dir="$OUT/fwd33/d$name" 2>&1 | grep -v 'Unable to initialize backend' \
+        | tee "$OUT/fwd33/d$name.txt" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
-  fi
-  if [[ $rc == 0 ]] && part decode "$PIN_PARTS"; then
-    # overlap's one-warpgroup kernels: the decode steps, split and unsplit
-    timeout ${PIN_DECODE_TIMEOUT:-240} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
-        --speed_shapes= --decode_rounds=3 --out_dir="$OUT/pin/decode" \
-        --decode_speed=${PIN_DECODE_POINTS:-8:8192,8:32768,1:131072,32:8192,128:8192} \
-        --decode_variants=ov:overlap=True 2>&1 | grep -v 'Unable to initialize backend' \
-        | tee "$OUT/pin/decode.txt" | tail -20
-    status=$((status | ${PIPESTATUS[0]}))
-  fi
+  done
 fi
 if has mosaicspeed; then
   # The forward variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN (no

@@ -123,8 +123,6 @@ LAUNCH_VARIANTS = {
     "default": {},
     "1wg-64": dict(compute_wgs=1),
     "nopingpong": dict(pingpong=False),
-    "pin": dict(pingpong_pin=True),
-    "overlap": dict(overlap=True),
     "stages3": dict(stages=3),
     "ascending-noregs": dict(q_order="ascending", registers=None),
     "warpgroup": dict(semantics="warpgroup"),

@@ -236,51 +236,26 @@ def _sass_toolchain_missing() -> str | None:
 
 @pytest.mark.skipif(_sass_toolchain_missing() is not None,
                     reason=str(_sass_toolchain_missing()))
-def test_mosaic_sass_shows_ptxas_order_and_the_pin(tmp_path):
+def test_mosaic_sass_shows_ptxas_order(tmp_path):
     """benchmarks.mosaic_sass compiles the prefill kernel to SASS on this machine: 168
     registers a thread, and its unmasked key-block loop as the H200 ran it (332
-    instructions, 12 wgmmas, 34 exponentials). ptxas issues the ping-pong's "softmax
-    done" arrival before the block's first exponential (three arrivals before it: the
-    hand-off after Q K^T, K's slot, and that one); with
-    MosaicConfig(pingpong_pin=True) the row sums' two stores and then the arrival
-    follow every exponential. With MosaicConfig(overlap=True) the block's exponentials
-    run between the wait for its S (the P V before it still in flight) and the wait
-    for that P V, in the prefill and in the (one warpgroup) decode, where K's release
-    follows the sums' store; ptxas serialises no wgmma."""
-    def first_loop(out, shape):
-        """The token list of ``shape``'s first loop in ``out``'s summary.txt, and the
-        kernel's and the loop's lines."""
-        lines = (out / "summary.txt").read_text().splitlines()
-        assert all("Performance Loss" not in line for line in lines), lines
-        head = next(i for i, line in enumerate(lines) if line.startswith(shape))
-        loop = next(i for i in range(head, len(lines)) if lines[i].startswith("  loop"))
-        order = lines[loop + 1].split("order:")[1].split()
-        assert sum(int(t.partition("*")[2] or 1) for t in order
-                   if t.startswith("mufu")) == 34, order
-        return order, lines[head], lines[loop]
-
-    orders = {}
-    for name, extra in (("default", []), ("pin", ["--config=pingpong_pin=True"]),
-                        ("overlap", ["--config=overlap=True"])):
-        out = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_sass",
-                               f"--out_dir={out}", "--shapes=prefill-2x4096,decode-32x8192",
-                               *extra], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        orders[name], kernel, loop = first_loop(out, "prefill-2x4096")
-        if name == "default":
-            assert "Used 168 registers" in kernel, kernel
-            assert "332 instructions" in loop and "HGMMA 12" in loop, loop
-    decode, _, _ = first_loop(tmp_path / "overlap", "decode-32x8192")
-    first = {n: next(i for i, t in enumerate(o) if t.startswith("mufu"))
-             for n, o in orders.items()}
-    assert orders["default"][:first["default"]].count("arrive") == 3, orders["default"]
-    pin = orders["pin"]
-    assert pin[:first["pin"]].count("arrive") == 2, pin
-    assert pin[first["pin"] + 1:first["pin"] + 3] == ["sts*2", "arrive"], pin
-    over = orders["overlap"]
-    last = max(i for i, t in enumerate(over) if t.startswith("mufu"))
-    assert over.index("wait1") < first["overlap"], over
-    assert over[last + 1:last + 4] == ["sts", "arrive", "wait0"], over
-    i = decode.index("wait1")
-    assert decode[i + 1:i + 5] == ["mufu*34", "sts*2", "arrive", "wait0"], decode
+    instructions, 12 wgmmas, 34 exponentials, no wgmma serialised). ptxas issues the
+    ping-pong's "softmax done" arrival before the block's first exponential (three
+    arrivals before it: the hand-off after Q K^T, K's slot, and that one): the order
+    docs/notes.md "2026-12-05" read (the pin that held the arrival back until the
+    softmax's row sums were stored measured 3 to 15% slower on the H200, retired)."""
+    out = tmp_path / "default"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_sass",
+                           f"--out_dir={out}", "--shapes=prefill-2x4096"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert all("Performance Loss" not in line for line in lines), lines
+    head = next(i for i, line in enumerate(lines) if line.startswith("prefill-2x4096"))
+    loop = next(i for i in range(head, len(lines)) if lines[i].startswith("  loop"))
+    order = lines[loop + 1].split("order:")[1].split()
+    assert sum(int(t.partition("*")[2] or 1) for t in order if t.startswith("mufu")) == 34
+    assert "Used 168 registers" in lines[head], lines[head]
+    assert "332 instructions" in lines[loop] and "HGMMA 12" in lines[loop], lines[loop]
+    first = next(i for i, t in enumerate(order) if t.startswith("mufu"))
+    assert order[:first].count("arrive") == 3, order

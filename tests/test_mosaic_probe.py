@@ -389,50 +389,6 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_overlap_keeps_bits(mosaic_fwd):
-    """MosaicConfig(overlap=True) in the interpreter (one compute warpgroup; its own
-    operand path and fresh accumulators: S_j issued with P_{j-1} V, j's softmax while
-    it runs) gives the bits of the block-by-block steps, out and lse: a causal prefill
-    over partial blocks with a key mask over NaN in dropped K and V, a non-causal one,
-    and the split decode past a SPLIT from a shuffled pool of 16-key pages with NaN
-    past each length, split and not, with the default ``ctas_per_sm=2``'s loads (each
-    slot's next block loaded once its S, or its P V, is read) and, split, with a
-    producer warpgroup (``ctas_per_sm=1``). (The GPU's in-place
-    accumulator and register P:
-    test_pingpong_pin_and_overlap_keep_bits_on_gpu; its SASS order: test_cli.) A wrong
-    block's V hangs the interpreter, a dropped running sum fails it (both tried)."""
-    cfg = mosaic_fwd.MosaicConfig
-    seed, q, k, v = _inputs(1, 2, 1, 130, 300, 64)
-    keep = jnp.asarray(np.arange(300) % 7 != 3)[None]
-    k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-    v_nan = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
-    for kw, args in (({"causal": True, "key_padding_mask": keep}, (q, k_nan, v_nan)),
-                     ({"causal": False}, (q[:, :, :70], k[:, :, :130], v[:, :, :130]))):
-        want, got = (mosaic_fwd.forward(*args, interpret=True, config=cfg(**_ONE_WG, **c),
-                                        **kw)
-                     for c in ({}, {"overlap": True}))
-        for x, y in zip(want, got, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), (list(kw), seed)
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{list(kw)} {seed}")
-    s = schedule.SPLIT + 100
-    seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
-    lens = np.array([s, s - 70])
-    kp, vp, table = ragged_cache("NHD", 16, lens, k, v, seed=seed)
-    for split, variants in ((True, ({"overlap": True, "ctas_per_sm": 1}, {"overlap": True})),
-                            (False, ({"overlap": True},))):
-        want, *gots = (mosaic_fwd.paged_forward(
-            q, kp, vp, table, jnp.asarray(lens, jnp.int32), interpret=True, layout="NHD",
-            config=cfg(split_decode=split, **c))
-            for c in ({"ctas_per_sm": 1}, *variants))
-        for got in gots:
-            for x, y in zip(want, got, strict=True):
-                assert not np.isnan(np.asarray(y, np.float32)).any(), ("paged", split, seed)
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"paged {split} {seed}")
-
-
-@needs_threads
-@needs_interpret
 def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
     block is partial (the next head's keys, or zeros, past Skv; no padded copy), and
@@ -636,65 +592,6 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     for bad in (0, 3, None):
         with pytest.raises(ValueError, match=f"ctas_per_sm must be 1 or 2, got {bad}"):
             cfg(ctas_per_sm=bad)
-
-
-@needs_api
-def test_pingpong_pin_lowers_for_cuda(mosaic_fwd):
-    """MosaicConfig(pingpong_pin=True), and overlap=True (which turns the pin on): the
-    kernels with two compute warpgroups (the prefills, causal and not, D = 64 and 128)
-    lower for CUDA with the row sums' buffer (2 x 64 fp32: one more KiB of SMEM) and
-    otherwise the same launch, overlap's module another than the pin's (at D = 256 the
-    pin's: overlap would spill); with ping-pong off, the same module as without them.
-    One compute warpgroup (the split and unsplit decode): the pin changes nothing,
-    overlap adds the buffer, with a producer warpgroup and without (the default
-    ctas_per_sm=2: within half an SM). (Where
-    ptxas puts the store and the waits: test_cli's
-    test_mosaic_sass_shows_ptxas_order_and_the_pin; the bits:
-    test_pingpong_pin_and_overlap_keep_bits_on_gpu.)"""
-    from benchmarks.lowered import launch_of
-    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def call(b, sq, skv, d=128, causal=True):
-        q, k = S((b, 32, sq, d), bf16), S((b, 8, skv, d), bf16)
-
-        def modules(**kw):  # each kernel's module, lowered with MosaicConfig(**kw)
-            got = mosaic_modules(lambda: mosaic_fwd.lower_for_cuda(
-                q, k, k, causal=causal, config=mosaic_fwd.MosaicConfig(**kw)))
-            if got is None:
-                pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-            return got
-        return modules
-
-    def launches(mods):
-        return [launch_of(m) for m in mods]
-
-    for name, lower in {"causal": call(2, 4096, 4096), "d64": call(2, 4096, 4096, 64),
-                        "noncausal": call(2, 2048, 2048, causal=False),
-                        "partial": call(1, 1000, 1000)}.items():
-        default, pinned, over = lower(), lower(pingpong_pin=True), lower(overlap=True)
-        assert launches(pinned) == [(t, s + 1024) for t, s in launches(default)], name
-        assert launches(over) == launches(pinned) and over != pinned, name
-        off = lower(pingpong=False)
-        for kw in ({"pingpong_pin": True}, {"overlap": True}):
-            assert off == lower(pingpong=False, **kw), (name, kw)
-    # D=256: overlap leaves the pin alone (its accumulator leaves no registers).
-    wide = call(2, 2048, 2048, 256)
-    assert wide(overlap=True) == wide(pingpong_pin=True)
-    # One compute warpgroup (the split and unsplit decode): the pin alone changes
-    # nothing; overlap stores the sums (one more KiB) before K's release, with a
-    # producer warpgroup (ctas_per_sm=1) and with the default's loads (two CTAs an SM,
-    # within half an SM; where the KiB leaves a split kernel asked for 3 ring slots 2).
-    for b in (8, 32):
-        decode = call(b, 1, 8192)
-        one, one_ov = decode(ctas_per_sm=1), decode(ctas_per_sm=1, overlap=True)
-        assert one == decode(ctas_per_sm=1, pingpong_pin=True) and one_ov != one, b
-        assert [(t, s + 1024) for t, s in launches(one)][:1] == launches(one_ov)[:1], b
-        two, two_ov = (launches(decode(**kw)) for kw in ({}, {"overlap": True}))
-        assert two_ov[0][0] == two[0][0] == 128 and two_ov[0][1] <= (228 * 1024) // 2 - 1024
-        assert two_ov[0][1] == two[0][1] + 1024, (b, two, two_ov)
-        if b == 8:
-            three_ov = launches(decode(split_decode_stages=3, overlap=True))
-            assert three_ov[0] == two_ov[0], (three_ov, two_ov)
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
@@ -1335,11 +1232,9 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_cols": 8}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
-    # The retired options are gone, not ignored (docs/mosaic.md, retired options);
-    # overlap is a flag again, and its retired modes ("registers", "smem") are refused.
-    for kw in ({"overlap": "smem"}, {"overlap": 1}, {"pingpong_pin": "yes"},
-               {"key_bound": "always"}, {"blocks_per_step": 2},
-               {"persistent_order": "snake"}, {"wait_next_k": False}):
+    # The retired options are gone, not ignored (docs/mosaic.md, retired options).
+    for kw in ({"overlap": True}, {"pingpong_pin": True}, {"key_bound": "always"},
+               {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)

@@ -208,37 +208,6 @@ class MosaicConfig:
     #: sum, row max, P) before the ping-pong hand-off, as JAX's ``attention_mgpu``
     #: (which found the order of that code to matter): scheduling only, the same bits.
     fence: bool = True
-    #: With ping-pong: each block's row sums stored to a small SMEM buffer just before
-    #: the "softmax done" arrival. ptxas schedules the compiled code itself, and with
-    #: nothing tying the arrival to the softmax it issues the arrival first, right
-    #: after the Q K^T wait, before any exponential (``benchmarks.mosaic_sass``: every
-    #: prefill kernel, any head dim), so the other warpgroup is released before this
-    #: one's softmax and the two do not stagger. An mbarrier arrival releases the
-    #: stores before it, so the store (of the sum of every exponential of the block)
-    #: keeps the softmax ahead of the arrival. Two shared stores a thread a block;
-    #: the same bits (nothing reads the buffer).
-    pingpong_pin: bool = False
-    #: Intra-warpgroup overlap (FlashAttention-3): a step issues block j's S = Q K^T
-    #: and block j - 1's P V together, runs block j's softmax while that P V is on the
-    #: tensor cores, then awaits it, rescales the accumulator by block j's alpha and
-    #: converts block j's P (after the wait: P's registers are the P V's operand, and
-    #: ptxas serialises every wgmma when they are written while it runs, C7513). Each
-    #: row sees the same operations in the same order (``acc * alpha`` is still the P
-    #: V wgmma's initial accumulator): a launch choice. ptxas keeps the softmax
-    #: between the two waits only where something after it in the program depends on
-    #: it (``benchmarks.mosaic_sass``; otherwise it moves the P V wait ahead of the
-    #: softmax, and nothing overlaps): the row sums are stored to a small SMEM buffer
-    #: before the ping-pong arrival with two compute warpgroups (``pingpong_pin``,
-    #: turned on with it), before the K slot's release with one (the decode, CP's
-    #: states; the slot then waits for the softmax, not only for S). On the GPU
-    #: operand path with the in-place accumulator and ``rowsum="reduce32"``, D <= 128
-    #: (at 256 the accumulator leaves no registers: it spills in the loop); not two
-    #: warpgroups without ping-pong (elsewhere ignored; with two warpgroups the pin
-    #: stays). With ``ctas_per_sm=2`` the release is the slot's next load, and the
-    #: buffer's KiB leaves the split decode 2 ring slots of 3. The interpreter runs the same
-    #: steps with its operand path and fresh accumulators (the same bits as its
-    #: block-by-block steps: the pipeline's slots, barriers and masks checked on a CPU).
-    overlap: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
     #: the split's finalize costs a division per element otherwise, every SPLIT of
@@ -373,10 +342,6 @@ class MosaicConfig:
             check_pdl(name, getattr(self, name), optional=name != "pdl")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
-        if not isinstance(self.pingpong_pin, bool):
-            raise TypeError(f"pingpong_pin must be True or False, got {self.pingpong_pin!r}")
-        if not isinstance(self.overlap, bool):  # (its retired modes were strings)
-            raise TypeError(f"overlap must be True or False, got {self.overlap!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -873,14 +838,6 @@ class _Forward:
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
         self.gpu_operands, self.interpret = gpu_operands, interpret
         self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
-        # The row sums' store that orders ptxas's code (scratch() reads it; the
-        # interpreter has no ptxas): before the ping-pong arrival with two compute
-        # warpgroups (pingpong_pin, overlap), before the K slot's release with one
-        # (overlap; with ctas_per_sm=2's loads the release is the slot's next load;
-        # not at D=256, where overlap is not used).
-        self.pin = interpret is None and (
-            (cfg.pingpong_pin or cfg.overlap) and cfg.pingpong and self.nwg == 2
-            or cfg.overlap and self.nwg == 1 and d <= 128)
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -958,12 +915,6 @@ class _Forward:
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
-        # (not at D=256: its 64 x 256 accumulator leaves no room, 28 spill accesses a
-        # masked block in the SASS; in the interpreter, its own operand path and
-        # accumulation: blocks_overlapped)
-        self.overlap = (cfg.overlap and not self.use_mma_rowsum and d <= 128
-                        and (self.pin and self.inplace and self.gpu_operands
-                             or interpret is not None))
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1046,9 +997,6 @@ class _Forward:
             # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
             # before it is stored into the tiled, swizzled Q slot that wgmma reads
             q_in,
-            # pingpong_pin / overlap: each warpgroup's row sums, stored before its
-            # ping-pong arrival (two warpgroups) or K's release (one); never read
-            plgpu.SMEM((nwg, bm), jnp.float32) if self.pin else None,
         ]
 
     def layout(self, x, lay):
@@ -1321,11 +1269,10 @@ class _Forward:
 
     # -- the softmax consumer --------------------------------------------------------
 
-    def softmax(self, it: _Item, j, s, m, l, masked, keep, cast=True):
+    def softmax(self, it: _Item, j, s, m, l, masked, keep):
         """Online-softmax step of key block ``j`` on the raw scores ``s``: ``(p, alpha,
-        m_new, l_new)`` with ``p`` the probabilities in the input dtype (fp32 without
-        ``cast``); with ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the
-        caller's."""
+        m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
+        ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
         # The row max is taken of the raw scores and scaled after (the same value: the
         # scale is positive and rounding is monotone), so ``s * scale`` has one use,
         # the exponent, where the compiler contracts ``s * scale - m`` into one FMA
@@ -1363,16 +1310,16 @@ class _Forward:
         if masked:
             p32 = jnp.where(visible, p32, 0.0)
         l_new = None if self.use_mma_rowsum else l * alpha + p32.sum(axis=1)
-        return p32.astype(self.dtype) if cast else p32, alpha, m_new, l_new
+        return p32.astype(self.dtype), alpha, m_new, l_new
 
-    def softmax_at(self, it: _Item, j, s, m, l, masked, keep, cast=True):
+    def softmax_at(self, it: _Item, j, s, m, l, masked, keep):
         """:meth:`softmax` on the block's path: with a key mask, a block that would take
         the unmasked path takes the masked one where it drops a key."""
         if masked or not self.key_mask:
-            return self.softmax(it, j, s, m, l, masked, keep, cast)
+            return self.softmax(it, j, s, m, l, masked, keep)
         return lax.cond(it.flags_ref[it.bi, j] != 0,
-                        lambda: self.softmax(it, j, s, m, l, True, keep, cast),
-                        lambda: self.softmax(it, j, s, m, l, False, keep, cast))
+                        lambda: self.softmax(it, j, s, m, l, True, keep),
+                        lambda: self.softmax(it, j, s, m, l, False, keep))
 
     def block_step(self, it: _Item, n_steps, t, carry, *, masked):
         """Softmax consumer, key block ``t`` (taking the masked path if ``masked``): S =
@@ -1416,8 +1363,6 @@ class _Forward:
         acc = acc * _rows(alpha, acc.shape)
         if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
-        if self.pin and self.pingpong:  # the stored sums keep the softmax ahead of it
-            self.store_rows(it.smem[11].at[it.w], l)
         if self.pingpong:
             plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
         plgpu.barrier_wait(v_bar.at[slot])
@@ -1482,162 +1427,6 @@ class _Forward:
         def _():
             plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, t + 1)])
 
-    def blocks_overlapped(self, it: _Item, n_steps, lo, mid, end, init):
-        """Blocks [lo, end) of a split (the unmasked path before ``mid``) with
-        intra-warpgroup overlap (``MosaicConfig.overlap``): block ``lo``'s S and softmax
-        alone; then a step per later block j that issues S_j and P_{j-1} V_{j-1}
-        together, reads S_j while P V runs (``wait_n=1``), takes block j's softmax
-        step, awaits P V, rescales the accumulator by block j's alpha and converts
-        block j's P; the last block's P V after the loop. Per row the operations and
-        their order are :meth:`block_step`'s, and so are the ring's barriers (two
-        ping-pong arrivals a block; block ``lo``'s K awaited before, block ``end``'s,
-        if the warpgroup has it, here). ``lo < end``.
-
-        On the GPU the accumulator is P V's wgmma accumulator (``acc * alpha`` its
-        initial value) and P its register operand. The interpreter runs the same steps
-        with its own operand path (K^T's slot, P staged in SMEM once the P V before it
-        is done) and a fresh P V accumulator added to the rescaled sum, as
-        :meth:`block_step` does there: the same bits as its steps (a test of the
-        pipeline's slots, barriers and masks on the CPU)."""
-        v_bar, sched = it.bars[1], it.bars[6]
-        bm, bn, d = self.bm, self.bn, self.d
-        fresh = not self.inplace
-
-        def zeroed(ref):
-            ref[...] = self.layout(jnp.zeros(ref.shape, jnp.float32), plgpu.Layout.WGMMA)
-
-        def issue_s(s_ref, t):
-            """Block t's S = Q K^T issued into ``s_ref`` (held across blocks: zeroed
-            first, the first wgmma does not accumulate)."""
-            self.wait_keep(it, t)
-            if not fresh:
-                zeroed(s_ref)
-            self.issue_qk(it, s_ref, self.slot_of(it, t))
-
-        def issue_pv(pv_ref, p, t):
-            """Block t's P V issued into ``pv_ref`` (its V awaited, invisible rows
-            zeroed in the slot)."""
-            slot = self.slot_of(it, t)
-            plgpu.barrier_wait(v_bar.at[slot])
-            v_parts = self.v_parts_ready(it, t, slot, self.keep_slot(it, slot))
-            self.issue_pv(pv_ref, p if self.gpu_operands else it.p_s, v_parts)
-
-        def softmax_step(pv_ref, acc, s, t, m, l, masked, pv_in_flight, nxt_k, nxt_v):
-            """Block t's softmax on ``s``, then (P V of block t - 1 awaited, its V slot
-            released) the accumulator times alpha and P in the input dtype (GPU
-            operands: in registers; else staged in SMEM). ``acc``: the running sum
-            (fresh accumulators; in place it is ``pv_ref``'s)."""
-            slot = self.slot_of(it, t)
-            if self.pingpong:
-                self.release(it, n_steps, nxt_k, slot, "k")
-            p32, alpha, m, l = self.softmax_at(it, t, s, m, l, masked,
-                                               self.keep_slot(it, slot), cast=False)
-            if self.pin:  # the softmax before what follows
-                self.store_rows(it.smem[11].at[it.w], l)
-            if self.pingpong:
-                plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
-            else:  # one warpgroup: K's slot released once the sums are stored
-                self.release(it, n_steps, nxt_k, slot, "k")
-            if pv_in_flight or not fresh:
-                pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-                acc = acc + pv if fresh else pv
-            if pv_in_flight:
-                self.release(it, n_steps, nxt_v, self.slot_of(it, t - 1), "v")
-            acc = acc * _rows(alpha, acc.shape)
-            if self.cfg.fence:
-                acc, m, l, p32 = lax.optimization_barrier((acc, m, l, p32))
-            if not fresh:
-                pv_ref[...] = acc
-            p = p32.astype(self.dtype)  # after the wait: P V's operand
-            if not self.gpu_operands:
-                it.p_s[...] = p
-                plgpu.commit_smem()
-                p = None
-            if self.pingpong:
-                plgpu.barrier_wait(sched.at[0])  # the other's products are issued
-            self.await_next_k(it, t, n_steps)
-            return p, acc if fresh else None, m, l  # (in place: the sum is pv_ref's)
-
-        def run(s_ref, pv_ref):
-            """The blocks, with S's and (in place) the sum's accumulators ``s_ref`` and
-            ``pv_ref`` held across them, or (fresh) with scoped ones a block (None)."""
-            def with_s(f):  # f(s_ref): S's accumulator
-                if s_ref is None:
-                    return pl.run_scoped(f, plgpu.ACC((bm, bn), jnp.float32))
-                return f(s_ref)
-
-            def with_pv(f):  # f(pv_ref): P V's accumulator
-                if pv_ref is None:
-                    return pl.run_scoped(f, plgpu.ACC((bm, d), jnp.float32))
-                return f(pv_ref)
-
-            acc0, m0, l0 = init
-            if not fresh:
-                pv_ref[...] = acc0
-
-            def first_block(s_ref):
-                nxt_k = self.next_block(it, lo)
-                issue_s(s_ref, lo)
-                if self.pingpong:
-                    self.sync(it)
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-                return with_pv(lambda pv: lax.cond(
-                    lo < mid,
-                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, False, False, nxt_k, None),
-                    lambda: softmax_step(pv, acc0, s, lo, m0, l0, True, False, nxt_k, None)))
-
-            carry = with_s(first_block)
-
-            def step(j, carry, *, masked):
-                p_prev, acc, m, l = carry
-                # (the loads that follow block j's K and block j - 1's V)
-                nxt_k, nxt_v = ((self.next_block(it, j), self.next_block(it, j - 1))
-                                if self.inline_loads else (None, None))
-
-                def blocks(s_ref):
-                    issue_s(s_ref, j)
-
-                    def after_pv(pv):
-                        issue_pv(pv, p_prev, j - 1)
-                        if self.pingpong:
-                            self.sync(it)
-                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                        return softmax_step(pv, acc, s, j, m, l, masked, True, nxt_k, nxt_v)
-
-                    return with_pv(after_pv)
-
-                return with_s(blocks)
-
-            first = lo + 1
-            carry = lax.fori_loop(first, lax.max(mid, first),
-                                  functools.partial(step, masked=False), carry)
-            p, acc, m, l = lax.fori_loop(lax.max(mid, first), end,
-                                         functools.partial(step, masked=True), carry)
-
-            def last_pv(pv_ref):  # the last block's P V
-                issue_pv(pv_ref, p, end - 1)
-                return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-
-            pv = with_pv(last_pv)
-            last = self.next_block(it, end - 1) if self.inline_loads else None
-            self.release(it, n_steps, last, self.slot_of(it, end - 1), "v")
-            return acc + pv if fresh else pv, m, l
-
-        if fresh:
-            return run(None, None)
-        return pl.run_scoped(run, plgpu.ACC((bm, bn), jnp.float32),
-                             plgpu.ACC((bm, d), jnp.float32))
-
-    def store_rows(self, ref, x):
-        """A row vector into SMEM ``ref``, each thread its rows, with no warpgroup
-        barrier around it (Pallas's ``ref[...] = x`` has one before and one after;
-        nothing else reads or writes the buffer while the kernel runs)."""
-        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), self.row_layout))
-        def store(_, ref, x):
-            x.store_untiled(ref, optimized=False)
-
-        store(ref, x)
-
     def next_block(self, it: _Item, t):
         """``inline_loads``: ``(t + stages, its copies)``, the block whose loads follow
         block ``t``'s into its slots (a paged block's table entries are loads from
@@ -1684,13 +1473,9 @@ class _Forward:
                                 plgpu.Layout.WGMMA),
                     self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
                     self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
-        if self.overlap:
-            acc, m, l = self.blocks_overlapped(it, n_steps, lo, mid, end, init)
-        else:
-            step = functools.partial(self.block_step, it, n_steps)
-            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
-            acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True),
-                                      carry)
+        step = functools.partial(self.block_step, it, n_steps)
+        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+        acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
         if self.raw_out:
             return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
