@@ -1327,24 +1327,32 @@ class _Forward:
         accumulator, in place (``acc * alpha`` as the wgmma's initial accumulator) or
         into a fresh one added after; the next block's K is awaited while P V runs."""
         acc, m, l = carry
-        ones_s = it.smem[4]
-        v_bar, sched = it.bars[1], it.bars[6]
+        _, k_s, v_s, _, ones_s, _, keep_s, *_ = it.smem
+        k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
         bm, bn, d = self.bm, self.bn, self.d
         slot = self.slot_of(it, t)
         # inline_loads: block t + stages' copies, read before the products (a paged
         # block's table entries are loads from global memory; their use waits for them)
-        nxt = self.next_block(it, t)
+        nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
+               if self.inline_loads else None)
         self.wait_keep(it, t)
 
         def qk(acc_ref):
-            self.issue_qk(it, acc_ref, slot)
+            if self.gpu_operands:
+                # kv_boxes: one product per column tile of K, accumulated in column
+                # order (the whole tile's product issues the same k-steps in that order)
+                for c, k_t in self.kv_slot(k_s, slot):
+                    q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
+                    plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
+            else:  # K^T's slot
+                plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
             if self.pingpong:
                 self.sync(it)
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
         self.release(it, n_steps, nxt, slot, "k")
-        keep = self.keep_slot(it, slot)
+        keep = keep_s.at[slot] if self.key_mask else None
         p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
         if self.gpu_operands:  # P as the P V wgmma's A operand: registers, or SMEM
             p_op = p
@@ -1368,73 +1376,40 @@ class _Forward:
         plgpu.barrier_wait(v_bar.at[slot])
         if self.pingpong:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
-        v_parts = self.v_parts_ready(it, t, slot, keep)
+        v_parts = self.kv_slot(v_s, slot)
+        if self.page_size is not None:
+            self.zero_tail(it, t, v_parts)
+        if self.key_mask:
+            self.zero_dropped(it, t, v_parts, keep)
+
+        def pv_parts(acc_ref):
+            """P V into ``acc_ref``: one product per V part (with kv_boxes, into its
+            columns of the accumulator)."""
+            for c, v_t in v_parts:
+                plgpu.wgmma(acc_ref if c is None else acc_ref.at[:, pl.ds(c, self.box_cols)],
+                            p_op, v_t)
+
+        def next_k():
+            """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
+            @pl.when(t + 1 < n_steps)
+            def _():
+                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
 
         if self.inplace:
             def pv_into(acc_ref):
-                self.issue_pv(acc_ref, p_op, v_parts)
-                self.await_next_k(it, t, n_steps)
+                pv_parts(acc_ref)
+                next_k()
 
             acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
         else:
             def pv(acc_ref):
-                self.issue_pv(acc_ref, p_op, v_parts)
-                self.await_next_k(it, t, n_steps)
+                pv_parts(acc_ref)
+                next_k()
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
-
-    def keep_slot(self, it: _Item, slot):
-        """A key mask's keep values of the block in ``slot`` (None without a mask)."""
-        return it.smem[6].at[slot] if self.key_mask else None
-
-    def issue_qk(self, it: _Item, acc_ref, slot):
-        """S = Q K^T of the block in K's ``slot`` issued into ``acc_ref``: with kv_boxes
-        one product per column tile of K, accumulated in column order (the whole tile's
-        product issues the same k-steps in that order); off the GPU operand path from
-        K^T's slot."""
-        k_s = it.smem[1]
-        if not self.gpu_operands:
-            plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
-            return
-        for c, k_t in self.kv_slot(k_s, slot):
-            q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
-            plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
-
-    def v_parts_ready(self, it: _Item, t, slot, keep):
-        """Block ``t``'s V in ``slot`` (awaited by the caller) as :meth:`kv_slot`'s
-        parts, its rows no row may weigh zeroed in the slot (past a paged sequence's
-        length; the keys ``keep`` drops)."""
-        v_parts = self.kv_slot(it.smem[2], slot)
-        if self.page_size is not None:
-            self.zero_tail(it, t, v_parts)
-        if self.key_mask:
-            self.zero_dropped(it, t, v_parts, keep)
-        return v_parts
-
-    def issue_pv(self, acc_ref, p_op, v_parts):
-        """P V issued into ``acc_ref``: one product per V part (with kv_boxes, into its
-        columns of the accumulator)."""
-        for c, v_t in v_parts:
-            plgpu.wgmma(acc_ref if c is None else acc_ref.at[:, pl.ds(c, self.box_cols)],
-                        p_op, v_t)
-
-    def await_next_k(self, it: _Item, t, n_steps):
-        """Wait for block t + 1's K (if the warpgroup has it)."""
-        @pl.when(t + 1 < n_steps)
-        def _():
-            plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, t + 1)])
-
-    def next_block(self, it: _Item, t):
-        """``inline_loads``: ``(t + stages, its copies)``, the block whose loads follow
-        block ``t``'s into its slots (a paged block's table entries are loads from
-        global memory: read at the top of a step, their use waits for them); else
-        None."""
-        if not self.inline_loads:
-            return None
-        return t + self.stages, self.block_parts(it.bi, t + self.stages)
 
     def release(self, it: _Item, n_steps, nxt, slot, kind: str):
         """A block's K (``kind`` "k") or V ``slot`` read: an arrival on its "consumed"
