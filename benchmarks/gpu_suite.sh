@@ -26,9 +26,9 @@
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
 # attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
-# Skv 1k to 128k) beside the peers, one process per B; ctas: the default two CTAs an SM's
-# bits against ctas_per_sm=1, then (if they hold) the decode steps and paged cache with
-# one and two CTAs an SM; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
+# Skv 1k to 128k) beside the peers, one process per B; spc: MosaicConfig.splits_per_cta's
+# bits against one split a CTA, then (if they hold) the decode steps and paged cache
+# beside the default; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
 # S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -234,34 +234,34 @@ if has mosaic; then
       ${MOSAIC_ARGS:-} 2>&1 | tee "$OUT/mosaic.txt" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
 fi
-if has ctas; then
-  # MosaicConfig.ctas_per_sm=2, the default since 2026-12-05 (the decode kernels two
-  # CTAs an SM, docs/notes.md "2026-12-04 (eleventh)"): its bits against
-  # ctas_per_sm=1 first (a hang is a barrier bug: the timeout ends it), then, only if
-  # they hold, the decode steps beside ctas_per_sm=1 (the default's 2 ring slots, 3)
-  # and the paged cache. CTAS_PARTS picks parts (bits,decode,paged), so that each call stays
-  # under the device's 10 minutes.
-  CTAS_PARTS=${CTAS_PARTS:-bits,decode,paged}
-  mkdir -p "$OUT/ctas"
+if has spc; then
+  # MosaicConfig.splits_per_cta (docs/notes.md "2026-12-05 (third)"): several SPLITs a
+  # CTA of the split decode. Its bits against one split a CTA first (a hang is a
+  # barrier bug: the timeout ends it), then, only if they hold, the decode steps beside
+  # the default (None: fill the CTA slots once; 2; 4) and the paged cache. SPC_PARTS
+  # picks parts (bits,decode,paged), so that each call stays under the device's 10
+  # minutes.
+  SPC_PARTS=${SPC_PARTS:-bits,decode,paged}
+  mkdir -p "$OUT/spc"
   rc=0
-  if part bits "$CTAS_PARTS"; then
-    timeout ${CTAS_TESTS_TIMEOUT:-300} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
-        tests/test_mosaic_backend.py -k two_ctas 2>&1 | tee "$OUT/ctas/bits.txt" | tail -3
+  if part bits "$SPC_PARTS"; then
+    timeout ${SPC_TESTS_TIMEOUT:-300} $PY -m pytest -q -x -n 0 -p no:cacheprovider \
+        tests/test_mosaic_backend.py -k splits_per_cta 2>&1 | tee "$OUT/spc/bits.txt" | tail -3
     rc=${PIPESTATUS[0]}; status=$((status | rc))
   fi
-  if [[ $rc == 0 ]] && part decode "$CTAS_PARTS"; then
-    timeout ${CTAS_TIMEOUT:-480} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
-        --speed_shapes= --decode_rounds=3 --out_dir="$OUT/ctas/decode" \
-        --decode_speed=${CTAS_POINTS:-8:8192,8:32768,1:131072,2:4096,8:8193,8:8192:4,32:8192,128:8192} \
-        --decode_variants=one:ctas_per_sm=1,three:split_decode_stages=3,st3:stages=3 \
-        2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/decode.txt" | tail -40
+  if [[ $rc == 0 ]] && part decode "$SPC_PARTS"; then
+    timeout ${SPC_TIMEOUT:-480} $PY -m benchmarks.mosaic_gpu_check --nochecks --peers= \
+        --speed_shapes= --decode_rounds=3 --out_dir="$OUT/spc/decode" \
+        --decode_speed=${SPC_POINTS:-8:8192,8:32768,8:131072,1:32768,1:131072,2:4096,8:8192:4,16:8192} \
+        --decode_variants=${SPC_VARIANTS:-auto:splits_per_cta=None,k2:splits_per_cta=2,k4:splits_per_cta=4} \
+        2>&1 | grep -v 'Unable to initialize backend' | tee "$OUT/spc/decode.txt" | tail -40
     status=$((status | ${PIPESTATUS[0]}))
   fi
-  if [[ $rc == 0 ]] && part paged "$CTAS_PARTS"; then
-    timeout ${CTAS_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/ctas/paged" \
-        --batches=8 --kv_lens=32768 --page_sizes=16,64 --layouts=NHD --backends=mosaic \
-        --mosaic_variants=one:ctas_per_sm=1 2>&1 \
-        | grep -v 'Unable to initialize backend' | tee "$OUT/ctas/paged.txt" | tail -12
+  if [[ $rc == 0 ]] && part paged "$SPC_PARTS"; then
+    timeout ${SPC_PAGED_TIMEOUT:-200} $PY -m benchmarks.paged_bench --out_dir="$OUT/spc/paged" \
+        --batches=8,8,1 --kv_lens=8192,32768,131072 --page_sizes=16,64 --layouts=NHD,HND \
+        --backends=mosaic --mosaic_variants=auto:splits_per_cta=None 2>&1 \
+        | grep -v 'Unable to initialize backend' | tee "$OUT/spc/paged.txt" | tail -30
     status=$((status | ${PIPESTATUS[0]}))
   fi
 fi

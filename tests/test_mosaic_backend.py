@@ -221,6 +221,25 @@ def test_kv_boxes_keep_bits_on_gpu():
                 agree(qd[:, :, -sq:], kd, vd, (d, sq), causal=True)
 
 
+def _masked_and_paged_decode_agree(agree, rng, q, k, v):
+    """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
+    5000, D] K and V under a key padding mask (NaN in dropped K, inf in dropped V), and
+    from pages of 16 (NHD) and 64 (HND) keys in a shuffled pool with ragged lengths
+    (5000 and 2100; NaN in unused slots)."""
+    from jaxattn.backends.mosaic import forward as mf
+    m = rng.random((2, 5000)) > 0.3
+    m[:, -1] = True
+    keep = jnp.asarray(m)
+    (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+    agree(mf.forward, "mask", q[:, :, -1:], k_nan, v_inf, causal=True,
+          key_padding_mask=keep)
+    lens = np.array([5000, 2100])
+    for ps, layout in ((16, "NHD"), (64, "HND")):
+        kp, vp, table = ragged_cache(layout, ps, lens, k, v, seed=int(rng.integers(2**16)))
+        agree(mf.paged_forward, (ps, layout), q[:, :, -1:], kp, vp, table,
+              jnp.asarray(lens, jnp.int32), layout=layout)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
@@ -255,19 +274,46 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
             agree(mf.forward, ("unsplit", skv), qb, kb[:, :, :skv], vb[:, :, :skv],
                   causal=True)
         agree(mf.forward, "d64", *rand_qkv(2, 8, 8, 1, 3000, 64, jnp.bfloat16), causal=True)
-        m = rng.random((2, 5000)) > 0.3
-        m[:, -1] = True
-        keep = jnp.asarray(m)
-        (k_nan, v_inf), _ = dropped_nan(k, v, keep)
-        agree(mf.forward, "mask", q[:, :, -1:], k_nan, v_inf, causal=True,
-              key_padding_mask=keep)
-        lens = np.array([5000, 2100])
-        for ps, layout in ((16, "NHD"), (64, "HND")):
-            kp, vp, table = ragged_cache(layout, ps, lens, k, v, seed=int(rng.integers(2**16)))
-            agree(mf.paged_forward, (ps, layout), q[:, :, -1:], kp, vp, table,
-                  jnp.asarray(lens, jnp.int32), layout=layout)
+        _masked_and_paged_decode_agree(agree, rng, q, k, v)
         agree(mf.split_partials, "cp", q, k, v, causal=True,
               causal_offsets=jnp.asarray([4700, 2000], jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_splits_per_cta_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(splits_per_cta=k): a CTA of the split decode takes k
+    consecutive SPLITs, its ring running on across them and each split's state staged
+    beside the ring (in column halves at D=128): the bits of one split a CTA (the
+    default), out and lse, no NaN, with k = 2, 3 (the last CTA of a row has fewer) and
+    None (enough to fill the GPU's CTA slots once): 5 SPLITs and one off the 8-row
+    grid, 4 queries a head, D = 64, one CTA an SM (a producer warpgroup), a key
+    padding mask with NaN in dropped K and inf in dropped V, and pages of 16 and 64
+    keys (both layouts, NaN in unused slots, ragged lengths: the short sequence's
+    later splits empty); twice, on fresh inputs."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    base = mf.MosaicConfig()
+    several = (mf.MosaicConfig(splits_per_cta=2), mf.MosaicConfig(splits_per_cta=3),
+               mf.MosaicConfig(splits_per_cta=None))
+
+    def agree(f, tag, *args, configs=(base, *several), **kw):
+        _configs_agree_in_bits(f, configs, tag, *args, **kw)
+
+    for _ in range(2):
+        q, k, v = rand_qkv(2, 32, 8, 4, 5000, 128, jnp.bfloat16)
+        for b, sq, skv in ((2, 1, 5000), (1, 1, 4097), (2, 4, 3000)):
+            agree(mf.forward, (b, sq, skv), q[:b, :, -sq:], k[:b, :, :skv], v[:b, :, :skv],
+                  causal=True)
+        # 40 SPLITs of one sequence: None takes 2 a CTA (264 CTA slots, 8 rows)
+        agree(mf.forward, "long", *rand_qkv(1, 32, 8, 1, 40000, 128, jnp.bfloat16),
+              causal=True)
+        agree(mf.forward, "d64", *rand_qkv(2, 8, 8, 1, 3000, 64, jnp.bfloat16), causal=True)
+        agree(mf.forward, "one CTA an SM", q[:, :, -1:], k, v, causal=True,
+              configs=(mf.MosaicConfig(ctas_per_sm=1),
+                       mf.MosaicConfig(ctas_per_sm=1, splits_per_cta=3)))
+        _masked_and_paged_decode_agree(agree, rng, q, k, v)
 
 
 @pytest.mark.gpu

@@ -389,6 +389,35 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
+    """MosaicConfig(splits_per_cta=2): a CTA of the split decode takes two consecutive
+    SPLITs of three (the last CTA one), its ring running on across them, each split's
+    state stored (at D=128 staged in column halves beside the ring): the bits of one
+    split a CTA, out and lse, no NaN; with a key padding mask and per-sequence offsets
+    (the second sequence's row in the first SPLIT: its later splits empty), and from
+    pages of 16 keys in a shuffled pool with NaN past the ragged lengths."""
+    s = 2 * schedule.SPLIT + 100
+    seed, q, k, v = _inputs(2, 4, 1, 1, s, 128)
+    keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
+    offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
+    one = mosaic_fwd.MosaicConfig(split_decode=True)
+    two = mosaic_fwd.MosaicConfig(split_decode=True, splits_per_cta=2)
+    lens = np.array([s, s - 1100])
+    kp, vp, table = ragged_cache("HND", 16, lens, k, v, seed=seed)
+    for tag, f, args, kw in (
+            ("contiguous", mosaic_fwd.forward, (q, k, v), {"causal": True}),
+            ("mask", mosaic_fwd.forward, (q, k, v),
+             {"causal": True, "key_padding_mask": keep, "causal_offsets": offs}),
+            ("paged", mosaic_fwd.paged_forward,
+             (q, kp, vp, table, jnp.asarray(lens, jnp.int32)), {})):
+        want, got = (f(*args, interpret=True, config=c, **kw) for c in (one, two))
+        for x, y in zip(want, got, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), f"{tag} (seed {seed})"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{tag} (seed {seed})")
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
     """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
     block is partial (the next head's keys, or zeros, past Skv; no padded copy), and
@@ -592,6 +621,63 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     for bad in (0, 3, None):
         with pytest.raises(ValueError, match=f"ctas_per_sm must be 1 or 2, got {bad}"):
             cfg(ctas_per_sm=bad)
+
+
+@needs_api
+def test_splits_per_cta_lowers_for_cuda(mosaic_fwd):
+    """MosaicConfig(splits_per_cta=k > 1) lowers the split decode for CUDA with two CTAs
+    an SM (128 threads, at most half an SM's SMEM less the runtime's 1 KiB) and with
+    one (256 threads), at D = 128 and 64, from pages of 16 keys; at D=128 the ring
+    keeps the default's 2 slots, the split's state staged in column halves outside
+    the ring's union (which then holds only K's and V's slots and Q's landing slot on
+    the last V slot: the ring is busy when a split ends), its lse rows outside too.
+    ``splits_per_cta(None)`` fills 132 SMs' 264 CTA slots once; 0 is refused."""
+    two_ctas = (228 * 1024) // 2 - 1024
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cfg = mosaic_fwd.MosaicConfig
+
+    def decode(b, hkv, skv, d):
+        q, k = S((b, 4 * hkv, 1, d), bf16), S((b, hkv, skv, d), bf16)
+        return lambda c: mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=c)
+
+    def paged16():
+        q, pages = S((2, 32, 1, 128), bf16), S((512, 8, 16, 128), bf16)
+        table, lens = S((2, 256), i32), S((2,), i32)
+        return lambda c: jax.jit(lambda q, kp, t, n: mosaic_fwd.paged_forward(
+            q, kp, kp, t, n, config=c)).trace(q, pages, table, lens).lower(
+            lowering_platforms=("cuda",))
+
+    for name, lower in (("d128", decode(8, 8, 8192, 128)), ("d64", decode(2, 8, 5000, 64)),
+                        ("pages16", paged16())):
+        one = mosaic_launches(functools.partial(lower, cfg()))
+        if one is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        for ctas, threads in ((2, 128), (1, 256)):
+            got = mosaic_launches(functools.partial(lower, cfg(ctas_per_sm=ctas,
+                                                               splits_per_cta=4)))
+            assert got[0][0] == threads, (name, ctas, got)
+            assert ctas == 1 or got[0][1] <= two_ctas, (name, got)
+            assert got[1:] == one[1:], name  # the fold
+    slot = 64 * 128 * 2
+    text, = [t for t in mosaic_modules(functools.partial(
+        decode(8, 8, 8192, 128), cfg(splits_per_cta=4))) if "memref<65536xi8" in t]
+    views = {(int(o), int(n)) for o, n in re.findall(
+        r"memref\.subview %\w+\[(\d+)\] \[(\d+)\] \[1\] : memref<65536xi8", text)}
+    assert views == {(0, 2 * slot), (2 * slot, 2 * slot), (3 * slot, slot)}, sorted(views)
+    for d, cols in ((128, 64), (64, 64)):
+        f = mosaic_fwd._Forward(
+            b=8, hq=8, hkv=8, sq=64, skv=8192, offset=0, d=d, dtype=bf16, causal=True,
+            scale=0.1, cfg=cfg(compute_wgs=1, stages=2), gpu_operands=True,
+            interpret=None, position=0, key_mask=False, dyn_offsets=False,
+            split_out=True, state_rows=8, q_rows=4, per_cta=4)
+        assert (f.stages, f.state_cols, f.ring_union, f.inline_loads) == (2, cols, False,
+                                                                          True), d
+    n = mosaic_fwd.splits_per_cta
+    assert [n(cfg(splits_per_cta=None), b * 8, s) for b, s in
+            ((8, 8), (8, 128), (1, 128), (1, 32), (16, 8))] == [2, 32, 4, 1, 4]
+    assert n(cfg(splits_per_cta=3), 64, 2) == 2 and n(cfg(), 8, 128) == 1
+    with pytest.raises(ValueError, match="splits_per_cta must be an int >= 1 or None, got 0"):
+        cfg(splits_per_cta=0)
 
 
 def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):

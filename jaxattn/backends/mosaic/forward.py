@@ -185,6 +185,18 @@ class MosaicConfig:
     #: None: 4 with one CTA an SM, 2 with two (``ctas_per_sm``; 2 and 3 within 2% of
     #: each other there, run of 2026-12-05, 2bf087a). A launch choice.
     split_decode_stages: int | None = None
+    #: SPLITs of keys one CTA of the split decode takes, one after another (its K/V
+    #: ring running on across them, Q loaded once): each split's state is computed
+    #: from the empty state over the split's blocks and stored as with one split a
+    #: CTA, so the bits are those of 1 (a launch choice). Fewer, longer CTAs: each
+    #: CTA's prologue (Q, the first blocks' latency) and the waves' tails are paid
+    #: once for several splits. The state is staged for its store in column halves
+    #: beside the ring (the ring's SMEM is busy at a split's end), so the ring keeps
+    #: its ``split_decode_stages`` slots where they fit. None: as many splits a CTA as
+    #: fill the GPU's CTA slots (SMs x ``ctas_per_sm``) once,
+    #: :func:`splits_per_cta`. 1 (the default until the H200 has measured it): one
+    #: split a CTA. The split decode only (CP's split states keep one a CTA).
+    splits_per_cta: int | None = 1
     #: CTAs of a kernel of one compute warpgroup (the decode's stacked rows, split or
     #: not; CP's split states) that should share an SM: 1, a producer warpgroup beside
     #: the compute warpgroup (150 to 216 registers a thread for 256 threads leave room
@@ -328,6 +340,10 @@ class MosaicConfig:
                              f"{self.normalize!r}")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
+        if self.splits_per_cta is not None and (
+                not isinstance(self.splits_per_cta, int) or self.splits_per_cta < 1):
+            raise ValueError(f"splits_per_cta must be an int >= 1 or None, got "
+                             f"{self.splits_per_cta!r}")
         if self.split_decode_stages is not None and self.split_decode_stages < 1:
             raise ValueError(f"split_decode_stages must be >= 1, got "
                              f"{self.split_decode_stages}")
@@ -628,7 +644,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0, kv_rows: int | None = None,
-           q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False):
+           q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False,
+           per_cta: int = 1):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -697,7 +714,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     and V are read as one 64-row box per column tile into swizzled slots without
     tiling, each column tile viewed tiled (:attr:`MosaicConfig.kv_boxes`: ``skv`` need
     not be a multiple of 8; past it, TMA's zeros); the GPU operand path, not with pages
-    or ``kv_rows``.
+    or ``kv_rows``. ``per_cta`` (``split_out`` without ``carry_in`` or ``raw_out``): each
+    CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
+    each split's state (:attr:`MosaicConfig.splits_per_cta`).
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
     return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
@@ -708,7 +727,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                     state_rows=state_rows, page_size=page_size, state_in=state_in,
                     state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
                     k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
-                    q_rows=q_rows, rows_out=rows_out, kv_boxes=kv_boxes).call()
+                    q_rows=q_rows, rows_out=rows_out, kv_boxes=kv_boxes,
+                    per_cta=per_cta).call()
 
 
 @dataclasses.dataclass
@@ -760,8 +780,16 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None, q_rows=None, rows_out=False, kv_boxes=False):
+                 kv_rows=None, q_rows=None, rows_out=False, kv_boxes=False, per_cta=1):
         bn = self.bn = schedule.BLOCK_N
+        if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
+            raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
+                             f"carry_in or raw_out, got {per_cta}")
+        #: SPLITs a CTA of split_out takes, one after another (MosaicConfig.splits_per_cta).
+        self.per_cta = per_cta
+        #: The columns of the split's fp32 state staged at a time for its store (d, or
+        #: d // 2 where the whole tile beside the ring would cost the ring slots).
+        self.state_cols = d
         if q_rows is not None and (position is None or q_btnh or q_row0 or sq != bn
                                    or cfg.prefetch_q or cfg.persistent):
             raise ValueError("q_rows (Q as [B, Hq * Sq, D]) is for stacked decode rows "
@@ -874,7 +902,7 @@ class _Forward:
         #: last block is consumed; the SMEM of the staging tiles holds more ring slots
         #: (a launch choice). On the GPU only (the interpreter ignores the SMEM plan).
         self.ring_union = (split_out and not carry_in and not cfg.persistent
-                           and interpret is None)
+                           and interpret is None and per_cta == 1)
         # A split's CTA: as many of the ring's slots as its SMEM holds (a launch choice:
         # the same blocks in the same order), at most the configured count.
         #: MosaicConfig.ctas_per_sm == 2, for one compute warpgroup without a
@@ -896,6 +924,10 @@ class _Forward:
         self.defer_v = self.inline_loads and q_rows is not None
         self.q_alias = self.defer_v and interpret is None  # (as ring_union: the GPU's)
         limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
+        if per_cta > 1 and smem_bytes(self.scratch(())) > limit:
+            # (several splits a CTA: the state is staged beside the ring, which is busy
+            # at a split's end; in column halves, the ring keeps its slots)
+            self.state_cols = d // 2
         while ((split_out or self.inline_loads) and self.stages > 1
                and smem_bytes(self.scratch(())) > limit):
             self.stages -= 1
@@ -955,7 +987,8 @@ class _Forward:
                                 transforms=_smem_transforms(k_shape[-1], isz))
             v_ring = plgpu.SMEM((self.stages, bn, d), dtype,
                                 transforms=_smem_transforms(d, isz))
-        o32 = (plgpu.SMEM((bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
+        cols = self.state_cols
+        o32 = (plgpu.SMEM((bm, cols), jnp.float32, transforms=_smem_transforms(cols, 4))
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
         q_in = plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None
@@ -971,7 +1004,9 @@ class _Forward:
                 slot = bn * d * isz  # a multiple of 1 KiB
                 groups.append((plgpu.SMEM(((2 * self.stages - 1) * slot,), jnp.int8), q_in))
                 q_in = None
-                if not self.ring_union:  # (the unsplit decode's lse rows: its epilogue's)
+                if not self.split_out:  # (the unsplit decode's lse rows: its epilogue's,
+                    # once the ring is idle; a CTA of several splits stores its states
+                    # while the ring runs)
                     groups.append((rows,))
                     rows = None
             k_ring, v_ring = plgpu.RefUnion(*groups), None
@@ -1003,8 +1038,8 @@ class _Forward:
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
 
     def split_lo(self):
-        """The first block of the CTA's split (split_out), else 0."""
-        return (lax.axis_index("s") * self.per_split if self.split_out
+        """The first block of the CTA's splits (split_out), else 0."""
+        return (lax.axis_index("s") * (self.per_split * self.per_cta) if self.split_out
                 else jnp.int32(0))
 
     def dyn_offset(self, bi):
@@ -1068,9 +1103,9 @@ class _Forward:
             tile0 if pos is None else tile0 * 0 + self.last_block_start(pos),
             block_m=self.rows_cta, offset=self.offset_of(bi), total=self.total,
             causal=self.causal)
-        if self.split_out:  # the CTA's split only: blocks [lo, end)
-            hi_cta = lax.max(lax.min(self.split_lo() + self.per_split, hi_cta),
-                             self.split_lo())
+        if self.split_out:  # the CTA's splits only: blocks [lo, end)
+            hi_cta = lax.max(lax.min(self.split_lo() + self.per_split * self.per_cta,
+                                     hi_cta), self.split_lo())
         return tile0, h, bi, lax.div(h, jnp.int32(self.group)), hi_cta
 
     def items_of_cta(self):
@@ -1540,6 +1575,19 @@ class _Forward:
 
         init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
                 self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout))
+        if self.split_out and self.per_cta > 1:
+            # This CTA's splits, each from the empty state, each stored (the ring runs
+            # on across them); the last CTA of a row has the rest.
+            s0 = lax.axis_index("s") * self.per_cta
+
+            def one_split(j, _):
+                state = self.split(it, n_steps, s0 + j, None)
+                self.epilogue(it, o_ref, lse_ref, *state, si=s0 + j)
+                return None
+
+            lax.fori_loop(0, lax.min(jnp.int32(self.per_cta), self.n_splits_all - s0),
+                          one_split, None)
+            return
         if self.split_out:
             # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
             # >= hi: then finalize gives (0, -inf)); the fold happens outside.
@@ -1574,10 +1622,10 @@ class _Forward:
         self.epilogue(it, o_ref, lse_ref, out, lse)
 
     def steps(self, it: _Item):
-        """The warpgroup's ring steps ``[first_step, n_steps)`` (split_out: its split's)."""
+        """The warpgroup's ring steps ``[first_step, n_steps)`` (split_out: its splits')."""
         first_step = self.split_lo()
-        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split) if self.split_out
-                   else it.hi)
+        n_steps = (lax.min(it.hi, self.split_lo() + self.per_split * self.per_cta)
+                   if self.split_out else it.hi)
         return first_step, n_steps
 
     def issue_state(self, it: _Item):
@@ -1618,10 +1666,11 @@ class _Forward:
 
     # -- the epilogue ----------------------------------------------------------------
 
-    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse, l=None):
+    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse, l=None, si=None):
         """Epilogue and lse: the output in the input dtype through the Q tile's SMEM (Q
         is no longer needed) and the lse in natural-log units, each stored by TMA; with
-        ``split_out``, the split's fp32 partial state and its base-2 lse."""
+        ``split_out``, the split's fp32 partial state and its base-2 lse (split ``si``;
+        None: the CTA's), staged ``state_cols`` columns at a time."""
         rows = pl.ds(it.q0, self.bm)
         if self.raw_out:  # (acc, m, l): lse_ref is m's output, self.dyn["l_out"] l's
             o32_s, rows_s = it.smem[7], it.smem[8]
@@ -1635,17 +1684,27 @@ class _Forward:
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
         elif self.split_out:
             o32_s, lse_s = it.smem[7], it.lse_s
-            o32_s[...] = out
-            lse_s[...] = lse
-            plgpu.commit_smem()
-            si = lax.axis_index("s")
-            o_rows = rows
-            if self.state_rows is not None:  # the tile's first rows of out only (the
-                # lse row stays whole: a TMA copy moves a multiple of 128 bytes)
-                o_rows = pl.ds(0, self.state_rows)
-                o32_s = o32_s.at[o_rows]
-            plgpu.copy_smem_to_gmem(o32_s, o_ref.at[it.bi, it.h, si, o_rows])
-            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
+            cols = self.state_cols
+            for c in range(0, self.d, cols):
+                if c:  # the staging tile's last columns read by their store
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o32_s[...] = out if cols == self.d else out[:, c:c + cols]
+                if c == 0:
+                    lse_s[...] = lse
+                plgpu.commit_smem()
+                if c == 0:
+                    si = lax.axis_index("s") if si is None else si
+                    o_rows = rows
+                    if self.state_rows is not None:  # the tile's first rows of out
+                        # only (the lse row stays whole: a TMA copy moves a multiple of
+                        # 128 bytes)
+                        o_rows = pl.ds(0, self.state_rows)
+                dst = o_ref.at[it.bi, it.h, si, o_rows]
+                plgpu.copy_smem_to_gmem(
+                    o32_s if self.state_rows is None else o32_s.at[o_rows],
+                    dst if cols == self.d else dst.at[:, pl.ds(c, cols)])
+                if c == 0:
+                    plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
         elif self.state_out and self.finish_rows:  # finished rows, then the state's
             f = self.finish_rows
             done = it.q0 < f
@@ -1746,7 +1805,7 @@ class _Forward:
                     smem[7], smem[5] = groups.pop(0)
                 if self.q_alias:
                     _, smem[10] = groups.pop(0)
-                    if not self.ring_union:
+                    if not self.split_out:
                         smem[5], = groups.pop(0)
 
             @pl.when(wg < nwg)
@@ -1828,7 +1887,7 @@ class _Forward:
                         jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
             if self.raw_out:
                 out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, n, sq), jnp.float32))
-            grid, grid_names = (n, *grid), ("s", *grid_names)
+            grid, grid_names = (-(-n // self.per_cta), *grid), ("s", *grid_names)
         elif self.finish_rows:  # (out, lse) of the finished rows, then the state's
             f = self.finish_rows
             out_type = (jax.ShapeDtypeStruct((b, hq, f, d), self.dtype),
@@ -1901,6 +1960,19 @@ def split_decode_stages(cfg: MosaicConfig) -> int:
     if cfg.split_decode_stages is not None:
         return cfg.split_decode_stages
     return 2 if cfg.ctas_per_sm == 2 else 4
+
+
+def splits_per_cta(cfg: MosaicConfig, ctas: int, n_splits: int) -> int:
+    """SPLITs a CTA of the split decode takes (``cfg.splits_per_cta``, at most
+    ``n_splits``), for ``ctas`` (batch, KV head) rows of ``n_splits`` splits. None: as
+    many as fill the GPU's CTA slots (:func:`sm_count` x ``ctas_per_sm``) once, each
+    row's splits shared evenly among as many CTAs as the slots give a row (B=8 Hkv=8,
+    8192 keys: 2 a CTA, 256 CTAs; 131072 keys: 32 a CTA)."""
+    k = cfg.splits_per_cta
+    if k is None:
+        per_row = max(1, sm_count() * cfg.ctas_per_sm // max(1, ctas))
+        k = -(-n_splits // per_row)
+    return max(1, min(k, n_splits))
 
 
 def smem_bytes(scratch) -> int:
@@ -2118,6 +2190,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                              and -(-skv_kernel // bn) > schedule.BLOCKS_PER_SPLIT)
         if split and not partials and d <= 128:
             cfg = dataclasses.replace(cfg, stages=split_decode_stages(cfg))
+        per_cta = (splits_per_cta(cfg, b * hkv, schedule.num_splits(skv_kernel))
+                   if split and not partials else 1)
         # The split decode writes only the group's rows of each split's state (rounded
         # up to a power of two from 8: the fold kernel's fold_layout then gives each
         # thread one row); CP's partial states keep the whole tile (their unpad reads
@@ -2141,7 +2215,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       carry_in=carry is not None, raw_out=raw,
                       state_rows=state_rows, page_size=page_size, stack_sq=sq,
                       kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
-                      kv_boxes=kv_boxes)
+                      kv_boxes=kv_boxes, per_cta=per_cta)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
         # Sq, Hq, D] with Sq > 1 is transposed, a decode-sized copy).
