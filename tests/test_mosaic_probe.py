@@ -395,7 +395,7 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
     state stored (at D=128 staged in column halves beside the ring): the bits of one
     split a CTA, out and lse, no NaN; with a key padding mask and per-sequence offsets
     (the second sequence's row in the first SPLIT: its later splits empty), and from
-    pages of 16 keys in a shuffled pool with NaN past the ragged lengths."""
+    pages of 16 keys in a shuffled pool with NaN past the ragged lengths (no mask)."""
     s = 2 * schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 4, 1, 1, s, 128)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
@@ -405,7 +405,6 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
     lens = np.array([s, s - 1100])
     kp, vp, table = ragged_cache("HND", 16, lens, k, v, seed=seed)
     for tag, f, args, kw in (
-            ("contiguous", mosaic_fwd.forward, (q, k, v), {"causal": True}),
             ("mask", mosaic_fwd.forward, (q, k, v),
              {"causal": True, "key_padding_mask": keep, "causal_offsets": offs}),
             ("paged", mosaic_fwd.paged_forward,
