@@ -355,7 +355,8 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     other split is empty), with a producer warpgroup (``ctas_per_sm=1``); so do the
     split and the unsplit kernel without one (the default ``ctas_per_sm=2``: the compute
     warpgroup loads each slot's next block once it has read the slot), the split one
-    also from pages of 16 keys (four copies a block)."""
+    also from pages of 16 keys (four copies a block); so does the split kernel with both
+    SPLITs in one CTA (``splits_per_cta=2``: its ring running on across them)."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
@@ -365,7 +366,8 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
                 for c in (cfg(split_decode=False, ctas_per_sm=1),
                           cfg(split_decode=True, ctas_per_sm=1),
-                          cfg(split_decode=True), cfg(split_decode=False))]
+                          cfg(split_decode=True), cfg(split_decode=False),
+                          cfg(split_decode=True, splits_per_cta=2))]
         for want, *got in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(want, np.float32)).any()
             for y in got:
@@ -390,29 +392,23 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 @needs_threads
 @needs_interpret
 def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
-    """MosaicConfig(splits_per_cta=2): a CTA of the split decode takes two consecutive
-    SPLITs of three (the last CTA one), its ring running on across them, each split's
-    state stored (at D=128 staged in column halves beside the ring): the bits of one
-    split a CTA, out and lse, no NaN; with a key padding mask and per-sequence offsets
-    (the second sequence's row in the first SPLIT: its later splits empty), and from
-    pages of 16 keys in a shuffled pool with NaN past the ragged lengths (no mask)."""
+    """MosaicConfig(splits_per_cta=2) at D=128 from pages of 16 keys (a shuffled pool,
+    NaN past the ragged lengths): a CTA of the split decode takes two consecutive SPLITs
+    of three (the last CTA one; the short sequence's last split empty), its ring running
+    on across them, each split's state stored, staged in column halves beside the ring:
+    the bits of one split a CTA, out and lse, no NaN. (Both SPLITs of two in one CTA, a
+    key mask and offsets that empty a split: test_interpret_split_decode_keeps_bits.)"""
     s = 2 * schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 4, 1, 1, s, 128)
-    keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
-    offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
-    one = mosaic_fwd.MosaicConfig(split_decode=True)
-    two = mosaic_fwd.MosaicConfig(split_decode=True, splits_per_cta=2)
-    lens = np.array([s, s - 1100])
-    kp, vp, table = ragged_cache("HND", 16, lens, k, v, seed=seed)
-    for tag, f, args, kw in (
-            ("mask", mosaic_fwd.forward, (q, k, v),
-             {"causal": True, "key_padding_mask": keep, "causal_offsets": offs}),
-            ("paged", mosaic_fwd.paged_forward,
-             (q, kp, vp, table, jnp.asarray(lens, jnp.int32)), {})):
-        want, got = (f(*args, interpret=True, config=c, **kw) for c in (one, two))
-        for x, y in zip(want, got, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), f"{tag} (seed {seed})"
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{tag} (seed {seed})")
+    lens = jnp.asarray([s, s - 1100], jnp.int32)
+    kp, vp, table = ragged_cache("HND", 16, np.asarray(lens), k, v, seed=seed)
+    want, got = (mosaic_fwd.paged_forward(q, kp, vp, table, lens, interpret=True,
+                                          config=mosaic_fwd.MosaicConfig(
+                                              split_decode=True, splits_per_cta=n))
+                 for n in (1, 2))
+    for x, y in zip(want, got, strict=True):
+        assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
 @needs_threads
