@@ -1686,7 +1686,7 @@ class _Forward:
             o32_s, lse_s = it.smem[7], it.lse_s
             cols = self.state_cols
             for c in range(0, self.d, cols):
-                if c:  # the staging tile's last columns read by their store
+                if c:  # the staging tile read by the previous columns' store
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 o32_s[...] = out if cols == self.d else out[:, c:c + cols]
                 if c == 0:
