@@ -1683,8 +1683,12 @@ class _Forward:
             plgpu.copy_smem_to_gmem(rows_s.at[0], lse_ref.at[at])
             plgpu.copy_smem_to_gmem(rows_s.at[1], self.dyn["l_out"].at[at])
         elif self.split_out:
-            o32_s, lse_s = it.smem[7], it.lse_s
-            cols = self.state_cols
+            o32_s, lse_s, cols = it.smem[7], it.lse_s, self.state_cols
+            o_rows, src = rows, o32_s
+            if self.state_rows is not None:  # the tile's first rows of out only (the
+                # lse row stays whole: a TMA copy moves a multiple of 128 bytes)
+                o_rows = pl.ds(0, self.state_rows)
+                src = o32_s.at[o_rows]
             for c in range(0, self.d, cols):
                 if c:  # the staging tile read by the previous columns' store
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1692,17 +1696,10 @@ class _Forward:
                 if c == 0:
                     lse_s[...] = lse
                 plgpu.commit_smem()
-                if c == 0:
-                    si = lax.axis_index("s") if si is None else si
-                    o_rows = rows
-                    if self.state_rows is not None:  # the tile's first rows of out
-                        # only (the lse row stays whole: a TMA copy moves a multiple of
-                        # 128 bytes)
-                        o_rows = pl.ds(0, self.state_rows)
+                si = lax.axis_index("s") if si is None else si
                 dst = o_ref.at[it.bi, it.h, si, o_rows]
-                plgpu.copy_smem_to_gmem(
-                    o32_s if self.state_rows is None else o32_s.at[o_rows],
-                    dst if cols == self.d else dst.at[:, pl.ds(c, cols)])
+                plgpu.copy_smem_to_gmem(src, dst if cols == self.d
+                                        else dst.at[:, pl.ds(c, cols)])
                 if c == 0:
                     plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[it.bi, it.h, si, rows])
         elif self.state_out and self.finish_rows:  # finished rows, then the state's
