@@ -26,7 +26,8 @@
 # training parity example at Qwen3-8B sizes; ncu: Nsight Compute's sections on the longest
 # attention kernel of NCU_MODES (fwd, fwdbwd, fold, decode; benchmarks/kernel_probe.py,
 # NCU_ARGS), or of each labelled run of NCU_RUNS; grid: issue 26's decode grid (B 1 to 128,
-# Skv 1k to 128k) beside the peers, one process per B; spc: MosaicConfig.splits_per_cta's
+# Skv 1k to 128k) beside the peers, one process per B (GRID_BACKENDS may name a launch
+# variant beside the default, e.g. jaxattn:mosaic:splits_per_cta=None); spc: MosaicConfig.splits_per_cta's
 # bits against one split a CTA, then (if they hold) the decode steps and paged cache
 # beside the default; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
 # S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.

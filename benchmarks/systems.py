@@ -10,7 +10,10 @@ mask otherwise) and says so.
 Systems (``--backends`` names):
 
 - ``jaxattn`` (the platform's first backend; ``jaxattn:<backend>`` picks one, e.g.
-  ``jaxattn:reference`` or ``jaxattn:triton``);
+  ``jaxattn:reference`` or ``jaxattn:triton``); ``jaxattn:mosaic:<key=value...>`` runs
+  the Mosaic backend with those ``MosaicConfig`` fields (e.g.
+  ``jaxattn:mosaic:splits_per_cta=None``: a launch variant beside the default and the
+  peers in one run);
 - ``jaxattn_btnh`` (``jaxattn_btnh:<backend>``): ``jaxattn.dot_product_attention`` on
   JAX's ``[B, S, H, D]`` arrays (the JAX drop-in; Sq == Skv or Sq == 1 when causal);
 - ``cudnn`` and ``xla``: ``jax.nn.dot_product_attention(implementation=...)`` on its
@@ -100,7 +103,27 @@ def _backend_of(backend: str | None) -> str:
         raise Unsupported(str(e)) from e
 
 
+def _mosaic_variant(fields: str):
+    """The Mosaic backend with the ``MosaicConfig`` fields of ``fields``
+    (``key=value[:key=value...]``, :func:`benchmarks.report.config_fields`)."""
+    from benchmarks import report
+    from jaxattn.backends.mosaic import backend as mosaic_backend
+    from jaxattn.backends.mosaic import forward as mosaic_forward
+    config = mosaic_forward.MosaicConfig(**report.config_fields(fields))  # a bad field raises
+    reason = mosaic_backend.unavailable_reason()
+    if reason:
+        raise Unsupported(reason)
+    return mosaic_backend.MosaicBackend(fwd_config=config)
+
+
 def _jaxattn(backend: str | None) -> System:
+    name = "jaxattn" if backend is None else f"jaxattn:{backend}"
+    if backend is not None and backend.startswith("mosaic:"):
+        backend = _mosaic_variant(backend.split(":", 1)[1])
+        notes = f"backend mosaic, {backend.fwd_config}"
+    else:
+        notes = f"backend {_backend_of(backend)}"
+
     def fwd(q, k, v, *, causal, kv_lens=None):
         mask = None
         if kv_lens is not None:
@@ -109,11 +132,8 @@ def _jaxattn(backend: str | None) -> System:
                                  backend=backend)
 
     fwdbwd = _fwdbwd_of(fwd)
-
-    name = "jaxattn" if backend is None else f"jaxattn:{backend}"
     return System(name, "jax", lambda q, k, v: (q, k, v), fwd, fwdbwd, lambda x: x,
-                  jax.block_until_ready, _jax_to_numpy,
-                  notes=f"backend {_backend_of(backend)}")
+                  jax.block_until_ready, _jax_to_numpy, notes=notes)
 
 
 def _bshd(x):

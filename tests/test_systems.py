@@ -49,6 +49,12 @@ def test_jaxattn_backend_off_its_platform_is_unsupported():
         pytest.skip("on a GPU the mosaic backend may be available")
     with pytest.raises(systems.Unsupported, match="mosaic"):
         systems.make("jaxattn:mosaic")
+    # A launch variant (``jaxattn:mosaic:<MosaicConfig fields>``) likewise.
+    # Its fields are read first: a misspelt one is an error, never a default run.
+    with pytest.raises(systems.Unsupported, match="sm90"):
+        systems.make("jaxattn:mosaic:splits_per_cta=None")
+    with pytest.raises(TypeError, match="splits_per_cat"):
+        systems.make("jaxattn:mosaic:splits_per_cat=None")
 
 
 def test_timeline_summary_counts_gaps_and_overlaps():
