@@ -68,17 +68,50 @@ if has tests; then
 fi
 if has check; then
   # Default: every backend usable here but triton (mosaic on sm90, pallas, reference).
-  # On the H200 the default backend's ten rows alone take about 11 minutes (2026-12-05:
-  # 12 to 130 s a row, compiles included), more than a device call's 10: split them,
-  # one call each, e.g. CHECK_BACKENDS=mosaic and CHECK_ROWS="decode,paged,cp" (321 s),
-  # "batch,rerun,chunked,left padding,jax layout" (149 s), "padding,varlen" (about 240 s).
+  # The check compiles a kernel per shape it runs (a decode step per key count, a page
+  # size and layout, a CP cut), and on the H200 that, not the GPU, is its time: the
+  # default backend's ten rows took about 11 minutes in one process (2026-12-05: 12 to
+  # 130 s a row), more than a device call's 10. So each backend's rows run in groups
+  # (CHECK_GROUPS: groups separated by ';', rows by ','), one process per backend and
+  # group, CHECK_JOBS at a time on the host's cores; each writes check-<backend>-<n>.txt
+  # and .json, and the stage fails if any process does. CHECK_ROWS (one group) keeps the
+  # one-process form, e.g. CHECK_ROWS="decode,paged,cp".
   CHECK_BACKENDS=${CHECK_BACKENDS:-$($PY -c 'from jaxattn.check import usable_backends
 print(",".join(b for b in usable_backends() if b != "triton"))')}
-  timeout ${CHECK_TIMEOUT:-540} $PY -m jaxattn.check --backends=$CHECK_BACKENDS \
-      --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
-      --chunk_sizes=64,100,1000 ${CHECK_ROWS:+--rows="$CHECK_ROWS"} --json_out="$OUT/check.json" \
-      2>&1 | tee "$OUT/check.txt" | tail -30
-  status=$((status | ${PIPESTATUS[0]}))
+  CHECK_GROUPS=${CHECK_ROWS:-${CHECK_GROUPS:-paged;decode;cp;padding;varlen;batch,rerun,chunked,left padding,jax layout}}
+  check_one() {  # check_one BACKEND N ROWS: one process, its output in check-BACKEND-N.*
+    # (its own compile cache: JAX writes a cache entry in place, unlocked, so two
+    # processes compiling one program at once could read a half-written entry)
+    JAX_COMPILATION_CACHE_DIR="$JAX_COMPILATION_CACHE_DIR-check-$1-$2" \
+    timeout ${CHECK_TIMEOUT:-540} $PY -m jaxattn.check --backends="$1" \
+        --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
+        --chunk_sizes=64,100,1000 --rows="$3" --json_out="$OUT/check-$1-$2.json" \
+        > "$OUT/check-$1-$2.txt" 2>&1
+    local rc=$?
+    echo $rc > "$OUT/check-$1-$2.rc"
+    echo "== check $1 [$3]: rc=$rc, $(tail -1 "$OUT/check-$1-$2.txt")"
+  }
+  IFS=';' read -ra check_groups <<< "$CHECK_GROUPS"
+  IFS=',' read -ra check_backends <<< "$CHECK_BACKENDS"
+  rm -f "$OUT"/check-*.rc "$OUT"/check-*.txt "$OUT"/check-*.json
+  for be in "${check_backends[@]}"; do
+    for i in "${!check_groups[@]}"; do
+      while (( $(jobs -rp | wc -l) >= ${CHECK_JOBS:-8} )); do wait -n; done
+      check_one "$be" "$i" "${check_groups[$i]}" &
+    done
+  done
+  wait
+  for be in "${check_backends[@]}"; do  # a process that left no status failed
+    for i in "${!check_groups[@]}"; do
+      status=$((status | $(cat "$OUT/check-$be-$i.rc" 2>/dev/null || echo 1)))
+    done
+  done
+  # Each process's verdict is printed above as it ends; here each backend's accuracy
+  # and every promised row whose bits differ.
+  for be in "${check_backends[@]}"; do
+    echo "$be: $(grep -h -m1 '^accuracy' "$OUT/check-$be-0.txt")"
+  done
+  grep -h -E 'yes {7}NO ' "$OUT"/check-*.txt | head -40
 fi
 if has operator; then
   $PY -m jaxattn.check_operator --op attention --candidate pallas --dtype bf16 \
