@@ -69,9 +69,10 @@ fi
 if has check; then
   # Default: every backend usable here but triton (mosaic on sm90, pallas, reference).
   # The check compiles a kernel per shape it runs (a decode step per key count, a page
-  # size and layout, a CP cut), and on the H200 that, not the GPU, is its time: the
-  # default backend's ten rows took about 11 minutes in one process (2026-12-05: 12 to
-  # 130 s a row), more than a device call's 10. So each backend's rows run in groups
+  # size and layout, a CP cut) and runs each for milliseconds, so compiling, on the
+  # host's CPU, is most likely its time (not yet profiled): the default backend's ten
+  # rows took about 11 minutes in one process on the H200 (2026-12-05: 12 to 130 s a
+  # row), more than a device call's 10. So each backend's rows run in groups
   # (CHECK_GROUPS: groups separated by ';', rows by ','), one process per backend and
   # group, CHECK_JOBS at a time on the host's cores; each writes check-<backend>-<n>.txt
   # and .json, and the stage fails if any process does. CHECK_ROWS (one group) keeps the
