@@ -1582,11 +1582,12 @@ class _Forward:
 
             def one_split(j, _):
                 state = self.split(it, n_steps, s0 + j, None)
-                self.epilogue(it, o_ref, lse_ref, *state, si=s0 + j)
+                self.epilogue(it, o_ref, lse_ref, *state, si=s0 + j, chained=True)
                 return None
 
             lax.fori_loop(0, lax.min(jnp.int32(self.per_cta), self.n_splits_all - s0),
                           one_split, None)
+            plgpu.wait_smem_to_gmem(0)
             return
         if self.split_out:
             # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
@@ -1666,11 +1667,15 @@ class _Forward:
 
     # -- the epilogue ----------------------------------------------------------------
 
-    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse, l=None, si=None):
+    def epilogue(self, it: _Item, o_ref, lse_ref, out, lse, l=None, si=None,
+                 chained=False):
         """Epilogue and lse: the output in the input dtype through the Q tile's SMEM (Q
         is no longer needed) and the lse in natural-log units, each stored by TMA; with
         ``split_out``, the split's fp32 partial state and its base-2 lse (split ``si``;
-        None: the CTA's), staged ``state_cols`` columns at a time."""
+        None: the CTA's), staged ``state_cols`` columns at a time. ``chained``: one of
+        a CTA's several splits (``splits_per_cta``): the staging tiles are awaited
+        before they are written (the previous split's stores read them long before)
+        and the stores are not awaited here (the caller awaits them after the last)."""
         rows = pl.ds(it.q0, self.bm)
         if self.raw_out:  # (acc, m, l): lse_ref is m's output, self.dyn["l_out"] l's
             o32_s, rows_s = it.smem[7], it.smem[8]
@@ -1690,7 +1695,7 @@ class _Forward:
                 o_rows = pl.ds(0, self.state_rows)
                 src = o32_s.at[o_rows]
             for c in range(0, self.d, cols):
-                if c:  # the staging tile read by the previous columns' store
+                if c or chained:  # the staging tiles read by the previous store
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 o32_s[...] = out if cols == self.d else out[:, c:c + cols]
                 if c == 0:
@@ -1713,7 +1718,8 @@ class _Forward:
             self.store_state(it, o_ref, lse_ref, out, lse, rows)
         else:
             self.store_output(it, o_ref, lse_ref, out, lse, rows)
-        plgpu.wait_smem_to_gmem(0)
+        if not chained:
+            plgpu.wait_smem_to_gmem(0)
 
     def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
         """The folded state, fp32, the lse in the kernels' base (``state_out``)."""
