@@ -49,10 +49,9 @@ def _backend(name: str):
     Mosaic backend with that variant's MosaicConfig."""
     if not name.startswith("mosaic:"):
         return name
-    from jaxattn.backends.mosaic import forward as mf
-    from jaxattn.backends.mosaic.backend import MosaicBackend
+    from benchmarks import systems
     fields = dict(map(report.named_config, FLAGS.mosaic_variants))[name[7:]]
-    return MosaicBackend(fwd_config=mf.MosaicConfig(**fields))
+    return systems.mosaic_variant(**fields)
 
 
 def _point(backend, b, skv, ps, layout, hq, hkv, d, sets_n=2, table_kind="shuffled"):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
+from benchmarks import report
 
 JAX_PEERS = ("cudnn", "xla", "pallas_mha", "pallas_mgpu")
 TORCH_PEERS = {"torch_flash": "FLASH_ATTENTION", "torch_cudnn": "CUDNN_ATTENTION",
@@ -103,13 +104,12 @@ def _backend_of(backend: str | None) -> str:
         raise Unsupported(str(e)) from e
 
 
-def _mosaic_variant(fields: str):
-    """The Mosaic backend with the ``MosaicConfig`` fields of ``fields``
-    (``key=value[:key=value...]``, :func:`benchmarks.report.config_fields`)."""
-    from benchmarks import report
+def mosaic_variant(**fields):
+    """The Mosaic backend with these ``MosaicConfig`` fields (a launch variant; a
+    misspelt field raises before the backend's availability is asked)."""
     from jaxattn.backends.mosaic import backend as mosaic_backend
     from jaxattn.backends.mosaic import forward as mosaic_forward
-    config = mosaic_forward.MosaicConfig(**report.config_fields(fields))  # a bad field raises
+    config = mosaic_forward.MosaicConfig(**fields)
     reason = mosaic_backend.unavailable_reason()
     if reason:
         raise Unsupported(reason)
@@ -119,7 +119,7 @@ def _mosaic_variant(fields: str):
 def _jaxattn(backend: str | None) -> System:
     name = "jaxattn" if backend is None else f"jaxattn:{backend}"
     if backend is not None and backend.startswith("mosaic:"):
-        backend = _mosaic_variant(backend.split(":", 1)[1])
+        backend = mosaic_variant(**report.config_fields(backend.split(":", 1)[1]))
         notes = f"backend mosaic, {backend.fwd_config}"
     else:
         notes = f"backend {_backend_of(backend)}"
