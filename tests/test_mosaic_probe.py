@@ -592,7 +592,8 @@ def test_two_ctas_an_sm_lowers_for_cuda(mosaic_fwd):
     # and size): K's ring, V's ring, Q's landing slot on V's last slot, and the split
     # state's fp32 tile and lse rows (split) or the lse rows (unsplit) on K's first.
     slot = 64 * 128 * 2
-    for name, kw, rest in (("split", {"split_decode_stages": 3}, {(0, 32768), (32768, 256)}),
+    for name, kw, rest in (("split", {"split_decode_stages": 3, "splits_per_cta": 1},
+                            {(0, 32768), (32768, 256)}),
                            ("unsplit", {"stages": 3}, {(0, 256)})):
         lower = cases["decode" if name == "split" else "unsplit"]
         text, = [t for t in mosaic_modules(functools.partial(
@@ -670,7 +671,7 @@ def test_splits_per_cta_lowers_for_cuda(mosaic_fwd):
     n = mosaic_fwd.splits_per_cta
     assert [n(cfg(splits_per_cta=None), b * 8, s) for b, s in
             ((8, 8), (8, 128), (1, 128), (1, 32), (16, 8))] == [2, 32, 4, 1, 4]
-    assert n(cfg(splits_per_cta=3), 64, 2) == 2 and n(cfg(), 8, 128) == 1
+    assert n(cfg(splits_per_cta=3), 64, 2) == 2 and n(cfg(splits_per_cta=1), 8, 128) == 1
     with pytest.raises(ValueError, match="splits_per_cta must be an int >= 1 or None, got 0"):
         cfg(splits_per_cta=0)
 
