@@ -285,16 +285,16 @@ def test_two_ctas_an_sm_keeps_bits_on_gpu():
 def test_splits_per_cta_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(splits_per_cta=k): a CTA of the split decode takes k
     consecutive SPLITs, its ring running on across them and each split's state staged
-    beside the ring (in column halves at D=128): the bits of one split a CTA (the
-    default), out and lse, no NaN, with k = 2, 3 (the last CTA of a row has fewer) and
-    None (enough to fill the GPU's CTA slots once): 5 SPLITs and one off the 8-row
-    grid, 4 queries a head, D = 64, one CTA an SM (a producer warpgroup), a key
-    padding mask with NaN in dropped K and inf in dropped V, and pages of 16 and 64
-    keys (both layouts, NaN in unused slots, ragged lengths: the short sequence's
-    later splits empty); twice, on fresh inputs."""
+    beside the ring (in column halves at D=128): the bits of one split a CTA
+    (``splits_per_cta=1``, named: the default may change), out and lse, no NaN, with
+    k = 2, 3 (the last CTA of a row has fewer) and None (enough to fill the GPU's CTA
+    slots once): 5 SPLITs and one off the 8-row grid, 4 queries a head, D = 64, one
+    CTA an SM (a producer warpgroup), a key padding mask with NaN in dropped K and inf
+    in dropped V, and pages of 16 and 64 keys (both layouts, NaN in unused slots,
+    ragged lengths: the short sequence's later splits empty); twice, on fresh inputs."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    base = mf.MosaicConfig()
+    base = mf.MosaicConfig(splits_per_cta=1)
     several = (mf.MosaicConfig(splits_per_cta=2), mf.MosaicConfig(splits_per_cta=3),
                mf.MosaicConfig(splits_per_cta=None))
 
@@ -311,7 +311,7 @@ def test_splits_per_cta_keeps_bits_on_gpu():
               causal=True)
         agree(mf.forward, "d64", *rand_qkv(2, 8, 8, 1, 3000, 64, jnp.bfloat16), causal=True)
         agree(mf.forward, "one CTA an SM", q[:, :, -1:], k, v, causal=True,
-              configs=(mf.MosaicConfig(ctas_per_sm=1),
+              configs=(mf.MosaicConfig(ctas_per_sm=1, splits_per_cta=1),
                        mf.MosaicConfig(ctas_per_sm=1, splits_per_cta=3)))
         _masked_and_paged_decode_agree(agree, rng, q, k, v)
 
