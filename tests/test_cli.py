@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -259,3 +260,25 @@ def test_mosaic_sass_shows_ptxas_order(tmp_path):
     assert "332 instructions" in lines[loop] and "HGMMA 12" in lines[loop], lines[loop]
     first = next(i for i, t in enumerate(order) if t.startswith("mufu"))
     assert order[:first].count("arrive") == 3, order
+
+
+def test_ncu_source_reads_the_h200s_source_view():
+    """benchmarks.ncu_source on the H200's source view of the prefill forward (B=2
+    S=4096 D=128 causal, docs/benchmarks/h200-2026-12-05-19fbbc9/call2): the hottest
+    loop is the unmasked key-block loop mosaic_sass reads on this machine (331 of its
+    instructions executed alike, 12 wgmmas), and its hottest instruction the wait for
+    Q K^T's wgmma; the whole kernel's samples are mostly the producer's barrier waits."""
+    from benchmarks import ncu_source
+
+    path = (pathlib.Path(__file__).parents[1]
+            / "docs/benchmarks/h200-2026-12-05-19fbbc9/call2/ncu-fwd-sass.csv.gz")
+    rows = ncu_source.read(str(path))
+    first, last = ncu_source.hottest_loop(rows, 100)
+    loop = rows[first:last + 1]
+    assert (first, last) == (605, 935), (first, last)
+    assert sum(r["Source"].split()[0].startswith("HGMMA") for r in loop) == 12
+    text = ncu_source.report(str(path), 3, 100)
+    hottest = text.split("hottest instructions:")[1].splitlines()[1]
+    assert "WARPGROUP.DEPBAR" in hottest and hottest.split()[0] == "639", hottest
+    kernel = text.split("the whole kernel:")[1].splitlines()
+    assert kernel[2].split()[0] == "long_sb", kernel[:3]
