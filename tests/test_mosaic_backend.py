@@ -221,6 +221,36 @@ def test_kv_boxes_keep_bits_on_gpu():
                 agree(qd[:, :, -sq:], kd, vd, (d, sq), causal=True)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_late_rowsum_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(late_rowsum=True) (a block's row sum and l's update taken
+    after its P V wgmma is issued, in the product's scope) gives the default's bits,
+    out and lse, no NaN: a causal prefill and chunk with a partial last block, a
+    non-causal prefill, D = 64 and 256, a decode step split and unsplit, 4 queries per
+    head, a key padding mask (NaN in dropped K, inf in dropped V), pages of 16 and 64
+    keys with ragged lengths."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    configs = [mf.MosaicConfig(), mf.MosaicConfig(late_rowsum=True)]
+
+    def agree(f, tag, *args, **kw):
+        _configs_agree_in_bits(f, configs, tag, *args, **kw)
+
+    q, k, v = rand_qkv(2, 32, 8, 5000, 5000, 128, jnp.bfloat16)
+    for sq, skv, causal in ((1100, 1100, True), (300, 1097, True), (1100, 1100, False),
+                            (1, 5000, True), (4, 1090, True)):
+        agree(mf.forward, (sq, skv, causal), q[:, :, skv - sq:skv], k[:, :, :skv],
+              v[:, :, :skv], causal=causal)
+    unsplit = [dataclasses.replace(c, split_decode=False) for c in configs]
+    _configs_agree_in_bits(mf.forward, unsplit, "unsplit", q[:, :, -1:], k, v, causal=True)
+    for d in (64, 256):
+        qd, kd, vd = rand_qkv(2, 8, 8, 1003, 1003, d, jnp.bfloat16)
+        agree(mf.forward, d, qd, kd, vd, causal=True)
+    _masked_and_paged_decode_agree(agree, rng, q, k, v)
+
 def _masked_and_paged_decode_agree(agree, rng, q, k, v):
     """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
     5000, D] K and V under a key padding mask (NaN in dropped K, inf in dropped V), and

@@ -185,15 +185,16 @@ def _check_forward_accuracy(mosaic_fwd, case):
 @needs_threads
 @needs_interpret
 def test_interpret_launch_options_keep_bits(mosaic_fwd):
-    """Ping-pong, one or two compute warpgroups, the CTA order and the pipeline depth
-    change when and where a block is computed, never its operations: the bits must
-    agree."""
+    """Ping-pong, one or two compute warpgroups, the CTA order, the pipeline depth and
+    the row sum taken after P V's issue (``late_rowsum``) change when and where a
+    block is computed, never its operations: the bits must agree."""
     seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
     base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                               config=mosaic_fwd.MosaicConfig())
     other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                                config=mosaic_fwd.MosaicConfig(pingpong=False, compute_wgs=1,
-                                                              q_order="ascending", stages=3))
+                                                              q_order="ascending", stages=3,
+                                                              late_rowsum=True))
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any()
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")

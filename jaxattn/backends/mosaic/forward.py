@@ -141,6 +141,14 @@ class MosaicConfig:
     #: ``schedule.ROWSUM`` does for the Triton kernels). On the H200 "reduce32" was the
     #: faster, and its bits hold across launches with 64-row tiles (not with 128).
     rowsum: str = "reduce32"
+    #: With ``rowsum="reduce32"``: take a block's row sum (and ``l``'s update) after
+    #: its P V wgmma is issued, inside the product's scope, so that its cross-thread
+    #: shuffles and adds run while the product does, instead of before its issue
+    #: (where the H200's stall samples put 7 to 8% of the forward's key-block loop on
+    #: the adds waiting for the shuffles: docs/notes.md "2026-12-05 (sixth)"). The
+    #: same operations on the same values: a launch choice. False (the default) until
+    #: the H200 has timed it.
+    late_rowsum: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -333,6 +341,8 @@ class MosaicConfig:
                              f"{self.accumulate!r}")
         if self.rowsum not in ("mma", "reduce32"):
             raise ValueError(f"rowsum must be 'mma' or 'reduce32', got {self.rowsum!r}")
+        if self.late_rowsum and self.rowsum != "reduce32":
+            raise ValueError(f"late_rowsum needs rowsum='reduce32', got {self.rowsum!r}")
         if self.persistent is not None and self.persistent < 0:
             raise ValueError(f"persistent must be >= 0 (a CTA count), got {self.persistent}")
         if self.prefetch_q and not self.persistent:
@@ -1309,7 +1319,8 @@ class _Forward:
     def softmax(self, it: _Item, j, s, m, l, masked, keep):
         """Online-softmax step of key block ``j`` on the raw scores ``s``: ``(p, alpha,
         m_new, l_new)`` with ``p`` the probabilities in the input dtype; with
-        ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's."""
+        ``rowsum="mma"`` the row sum (on wgmma) and ``l_new`` are the caller's, and with
+        ``late_rowsum`` ``l_new`` is the fp32 probabilities, for the caller to sum."""
         # The row max is taken of the raw scores and scaled after (the same value: the
         # scale is positive and rounding is monotone), so ``s * scale`` has one use,
         # the exponent, where the compiler contracts ``s * scale - m`` into one FMA
@@ -1346,7 +1357,12 @@ class _Forward:
         p32 = self.exp(s * self.s_scale - _rows(m_safe, s.shape))
         if masked:
             p32 = jnp.where(visible, p32, 0.0)
-        l_new = None if self.use_mma_rowsum else l * alpha + p32.sum(axis=1)
+        if self.use_mma_rowsum:
+            l_new = None
+        elif self.cfg.late_rowsum:
+            l_new = p32  # summed by block_step once P V is issued
+        else:
+            l_new = l * alpha + p32.sum(axis=1)
         return p32.astype(self.dtype), alpha, m_new, l_new
 
     def softmax_at(self, it: _Item, j, s, m, l, masked, keep):
@@ -1391,6 +1407,8 @@ class _Forward:
         self.release(it, n_steps, nxt, slot, "k")
         keep = keep_s.at[slot] if self.key_mask else None
         p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
+        # late_rowsum: l_new is the fp32 probabilities, summed once P V is issued
+        p32, l_new = (l_new, l) if self.cfg.late_rowsum else (None, l_new)
         if self.gpu_operands:  # P as the P V wgmma's A operand: registers, or SMEM
             p_op = p
         else:
@@ -1432,7 +1450,19 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
 
-        if self.inplace:
+        def late_l():
+            """late_rowsum: ``l``'s update, in the product's scope after its issue."""
+            return l * alpha + p32.sum(axis=1)
+
+        if self.inplace and p32 is not None:
+            def pv_late(refs):
+                acc_ref, l_ref = refs
+                pv_parts(acc_ref)
+                l_ref[...] = late_l()
+                next_k()
+
+            acc, l = pl.run_state(pv_late)((plgpu.ACC.init(acc), l))
+        elif self.inplace:
             def pv_into(acc_ref):
                 pv_parts(acc_ref)
                 next_k()
@@ -1441,10 +1471,13 @@ class _Forward:
         else:
             def pv(acc_ref):
                 pv_parts(acc_ref)
+                l_out = None if p32 is None else late_l()
                 next_k()
-                return acc_ref[...]
+                return acc_ref[...], l_out
 
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+            pv_acc, l_out = pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+            acc = acc + pv_acc
+            l = l if l_out is None else l_out
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
 
