@@ -221,7 +221,6 @@ def test_kv_boxes_keep_bits_on_gpu():
                 agree(qd[:, :, -sq:], kd, vd, (d, sq), causal=True)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
@@ -250,6 +249,7 @@ def test_late_rowsum_keeps_bits_on_gpu():
         qd, kd, vd = rand_qkv(2, 8, 8, 1003, 1003, d, jnp.bfloat16)
         agree(mf.forward, d, qd, kd, vd, causal=True)
     _masked_and_paged_decode_agree(agree, rng, q, k, v)
+
 
 def _masked_and_paged_decode_agree(agree, rng, q, k, v):
     """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
