@@ -541,6 +541,14 @@ def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
     return (jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype))
 
 
+def _row_sum_update(l, alpha, p32):
+    """The online softmax's running row sum after a block: ``l`` rescaled by
+    ``alpha``, plus the block's fp32 probabilities summed along each row
+    (``rowsum="reduce32"``: in the softmax, or with ``late_rowsum`` after P V's issue;
+    one expression for both, so that the two orders keep the same operations)."""
+    return l * alpha + p32.sum(axis=1)
+
+
 def _rows(x, shape, layout=None):
     """``x[:, None]`` broadcast to ``shape`` in one step (Mosaic GPU cannot hold the
     ``[M, 1]`` intermediate of ``x[..., None]``: "Tiling ... does not apply to shape
@@ -1362,7 +1370,7 @@ class _Forward:
         elif self.cfg.late_rowsum:
             l_new = p32  # summed by block_step once P V is issued
         else:
-            l_new = l * alpha + p32.sum(axis=1)
+            l_new = _row_sum_update(l, alpha, p32)
         return p32.astype(self.dtype), alpha, m_new, l_new
 
     def softmax_at(self, it: _Item, j, s, m, l, masked, keep):
@@ -1450,15 +1458,11 @@ class _Forward:
             def _():
                 plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
 
-        def late_l():
-            """late_rowsum: ``l``'s update, in the product's scope after its issue."""
-            return l * alpha + p32.sum(axis=1)
-
         if self.inplace and p32 is not None:
             def pv_late(refs):
                 acc_ref, l_ref = refs
                 pv_parts(acc_ref)
-                l_ref[...] = late_l()
+                l_ref[...] = _row_sum_update(l, alpha, p32)  # after P V's issue
                 next_k()
 
             acc, l = pl.run_state(pv_late)((plgpu.ACC.init(acc), l))
@@ -1471,7 +1475,7 @@ class _Forward:
         else:
             def pv(acc_ref):
                 pv_parts(acc_ref)
-                l_out = None if p32 is None else late_l()
+                l_out = None if p32 is None else _row_sum_update(l, alpha, p32)
                 next_k()
                 return acc_ref[...], l_out
 
