@@ -190,7 +190,7 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
     block is computed, never its operations: the bits must agree."""
     seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
     base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                              config=mosaic_fwd.MosaicConfig())
+                              config=mosaic_fwd.MosaicConfig(late_rowsum=False))
     other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                                config=mosaic_fwd.MosaicConfig(pingpong=False, compute_wgs=1,
                                                               q_order="ascending", stages=3,
@@ -1280,6 +1280,18 @@ def test_auto_persistent_where_measured(mosaic_fwd):
     assert not mosaic_fwd.auto_persistent(8, 256, **base)
     for flip in ({"gpu": False}, {"decode": True}, {"split_out": True}):
         assert not mosaic_fwd.auto_persistent(8, 128, **{**base, **flip})
+
+
+@needs_api
+def test_auto_late_rowsum_where_measured(mosaic_fwd):
+    """late_rowsum=None takes the late row sum for a prefill's reduce32 row sum on a
+    grid of one CTA per tile, and never on the persistent grid, with the mma row sum,
+    for decode rows or split states."""
+    base = dict(persistent=False, decode=False, split_out=False)
+    assert mosaic_fwd.auto_late_rowsum("reduce32", **base)
+    assert not mosaic_fwd.auto_late_rowsum("mma", **base)
+    for flip in ({"persistent": True}, {"decode": True}, {"split_out": True}):
+        assert not mosaic_fwd.auto_late_rowsum("reduce32", **{**base, **flip})
 
 
 @needs_api

@@ -146,11 +146,12 @@ class MosaicConfig:
     #: shuffles and adds run while the product does, instead of before its issue
     #: (where the H200's stall samples put 7 to 8% of the forward's key-block loop on
     #: the adds waiting for the shuffles: docs/notes.md "2026-12-05 (sixth)"). The
-    #: same operations on the same values: a launch choice. False, the default: on the
-    #: H200 (2026-12-05, tree b3c59c7) it kept the bits and was 3 to 6% faster at
-    #: S >= 8192 (D=128; 2% at D=64) but 12 to 20% slower at S=2048 (the persistent
-    #: grid); a default by shape waits for the GPU suites.
-    late_rowsum: bool = False
+    #: same operations on the same values: a launch choice. None (the default): on for
+    #: a prefill (not decode rows, not split states) where the grid is not persistent,
+    #: off on the persistent grid (:func:`auto_late_rowsum`): on the H200 (2026-12-05,
+    #: tree b3c59c7) it kept the bits and was 3 to 6% faster at S >= 8192 (D=128; 2% at
+    #: D=64) but 12 to 20% slower at S=2048 (the persistent grid).
+    late_rowsum: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -964,8 +965,14 @@ class _Forward:
         if prefetch_q is None:  # with a persistent grid, where the second Q buffer fits
             prefetch_q = (bool(persistent)
                           and smem_bytes(self.scratch((2,))) <= SMEM_LIMIT)
+        late_rowsum = cfg.late_rowsum
+        if late_rowsum is None:
+            late_rowsum = auto_late_rowsum(cfg.rowsum, persistent=bool(persistent),
+                                           decode=position is not None,
+                                           split_out=split_out)
         cfg = self.cfg = dataclasses.replace(cfg, persistent=persistent,
-                                             prefetch_q=prefetch_q and bool(persistent))
+                                             prefetch_q=prefetch_q and bool(persistent),
+                                             late_rowsum=late_rowsum)
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
@@ -2038,6 +2045,16 @@ def auto_persistent(max_tile_blocks: int, d: int, *, gpu: bool, decode: bool,
     interpret mode), and not for decode or split states (their own launches)."""
     return (gpu and not decode and not split_out and d <= 128
             and max_tile_blocks <= PERSISTENT_MAX_BLOCKS)
+
+
+def auto_late_rowsum(rowsum: str, *, persistent: bool, decode: bool,
+                     split_out: bool) -> bool:
+    """``MosaicConfig(late_rowsum=None)``'s choice: the row sum after P V's issue for a
+    prefill's ``reduce32`` row sum on a grid of one CTA per tile, where the H200 measured
+    it faster (3 to 6% at D=128 S >= 8192); not on the persistent grid (12 to 20% slower
+    there), nor for decode rows or split states (not measured). A launch choice: the
+    same bits either way."""
+    return rowsum == "reduce32" and not persistent and not decode and not split_out
 
 
 def sm_count() -> int:
