@@ -150,7 +150,8 @@ class MosaicConfig:
     #: a prefill (not decode rows, not split states) where the grid is not persistent,
     #: off on the persistent grid (:func:`auto_late_rowsum`): on the H200 (2026-12-05,
     #: tree b3c59c7) it kept the bits and was 3 to 6% faster at S >= 8192 (D=128; 2% at
-    #: D=64) but 12 to 20% slower at S=2048 (the persistent grid).
+    #: D=64) but 12 to 20% slower at S=2048 (the persistent grid); by shape, on the H100
+    #: (2026-12-05, tree b5a8018), 4 to 7% faster at D=128 S >= 8192 (docs/mosaic.md).
     late_rowsum: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
