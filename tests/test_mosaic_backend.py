@@ -252,6 +252,28 @@ def test_late_rowsum_keeps_bits_on_gpu():
     _masked_and_paged_decode_agree(agree, rng, q, k, v)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_smem_state_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(compute_wgs=1, smem_state=True) (the state folded across
+    SPLITs in SMEM, merged 64 columns at a time; the lse rows in the ring's SMEM) gives
+    the bits of the default launch (two compute warpgroups, the state in registers),
+    out and lse, no NaN: D=256 causal prefills of one and three SPLITs, a chunk with a
+    partial last block, non-causal; D=128 causal."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(),  # (persistent=0: at D=128 S=2100 the default is persistent)
+               mf.MosaicConfig(compute_wgs=1, smem_state=True, persistent=0)]
+    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
+    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
+                            (2100, 2100, False)):
+        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
+                               q[:, :, skv - sq:skv], k[:, :, :skv], v[:, :, :skv],
+                               causal=causal)
+    qd, kd, vd = rand_qkv(2, 8, 2, 2100, 2100, 128, jnp.bfloat16)
+    _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+
+
 def _masked_and_paged_decode_agree(agree, rng, q, k, v):
     """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
     5000, D] K and V under a key padding mask (NaN in dropped K, inf in dropped V), and

@@ -7,6 +7,7 @@ with the reason, when the installed JAX lacks the interpret mode or an API it ne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -198,6 +199,40 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any()
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+
+
+@needs_threads
+@needs_interpret
+def test_interpret_smem_state_keeps_bits(mosaic_fwd):
+    """The running state folded across SPLITs kept in SMEM and merged 64 columns at a
+    time (``smem_state``) gives the registers' bits: two SPLITs, a causal chunk with a
+    partial last key block (the SPLIT merge of the default path starts from the empty
+    state as the SMEM one does); D=256 non-causal, one compute warpgroup, as the GPU
+    runs it."""
+    for sq, skv, d, causal in ((64, 1100, 64, True), (64, 1100, 256, False)):
+        seed, q, k, v = _inputs(1, 2, 1, sq, skv, d)
+        cfg = mosaic_fwd.MosaicConfig(compute_wgs=1)
+        base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True, config=cfg)
+        other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                   config=dataclasses.replace(cfg, smem_state=True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
+
+
+@needs_api
+def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
+    """``smem_state`` at D=256 lowers for CUDA with one compute warpgroup (the state
+    tile beside Q and the ring, the lse rows in the ring's SMEM: within SMEM_LIMIT);
+    with two the state does not fit, and the error names the option and the fix."""
+    q = jax.ShapeDtypeStruct((1, 4, 2048, 256), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1, 2048, 256), jnp.bfloat16)
+    cfg = mosaic_fwd.MosaicConfig(compute_wgs=1, smem_state=True)
+    lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg)
+    assert "mosaic_gpu" in lowered.as_text()
+    with pytest.raises(ValueError, match="smem_state.*compute_wgs=1"):
+        mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
+                                  config=mosaic_fwd.MosaicConfig(smem_state=True))
 
 
 @pytest.mark.slow  # CI time (13 s): a launch choice, also run on the H200

@@ -153,6 +153,18 @@ class MosaicConfig:
     #: D=64) but 12 to 20% slower at S=2048 (the persistent grid); by shape, on the H100
     #: (2026-12-05, tree b5a8018), 4 to 7% faster at D=128 S >= 8192 (docs/mosaic.md).
     late_rowsum: bool | None = None
+    #: The running state folded across SPLITs (the merged fp32 output; its lse stays in
+    #: registers) kept in SMEM instead of registers, each SPLIT merged into it
+    #: :data:`SMEM_STATE_COLS` columns at a time (:meth:`_Forward.fold_in_smem`). At
+    #: D=256 the state (128 registers a thread) and a SPLIT's accumulator do not fit the
+    #: registers together: ptxas spills about 1.6 KB a thread from the second SPLIT on
+    #: (docs/mosaic.md, "Known limits"). Its SMEM (a 64xD fp32 tile per compute
+    #: warpgroup) fits beside the ring at D=256 with one compute warpgroup
+    #: (``compute_wgs=1``; the lse rows then share the ring's SMEM, idle by the
+    #: epilogue). For a prefill on a grid of one CTA per tile; ignored for decode rows,
+    #: split or CP states and the persistent grid. The same operations on the same
+    #: values (the merge is elementwise per column): a launch choice.
+    smem_state: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -586,7 +598,15 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
     operations in the same order (see :func:`finalize_rows`); ``exp=jnp.exp2,
     log=jnp.log2``: the same in base 2. ``layout``: the tiles' register layout, where
     Mosaic GPU cannot infer it from the rows' (:func:`_rows`)."""
-    shape = out_left.shape
+    weights = merge_weights(lse_left, lse_right, out_left.shape, exp=exp, log=log,
+                            layout=layout)
+    return merge_apply(out_left, lse_left, out_right, lse_right, weights, layout=layout)
+
+
+def merge_weights(lse_left, lse_right, shape, exp=jnp.exp, log=jnp.log, layout=None):
+    """:func:`merge_rows`' first half: the merged rows' lse (before the empty rows'
+    choice) and the two states' row weights broadcast to ``shape`` (a whole tile, or
+    the column chunk that :func:`merge_apply` then takes at a time)."""
     rows = functools.partial(_rows, layout=layout)
     m = jnp.maximum(lse_left, lse_right)
     m_safe = jnp.where(m == NEG_INF, 0.0, m)
@@ -597,6 +617,17 @@ def merge_rows(out_left, lse_left, out_right, lse_right, exp=jnp.exp, log=jnp.lo
     lse = m_safe + log(total_safe)
     a_left = rows(w_left / total_safe, shape)
     a_right = rows(w_right / total_safe, shape)
+    return lse, a_left, a_right
+
+
+def merge_apply(out_left, lse_left, out_right, lse_right, weights, layout=None):
+    """:func:`merge_rows`' second half on ``[M, C]`` tiles of the two states' outputs
+    (``C`` the columns :func:`merge_weights` broadcast to): the merged output and lse.
+    Each element's operations do not depend on the columns taken, so a merge by
+    column chunks gives the whole tile's bits."""
+    shape = out_left.shape
+    rows = functools.partial(_rows, layout=layout)
+    lse, a_left, a_right = weights
     out = out_left * a_left + out_right * a_right
     left_empty = lse_left == NEG_INF
     right_empty = lse_right == NEG_INF
@@ -631,6 +662,17 @@ def kernel_merge(*states, layout=None):
     if KERNEL_LSE_BASE2:
         return merge_rows(*states, exp=jnp.exp2, log=jnp.log2, layout=layout)
     return merge_rows(*states, layout=layout)
+
+
+def kernel_merge_weights(lse_left, lse_right, shape):
+    """:func:`merge_weights` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
+    if KERNEL_LSE_BASE2:
+        return merge_weights(lse_left, lse_right, shape, exp=jnp.exp2, log=jnp.log2)
+    return merge_weights(lse_left, lse_right, shape)
+
+
+#: ``MosaicConfig.smem_state``: the columns of the SMEM state merged at a time.
+SMEM_STATE_COLS = 64
 
 
 def natural_lse(lse):
@@ -925,6 +967,7 @@ class _Forward:
         #: carry there before the loop) runs one item, so the ring is idle once its
         #: last block is consumed; the SMEM of the staging tiles holds more ring slots
         #: (a launch choice). On the GPU only (the interpreter ignores the SMEM plan).
+        self.smem_state = self.rows_in_ring = False  # (resolved with the grid below)
         self.ring_union = (split_out and not carry_in and not cfg.persistent
                            and interpret is None and per_cta == 1)
         # A split's CTA: as many of the ring's slots as its SMEM holds (a launch choice:
@@ -974,6 +1017,20 @@ class _Forward:
         cfg = self.cfg = dataclasses.replace(cfg, persistent=persistent,
                                              prefetch_q=prefetch_q and bool(persistent),
                                              late_rowsum=late_rowsum)
+        #: MosaicConfig.smem_state where it applies (a prefill, one item a CTA); with
+        #: one compute warpgroup on the GPU the lse rows staged for the epilogue's store
+        #: share the ring's SMEM (idle once the item's last block is consumed).
+        self.smem_state = (cfg.smem_state and position is None and not persistent
+                           and not (split_out or state_in or state_out or raw_out
+                                    or carry_in or finish_rows))
+        self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
+        if (self.smem_state and interpret is None
+                and smem_bytes(self.scratch(())) > SMEM_LIMIT):
+            raise ValueError(
+                f"smem_state: the state's SMEM ({self.nwg} x {self.bm}x{d} fp32) takes "
+                f"the kernel to {smem_bytes(self.scratch(()))} bytes, over SMEM_LIMIT "
+                f"({SMEM_LIMIT}); with compute_wgs={self.nwg} at D={d} it does not fit "
+                f"(D=256 needs compute_wgs=1)")
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
@@ -1022,11 +1079,14 @@ class _Forward:
                if self.split_out else None)
         rows = plgpu.SMEM((nwg, bm), jnp.float32)
         q_in = plgpu.SMEM((nwg, bm, d), dtype) if self.q_rows is not None else None
-        if self.ring_union or self.q_alias:
+        if self.ring_union or self.q_alias or self.rows_in_ring:
             groups = [(k_ring, v_ring)]
             if self.ring_union:  # the split's state staged where the ring was
                 groups.append((o32, rows))
                 o32 = rows = None
+            if self.rows_in_ring:  # smem_state: the epilogue's lse rows
+                groups.append((rows,))
+                rows = None
             if self.q_alias:  # Q's landing slot where the last V slot is (q_alias):
                 # a group's refs lie one after another, each 1 KiB-aligned (as
                 # smem_bytes counts them; test_two_ctas_an_sm_lowers_for_cuda reads
@@ -1056,9 +1116,9 @@ class _Forward:
             # carry_in / raw_out: the running state's m and l rows
             plgpu.SMEM((2, bm), jnp.float32) if self.carry_in or self.raw_out else None,
             # state_in / state_out: each warpgroup's fp32 folded output, loaded / stored
-            # by TMA
+            # by TMA; smem_state: each warpgroup's running state
             plgpu.SMEM((nwg, bm, d), jnp.float32, transforms=_smem_transforms(d, 4))
-            if self.state_in or self.state_out else None,
+            if self.state_in or self.state_out or self.smem_state else None,
             # q_rows: each warpgroup's Q tile as TMA lands it, untiled (any first row),
             # before it is stored into the tiled, swizzled Q slot that wgmma reads
             q_in,
@@ -1542,6 +1602,34 @@ class _Forward:
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
         return part if state is None else kernel_merge(*state, *part)
 
+    def fold_in_smem(self, it: _Item, n_steps, n_splits, st):
+        """``smem_state``: the item's SPLITs folded in order into the running state's
+        output in the SMEM tile ``st`` (the empty state first: zeros, lse -inf, as
+        :meth:`consumer`'s registers start), each SPLIT's finalised state merged into it
+        :data:`SMEM_STATE_COLS` columns at a time (:func:`merge_weights` once, then
+        :func:`merge_apply` per column chunk: the operations of :func:`kernel_merge` on
+        each element). Returns the running lse (rows, in registers); each thread
+        reads back only the elements it wrote, so no barrier is needed."""
+        bm, cols = self.bm, SMEM_STATE_COLS
+        chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
+        for ref in chunks:
+            ref[...] = self.layout(jnp.zeros((bm, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+        def one(si, lse_s):
+            o_p, lse_p = self.split(it, n_steps, si, None)
+            weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
+            lse = lse_s
+            for j, ref in enumerate(chunks):
+                o_s = (load_ref(ref, layout=plgpu.Layout.WGMMA) if self.layout_hints
+                       else ref[...])
+                o, lse = merge_apply(o_s, lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
+                                     weights)
+                ref[...] = o
+            return lse
+
+        lse0 = self.layout(jnp.full((bm,), NEG_INF, jnp.float32), self.row_layout)
+        return lax.fori_loop(0, n_splits, one, lse0)
+
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
         """One (tile, head, batch) item of compute warpgroup ``w``: the Q tile, the
@@ -1647,8 +1735,13 @@ class _Forward:
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
-        out, lse = lax.fori_loop(0, n_splits, functools.partial(self.split, it, n_steps),
-                                 init)
+        if self.smem_state:
+            st = smem[9].at[w]
+            lse = self.fold_in_smem(it, n_steps, n_splits, st)
+            out = load_ref(st, layout=plgpu.Layout.WGMMA) if self.layout_hints else st[...]
+        else:
+            out, lse = lax.fori_loop(0, n_splits,
+                                     functools.partial(self.split, it, n_steps), init)
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
@@ -1849,12 +1942,15 @@ class _Forward:
 
         def body(smem, bars):
             wg = lax.axis_index("wg")
-            if self.ring_union or self.q_alias:  # the union's refs at their places
+            if self.ring_union or self.q_alias or self.rows_in_ring:
+                # the union's refs at their places
                 smem = list(smem)
                 groups = list(smem[1])
                 smem[1], smem[2] = groups.pop(0)
                 if self.ring_union:
                     smem[7], smem[5] = groups.pop(0)
+                if self.rows_in_ring:
+                    smem[5], = groups.pop(0)
                 if self.q_alias:
                     _, smem[10] = groups.pop(0)
                     if not self.split_out:
