@@ -1024,11 +1024,11 @@ class _Forward:
                            and not (split_out or state_in or state_out or raw_out
                                     or carry_in or finish_rows))
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
-        if (self.smem_state and interpret is None
-                and smem_bytes(self.scratch(())) > SMEM_LIMIT):
+        need = smem_bytes(self.scratch(())) if self.smem_state and interpret is None else 0
+        if need > SMEM_LIMIT:
             raise ValueError(
                 f"smem_state: the state's SMEM ({self.nwg} x {self.bm}x{d} fp32) takes "
-                f"the kernel to {smem_bytes(self.scratch(()))} bytes, over SMEM_LIMIT "
+                f"the kernel to {need} bytes, over SMEM_LIMIT "
                 f"({SMEM_LIMIT}); with compute_wgs={self.nwg} at D={d} it does not fit "
                 f"(D=256 needs compute_wgs=1)")
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
@@ -1126,6 +1126,11 @@ class _Forward:
 
     def layout(self, x, lay):
         return plgpu.layout_cast(x, lay) if self.layout_hints else x
+
+    def load(self, ref, lay, optimized=True):
+        """The whole SMEM ref in registers, in layout ``lay`` on the GPU
+        (:func:`load_ref`); the interpreter reads it plainly."""
+        return load_ref(ref, layout=lay, optimized=optimized) if self.layout_hints else ref[...]
 
     def split_lo(self):
         """The first block of the CTA's splits (split_out), else 0."""
@@ -1358,8 +1363,7 @@ class _Forward:
 
         @pl.when(it.flags_ref[it.bi, t] != 0)
         def _():
-            kv = (load_ref(keep_t, layout=plgpu.Layout.WGMMA.reduce(1))
-                  if self.layout_hints else keep_t[...])
+            kv = self.load(keep_t, plgpu.Layout.WGMMA.reduce(1))
             self._keep_v_rows(v_parts,
                               lambda w: lax.broadcast_in_dim(kv, (bn, w), [0]) != 0.0)
 
@@ -1374,7 +1378,7 @@ class _Forward:
         ``kept(width)`` (bool ``[bn, width]``, in the WGMMA layout on the GPU) set to
         zero, committed for the P V product."""
         for _, v_t in v_parts:
-            x = load_ref(v_t, layout=plgpu.Layout.WGMMA) if self.layout_hints else v_t[...]
+            x = self.load(v_t, plgpu.Layout.WGMMA)
             v_t[...] = jnp.where(kept(x.shape[1]), x, jnp.zeros_like(x))
         plgpu.commit_smem()
 
@@ -1420,10 +1424,7 @@ class _Forward:
                 rq = lax.rem(cols - diag, jnp.int32(self.stack_sq))
                 visible = cols - rq <= it.position - j * bn
             if self.key_mask:
-                if self.layout_hints:
-                    kv = load_ref(keep, layout=plgpu.Layout.WGMMA.reduce(0))
-                else:
-                    kv = keep[...]
+                kv = self.load(keep, plgpu.Layout.WGMMA.reduce(0))
                 kept = lax.broadcast_in_dim(kv, (bm, bn), [1]) != 0.0
                 visible = kept if visible is None else visible & kept
             raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
@@ -1620,10 +1621,8 @@ class _Forward:
             weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
             lse = lse_s
             for j, ref in enumerate(chunks):
-                o_s = (load_ref(ref, layout=plgpu.Layout.WGMMA) if self.layout_hints
-                       else ref[...])
-                o, lse = merge_apply(o_s, lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
-                                     weights)
+                o, lse = merge_apply(self.load(ref, plgpu.Layout.WGMMA), lse_s,
+                                     o_p[:, j * cols:(j + 1) * cols], lse_p, weights)
                 ref[...] = o
             return lse
 
@@ -1691,8 +1690,7 @@ class _Forward:
         plgpu.barrier_wait(q_b)
         if qbuf is None and self.q_rows is not None:
             # (once per tile; the untiled slot's reads conflict on SMEM banks)
-            q_s[...] = (load_ref(q_in, layout=plgpu.Layout.WGMMA, optimized=False)
-                        if self.layout_hints else q_in[...])
+            q_s[...] = self.load(q_in, plgpu.Layout.WGMMA, optimized=False)
             plgpu.commit_smem()
             if self.defer_v:  # the last slot's first V (the copy waits for every warp)
                 pl.when(last < n_steps)(lambda: self.load_inline(
@@ -1738,7 +1736,7 @@ class _Forward:
         if self.smem_state:
             st = smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
-            out = load_ref(st, layout=plgpu.Layout.WGMMA) if self.layout_hints else st[...]
+            out = self.load(st, plgpu.Layout.WGMMA)
         else:
             out, lse = lax.fori_loop(0, n_splits,
                                      functools.partial(self.split, it, n_steps), init)
@@ -1786,10 +1784,7 @@ class _Forward:
         bars, o_s = it.bars[9], it.smem[9].at[it.w]
         plgpu.barrier_wait(bars.at[2 * it.w])
         plgpu.barrier_wait(bars.at[2 * it.w + 1])
-        if self.layout_hints:
-            return (load_ref(o_s, layout=plgpu.Layout.WGMMA),
-                    load_ref(it.lse_s, layout=self.row_layout))
-        return o_s[...], it.lse_s[...]
+        return self.load(o_s, plgpu.Layout.WGMMA), self.load(it.lse_s, self.row_layout)
 
     def load_carry(self, it: _Item):
         """``carry_in``: the running state of the split's earlier keys for the item's
@@ -1801,11 +1796,8 @@ class _Forward:
         for src, dst in ((acc_in, o32_s), (m_in, rows_s.at[0]), (l_in, rows_s.at[1])):
             plgpu.copy_gmem_to_smem(src.at[at], dst, bar)
             plgpu.barrier_wait(bar)
-        if self.layout_hints:
-            return (load_ref(o32_s, layout=plgpu.Layout.WGMMA),
-                    load_ref(rows_s.at[0], layout=self.row_layout),
-                    load_ref(rows_s.at[1], layout=self.row_layout))
-        return o32_s[...], rows_s.at[0][...], rows_s.at[1][...]
+        return (self.load(o32_s, plgpu.Layout.WGMMA), self.load(rows_s.at[0], self.row_layout),
+                self.load(rows_s.at[1], self.row_layout))
 
     # -- the epilogue ----------------------------------------------------------------
 
