@@ -73,7 +73,8 @@ if has check; then
   # host's CPU, is most likely its time (not yet profiled): the default backend's ten
   # rows took about 11 minutes in one process on the H200 (2026-12-05: 12 to 130 s a
   # row), more than a device call's 10. So each backend's rows run in groups
-  # (CHECK_GROUPS: groups separated by ';', rows by ','), one process per backend and
+  # (CHECK_GROUPS: groups separated by ';', rows by ','; CHECK_ARGS: further flags of
+  # jaxattn.check, e.g. --head_dim=256), one process per backend and
   # group, CHECK_JOBS at a time on the host's cores; each writes check-<backend>-<n>.txt
   # and .json, and the stage fails if any process does. CHECK_ROWS (one group) keeps the
   # one-process form, e.g. CHECK_ROWS="decode,paged,cp".
@@ -86,7 +87,7 @@ print(",".join(b for b in usable_backends() if b != "triton"))')}
     JAX_COMPILATION_CACHE_DIR="$JAX_COMPILATION_CACHE_DIR-check-$1-$2" \
     timeout ${CHECK_TIMEOUT:-540} $PY -m jaxattn.check --backends="$1" \
         --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
-        --chunk_sizes=64,100,1000 --rows="$3" --json_out="$OUT/check-$1-$2.json" \
+        --chunk_sizes=64,100,1000 --rows="$3" --json_out="$OUT/check-$1-$2.json" $CHECK_ARGS \
         > "$OUT/check-$1-$2.txt" 2>&1
     local rc=$?
     echo $rc > "$OUT/check-$1-$2.rc"

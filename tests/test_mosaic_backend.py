@@ -257,13 +257,16 @@ def test_late_rowsum_keeps_bits_on_gpu():
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_smem_state_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(compute_wgs=1, smem_state=True) (the state folded across
-    SPLITs in SMEM, merged 64 columns at a time; the lse rows in the ring's SMEM) gives
-    the bits of the default launch (two compute warpgroups, the state in registers),
-    out and lse, no NaN: D=256 causal prefills of one and three SPLITs, a chunk with a
-    partial last block, non-causal; D=128 causal."""
+    SPLITs in SMEM, merged 64 columns at a time; the lse rows in the ring's SMEM) and
+    the default (``smem_state=None``: that launch at D=256 past one SPLIT) give the
+    bits of two compute warpgroups with the state in registers, out and lse, no NaN:
+    D=256 causal prefills of one and three SPLITs, a chunk with a partial last block,
+    non-causal with a partial last block (the key mask); D=128 causal."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(),  # (persistent=0: at D=128 S=2100 the default is persistent)
-               mf.MosaicConfig(compute_wgs=1, smem_state=True, persistent=0)]
+    configs = [mf.MosaicConfig(smem_state=False),
+               # (persistent=0: at D=128 S=2100 the default is persistent)
+               mf.MosaicConfig(compute_wgs=1, smem_state=True, persistent=0),
+               mf.MosaicConfig()]
     q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
     for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
                             (2100, 2100, False)):

@@ -223,16 +223,55 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
 @needs_api
 def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
     """``smem_state`` at D=256 lowers for CUDA with one compute warpgroup (the state
-    tile beside Q and the ring, the lse rows in the ring's SMEM: within SMEM_LIMIT);
-    with two the state does not fit, and the error names the option and the fix."""
+    tile beside Q and the ring, the lse rows in the ring's SMEM, no reduction scratch:
+    within SMEM_LIMIT_STATE), causal and non-causal with a partial last key block (the
+    key mask's 1 KiB more, which failed on the H200 under SMEM_LIMIT); with two
+    warpgroups the state does not fit, and the error names the option and the fix."""
     q = jax.ShapeDtypeStruct((1, 4, 2048, 256), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1, 2048, 256), jnp.bfloat16)
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=1, smem_state=True)
     lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg)
     assert "mosaic_gpu" in lowered.as_text()
+    q1, k1 = (jax.ShapeDtypeStruct((1, h, 2100, 256), jnp.bfloat16) for h in (4, 1))
+    lowered = mosaic_fwd.lower_for_cuda(q1, k1, k1, causal=False, config=cfg)
+    assert "mosaic_gpu" in lowered.as_text()
     with pytest.raises(ValueError, match="smem_state.*compute_wgs=1"):
         mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
                                   config=mosaic_fwd.MosaicConfig(smem_state=True))
+
+
+@needs_api
+def test_default_takes_the_smem_state_at_d256_past_one_split(mosaic_fwd):
+    """``smem_state=None`` (the default) lowers D=256 prefills whose keys span more
+    than one SPLIT as one compute warpgroup (256 threads: it and the producer) with
+    the state's 64 KiB in SMEM, and those of one SPLIT, D=128 and the explicit
+    ``smem_state=False`` as before (384 threads: two and the producer)."""
+    def lower(sq, skv, d, causal=True, **kw):
+        q = jax.ShapeDtypeStruct((1, 4, sq, d), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, 1, skv, d), jnp.bfloat16)
+        got = mosaic_launches(functools.partial(
+            mosaic_fwd.lower_for_cuda, q, k, k, causal=causal, **kw))
+        if got is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        return got
+
+    auto = mosaic_fwd.MosaicConfig()
+    assert auto.smem_state is None
+    [(threads, smem)] = lower(2048, 2048, 256, config=auto)
+    assert threads == 256 and smem > 224 * 1024, (threads, smem)
+    [(threads, _)] = lower(2100, 2100, 256, causal=False, config=auto)
+    assert threads == 256
+    [(threads, smem)] = lower(1024, 1024, 256, config=auto)
+    assert threads == 384 and smem < 200 * 1024, (threads, smem)
+    [(threads, _)] = lower(2048, 2048, 256,
+                           config=mosaic_fwd.MosaicConfig(smem_state=False))
+    assert threads == 384
+    [(threads, smem)] = lower(4096, 4096, 128, config=auto)
+    assert threads == 384, threads
+    assert not mosaic_fwd.auto_smem_state(256, 2048, gpu=False)
+    assert not mosaic_fwd.auto_smem_state(128, 4096, gpu=True)
+    assert not mosaic_fwd.auto_smem_state(256, 1024, gpu=True)
+    assert mosaic_fwd.auto_smem_state(256, 1088, gpu=True)
 
 
 @pytest.mark.slow  # CI time (13 s): a launch choice, also run on the H200

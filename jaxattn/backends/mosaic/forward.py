@@ -163,8 +163,15 @@ class MosaicConfig:
     #: (``compute_wgs=1``; the lse rows then share the ring's SMEM, idle by the
     #: epilogue). For a prefill on a grid of one CTA per tile; ignored for decode rows,
     #: split or CP states and the persistent grid. The same operations on the same
-    #: values (the merge is elementwise per column): a launch choice.
-    smem_state: bool = False
+    #: values (the merge is elementwise per column; the merge's FMA pinned to the
+    #: registers' product, :func:`merge_apply`): a launch choice. None (the default):
+    #: by shape (:func:`auto_smem_state`): at D=256 on the GPU, a prefill whose keys
+    #: span more than one SPLIT runs one compute warpgroup with the SMEM state; on
+    #: the H200 (2026-12-05, tree 5597bb8 + the pinned FMA) 1.08 to 1.36x the two
+    #: warpgroups' TFLOP/s causal from S=2048, 1.07 to 1.15x non-causal, but 0.72x at
+    #: S=1024 (one SPLIT: nothing to merge), where the two stay. False: never (two
+    #: warpgroups at D=256 then spill the state).
+    smem_state: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -620,15 +627,28 @@ def merge_weights(lse_left, lse_right, shape, exp=jnp.exp, log=jnp.log, layout=N
     return lse, a_left, a_right
 
 
-def merge_apply(out_left, lse_left, out_right, lse_right, weights, layout=None):
+def merge_apply(out_left, lse_left, out_right, lse_right, weights, layout=None,
+                pin_fma=False):
     """:func:`merge_rows`' second half on ``[M, C]`` tiles of the two states' outputs
     (``C`` the columns :func:`merge_weights` broadcast to): the merged output and lse.
     Each element's operations do not depend on the columns taken, so a merge by
-    column chunks gives the whole tile's bits."""
+    column chunks gives the whole tile's bits.
+
+    ``out_left * a_left + out_right * a_right`` is one FMA on the GPU, and which
+    product it fuses is LLVM's choice: with both states in registers it fuses the
+    left (``fma(out_left, a_left, out_right * a_right)``; every kernel's merge, in
+    the PTX of ``benchmarks.mosaic_sass``), but with the left read from SMEM
+    (``MosaicConfig.smem_state``) it fused the right, and the output differed in the
+    last bit (H100, 2026-12-05). ``pin_fma``: the right product passes through an
+    optimization barrier, so the left's is the only one LLVM can fuse: the registers'
+    instruction, whatever the operands' origin."""
     shape = out_left.shape
     rows = functools.partial(_rows, layout=layout)
     lse, a_left, a_right = weights
-    out = out_left * a_left + out_right * a_right
+    left, right = out_left * a_left, out_right * a_right
+    if pin_fma:
+        right = lax.optimization_barrier(right)
+    out = left + right
     left_empty = lse_left == NEG_INF
     right_empty = lse_right == NEG_INF
     out = jnp.where(rows(right_empty, shape), out_left,
@@ -1025,12 +1045,12 @@ class _Forward:
                                     or carry_in or finish_rows))
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
         need = smem_bytes(self.scratch(())) if self.smem_state and interpret is None else 0
-        if need > SMEM_LIMIT:
+        if need > SMEM_LIMIT_STATE:
             raise ValueError(
                 f"smem_state: the state's SMEM ({self.nwg} x {self.bm}x{d} fp32) takes "
-                f"the kernel to {need} bytes, over SMEM_LIMIT "
-                f"({SMEM_LIMIT}); with compute_wgs={self.nwg} at D={d} it does not fit "
-                f"(D=256 needs compute_wgs=1)")
+                f"the kernel to {need} bytes, over SMEM_LIMIT_STATE "
+                f"({SMEM_LIMIT_STATE}); with compute_wgs={self.nwg} at D={d} it does not "
+                f"fit (D=256 needs compute_wgs=1)")
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
@@ -1622,7 +1642,8 @@ class _Forward:
             lse = lse_s
             for j, ref in enumerate(chunks):
                 o, lse = merge_apply(self.load(ref, plgpu.Layout.WGMMA), lse_s,
-                                     o_p[:, j * cols:(j + 1) * cols], lse_p, weights)
+                                     o_p[:, j * cols:(j + 1) * cols], lse_p, weights,
+                                     pin_fma=True)
                 ref[...] = o
             return lse
 
@@ -2055,7 +2076,8 @@ class _Forward:
                 approx_math=cfg.approx_math,
                 lowering_semantics=getattr(plgpu.LoweringSemantics,
                                            cfg.semantics.capitalize()),
-                **(NO_REDUCTION_SCRATCH if self.inline_loads else {})),
+                **(NO_REDUCTION_SCRATCH if self.inline_loads or self.smem_state
+                   else {})),
             interpret=self.interpret,
         )
         # Constants of the program (numpy arrays).
@@ -2087,6 +2109,12 @@ SMEM_LIMIT = 227 * 1024 - 2560
 #: none), where this JAX's ``CompilerParams`` has the field.
 NO_REDUCTION_SCRATCH = ({"reduction_scratch_bytes": 0} if "reduction_scratch_bytes" in
                         {f.name for f in dataclasses.fields(plgpu.CompilerParams)} else {})
+#: The buffers' SMEM of a ``MosaicConfig.smem_state`` kernel, which reserves no
+#: reduction scratch (:data:`NO_REDUCTION_SCRATCH`, where this JAX can drop it): 227 KiB
+#: less 512 bytes for the barriers. D=256 with one compute warpgroup takes 224 KiB,
+#: 225 KiB with a key mask (a non-causal call with a partial last block): over
+#: :data:`SMEM_LIMIT` by 512 bytes (the H200, 2026-12-05).
+SMEM_LIMIT_STATE = 227 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
 #: The buffers' SMEM (:func:`smem_bytes`) of a CTA of which two share an SM
 #: (``MosaicConfig.ctas_per_sm``): an H100's or H200's SM has 228 KiB, of which
 #: the runtime keeps 1 KiB a CTA; 512 bytes for the barriers, and the reduction
@@ -2144,6 +2172,17 @@ def auto_late_rowsum(rowsum: str, *, persistent: bool, decode: bool,
     there), nor for decode rows or split states (not measured). A launch choice: the
     same bits either way."""
     return rowsum == "reduce32" and not persistent and not decode and not split_out
+
+
+def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
+    """``MosaicConfig(smem_state=None)``'s choice for a prefill on a grid of one CTA
+    per tile (the caller's conditions), with ``skv`` keys (padded to whole blocks):
+    the SMEM state with one compute warpgroup at D=256 compiled for the GPU where the
+    keys span more than one SPLIT (the registers' state spills from the second
+    SPLIT's merge on; with one SPLIT there is no merge and two warpgroups are 1.4x
+    faster). Not at D <= 128 (no spill; the state does not fit beside two
+    warpgroups' buffers) nor in interpret mode. A launch choice: the same bits."""
+    return gpu and d == 256 and -(-skv // schedule.BLOCK_N) > schedule.BLOCKS_PER_SPLIT
 
 
 def sm_count() -> int:
@@ -2447,6 +2486,13 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
+        smem_state = cfg.smem_state
+        if smem_state is None:
+            smem_state = (not (partials or raw or carry is not None or state is not None
+                               or state_out or cfg.persistent)
+                          and auto_smem_state(d, skv_kernel, gpu=interpret is None))
+            cfg = dataclasses.replace(cfg, smem_state=smem_state,
+                                      compute_wgs=1 if smem_state else cfg.compute_wgs)
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
