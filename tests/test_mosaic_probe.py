@@ -272,6 +272,8 @@ def test_default_takes_the_smem_state_at_d256_past_one_split(mosaic_fwd):
     assert not mosaic_fwd.auto_smem_state(128, 4096, gpu=True)
     assert not mosaic_fwd.auto_smem_state(256, 1024, gpu=True)
     assert mosaic_fwd.auto_smem_state(256, 1088, gpu=True)
+    with pytest.raises(ValueError, match="smem_state must be None, True or False, got 'on'"):
+        mosaic_fwd.MosaicConfig(smem_state="on")
 
 
 @pytest.mark.slow  # CI time (13 s): a launch choice, also run on the H200

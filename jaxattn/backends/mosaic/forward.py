@@ -391,6 +391,9 @@ class MosaicConfig:
                              f"{self.fold_cols}")
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
+        if not (self.smem_state is None or isinstance(self.smem_state, bool)):
+            raise ValueError(f"smem_state must be None, True or False, got "
+                             f"{self.smem_state!r}")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
@@ -1040,7 +1043,7 @@ class _Forward:
         #: MosaicConfig.smem_state where it applies (a prefill, one item a CTA); with
         #: one compute warpgroup on the GPU the lse rows staged for the epilogue's store
         #: share the ring's SMEM (idle once the item's last block is consumed).
-        self.smem_state = (cfg.smem_state and position is None and not persistent
+        self.smem_state = bool(cfg.smem_state and position is None and not persistent
                            and not (split_out or state_in or state_out or raw_out
                                     or carry_in or finish_rows))
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
