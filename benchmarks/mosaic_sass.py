@@ -48,7 +48,8 @@ flags.DEFINE_string("out_dir", None, "One folder per shape (PTX, ptxas log, SASS
 flags.DEFINE_list("shapes", [], "benchmarks.lowered's shape names (default: all).")
 flags.DEFINE_string("config", "", "MosaicConfig fields (key=value[:key=value...]).")
 flags.DEFINE_bool("backward", False, "Also the backward's kernels (B=2 S=4096 Hq=32 "
-                  "Hkv=8 D=128 causal).")
+                  "Hkv=8 causal, D=--bwd_head_dim).")
+flags.DEFINE_integer("bwd_head_dim", 128, "The head dim of --backward's kernels.")
 flags.DEFINE_string("bwd_config", "", "BwdConfig fields for --backward.")
 flags.DEFINE_string("cuda_root", "/usr/local/cuda", "A CUDA 13 toolkit: bin/ptxas and "
                     "nvvm/libdevice.")
@@ -211,10 +212,11 @@ def main(argv):
     runs = {n: (lambda lower=shapes[n]: lower(cfg)) for n in (FLAGS.shapes or shapes)}
     if FLAGS.backward:
         S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-        q, k = S((2, 32, 4096, 128), bf16), S((2, 8, 4096, 128), bf16)
+        d = FLAGS.bwd_head_dim
+        q, k = S((2, 32, 4096, d), bf16), S((2, 8, 4096, d), bf16)
         bcfg = mb.BwdConfig(**report.config_fields(FLAGS.bwd_config))
-        runs["backward-2x4096"] = lambda: mb.lower_for_cuda(q, k, k, causal=True,
-                                                            config=bcfg)
+        name = "backward-2x4096" + ("" if d == 128 else f"-d{d}")
+        runs[name] = lambda: mb.lower_for_cuda(q, k, k, causal=True, config=bcfg)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     summary = []
     for name, lower in runs.items():
