@@ -512,6 +512,34 @@ def test_dq_epilogue_scales_and_casts_as_xla_on_gpu(d, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_dq_in_smem_keeps_bits_on_gpu():
+    """On sm90, BwdConfig(dq_in_smem=True) (the dQ kernel's running dQ in its fp32
+    output tile, each block's product added 64 columns at a time) gives the default's
+    gradients in bits, no NaN: D=256 causal with a partial last block and non-causal,
+    GQA, dQ scaled and cast in the kernel; D=128 (two dQ tiles a CTA); and dQ
+    continued across two key ranges (CP's path), scaled and cast at the last."""
+    from jaxattn.backends.mosaic import backward as mb
+    configs = [mb.BwdConfig(), mb.BwdConfig(dq_in_smem=True)]
+    for d, s, causal in ((256, 1000, True), (256, 1024, False), (128, 1024, True)):
+        q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)
+        do = rand_qkv(2, 8, 8, s, s, d, jnp.bfloat16)[0]
+        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
+                                     backend="mosaic")
+        _configs_agree_in_bits(
+            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
+            (d, s, causal), q, k, v, out, lse, do, causal=causal)
+    q, k, v = rand_qkv(2, 8, 2, 512, 1024, 256, jnp.bfloat16)
+    do = rand_qkv(2, 8, 8, 512, 1024, 256, jnp.bfloat16)[0]
+    out, lse = jaxattn.attention(q, k, v, causal=True, return_lse=True, backend="mosaic")
+    _configs_agree_in_bits(
+        lambda *a, config, **kw: mb.backward_over_ranges(*a, config=config, **kw),
+        configs, "ranges", q, k, v, out, lse, do, ranges=[(0, 512), (512, 1024)],
+        offsets=jnp.asarray([512, 512], jnp.int32), causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_fp32_is_the_pallas_backends():
     """On sm90, the mosaic backend's fp32 calls equal the pallas backend's in bits: the
     forward with its lse, the gradients, paged KV and CP."""

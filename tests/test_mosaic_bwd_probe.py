@@ -320,6 +320,34 @@ def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
+    """BwdConfig(dq_in_smem=True) (the dQ kernel's running dQ in its fp32 output tile,
+    each block's product added 64 columns at a time) gives the default's bits: D=256
+    causal with a partial last key block (dQ scaled and cast in the kernel), and dQ
+    continued across two key ranges (the tile starting from the first range's
+    accumulator: context parallelism's path)."""
+    one = dict(dkdv_wgs=1, dq_wgs=1)
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 256)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                    mosaic_bwd.BwdConfig(**one, dq_in_smem=flag)) for flag in (False, True)]
+    for name, a, b in zip("qkv", *runs, strict=True):
+        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+    seed, q, k, v, do = _inputs(1, 1, 1, 64, 192, 64)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    runs = [mosaic_bwd.backward_over_ranges(
+                q, k, v, out, lse, do, ranges=[(0, 128), (128, 192)],
+                offsets=jnp.asarray([128], jnp.int32), causal=True, interpret=True,
+                config=mosaic_bwd.BwdConfig(**one, dq_in_smem=flag))
+            for flag in (False, True)]
+    np.testing.assert_array_equal(bits(runs[0][0]), bits(runs[1][0]),
+                                  err_msg=f"dq over ranges (seed {seed})")
+    assert not np.isnan(np.asarray(runs[1][0], np.float32)).any()
+
+
 @pytest.mark.slow  # CI time: schedule options, the H200 runs the default
 @needs_threads
 @needs_interpret
@@ -524,7 +552,7 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
-                        ("dp_overlap", "yes")):
+                        ("dp_overlap", "yes"), ("dq_in_smem", 1)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

@@ -100,6 +100,8 @@ POS_INF = float("inf")
 BLOCK_Q = 64
 #: Keys per tile (dK/dV: the CTA's keys; dQ: the inner loop's step).
 BLOCK_KV = schedule.BLOCK_N
+#: ``BwdConfig.dq_in_smem``: the columns of dQ added into the SMEM tile at a time.
+DQ_SMEM_COLS = 64
 # Head dims: mosaic_fwd.HEAD_DIMS. At D=256 dK and dV come from two kernels
 # (``split_dkdv``) and dQ from one tile and one K/V slot per CTA (SMEM); CPU-checked
 # (interpret mode, lowering), not yet run on a GPU.
@@ -179,6 +181,16 @@ class BwdConfig:
     #: exponentials sit between dP^T's wgmmas, and the kernel spills 104 bytes against
     #: 148). The same operations: a launch choice.
     dp_overlap: bool = False
+    #: The dQ kernel's running dQ kept in its fp32 output tile's SMEM instead of
+    #: registers: each block's product ``dS K`` taken :data:`DQ_SMEM_COLS` columns at
+    #: a time into a fresh wgmma accumulator, added to those columns read from the
+    #: tile (``running + fresh``, the registers' order) and written back. Each
+    #: element's product is the same 64-key wgmma reduction and its sum the same
+    #: addition: a launch choice. For D=256, where the running dQ (128 registers a
+    #: thread) beside the whole product's fresh accumulator and S, dP and P spills
+    #: (``benchmarks.mosaic_sass --backward --bwd_head_dim=256``: 1752 bytes, the
+    #: key-block loop 103 spill loads and 56 stores a block). Not yet run on a GPU.
+    dq_in_smem: bool = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -186,6 +198,8 @@ class BwdConfig:
         check_pdl("pdl", self.pdl)
         if not isinstance(self.dp_overlap, bool):
             raise TypeError(f"dp_overlap must be True or False, got {self.dp_overlap!r}")
+        if not isinstance(self.dq_in_smem, bool):
+            raise TypeError(f"dq_in_smem must be True or False, got {self.dq_in_smem!r}")
         if self.semantics not in ("lane", "warpgroup"):
             raise ValueError(f"semantics must be 'lane' or 'warpgroup', got {self.semantics!r}")
         if self.delta not in ("mosaic", "triton"):
@@ -956,7 +970,14 @@ class _DqKernel:
         p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
         ds = p * (dp - lax.broadcast_in_dim(rows.dlt, (bq, bkv), [0]))
         ds_op = _a_operand(ds.astype(self.dtype), rows.ds_s, gpu_operands)
-        dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
+        if self.cfg.dq_in_smem:  # the running dQ in the output tile, a column chunk at a time
+            cols = DQ_SMEM_COLS
+            for c in range(0, self.d, cols):
+                ref = rows.own["out"].at[:, pl.ds(c, cols)]
+                ref[...] = lay.tile(ref) + _wgmma(ds_op, k_s.at[:, pl.ds(c, cols)],
+                                                  (bq, cols))
+        else:
+            dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
         plgpu.barrier_arrive(bars["free"].at[slot])
         return dq
 
@@ -976,8 +997,15 @@ class _DqKernel:
         blocks only the other warpgroup needs ([hi, hi_cta)) unread."""
         step = functools.partial(self.step, rows, sm, bars)
         hi, q0, offset, bkv = rows.hi, rows.q0, rows.offset, BLOCK_KV
-        dq = (self.lay.tile(rows.own["out"]) if self.continue_acc
-              else self.lay.zeros((BLOCK_Q, self.d)))
+        if self.cfg.dq_in_smem:  # the tile holds dQ: acc_in's copy, or zeros (no carry)
+            if not self.continue_acc:
+                for c in range(0, self.d, DQ_SMEM_COLS):
+                    rows.own["out"].at[:, pl.ds(c, DQ_SMEM_COLS)][...] = self.lay.zeros(
+                        (BLOCK_Q, DQ_SMEM_COLS))
+            dq = None
+        else:
+            dq = (self.lay.tile(rows.own["out"]) if self.continue_acc
+                  else self.lay.zeros((BLOCK_Q, self.d)))
         if self.cfg.mask == "scores" or not self.causal or self.key_mask:
             dq = lax.fori_loop(0, hi, step, dq)
         else:
@@ -995,7 +1023,14 @@ class _DqKernel:
         """Epilogue: the fp32 dQ tile staged in SMEM and stored by TMA; with ``finish``,
         ``dq * scale`` in the inputs' dtype, staged in the Q tile's SMEM (every wgmma
         that read Q has been waited for: its results are in ``dq``)."""
-        if self.finish:
+        if self.cfg.dq_in_smem:  # (dq is None: the output tile holds it)
+            staged = rows.own["q"] if self.finish else rows.own["out"]
+            if self.finish:
+                for c in range(0, self.d, DQ_SMEM_COLS):
+                    cols = pl.ds(c, DQ_SMEM_COLS)
+                    staged.at[:, cols][...] = (self.lay.tile(rows.own["out"].at[:, cols])
+                                               * self.scale).astype(self.dtype)
+        elif self.finish:
             staged = rows.own["q"]
             staged[...] = (dq * self.scale).astype(self.dtype)
         else:
