@@ -350,4 +350,13 @@ if has e2e; then
       | tee "$OUT/e2e.txt" | tail -12
   status=$((status | ${PIPESTATUS[0]}))
 fi
+# The device tool brings back at most 8 files from $OUT (and none more than 2 folders
+# down): past 7 files, or with a file deeper, everything goes back as one
+# $OUT/results.tgz (PACK=0: never).
+if [[ ${PACK:-1} != 0 ]] && { (( $(find "$OUT" -type f | wc -l) > 7 )) \
+    || [[ -n $(find "$OUT" -mindepth 4 -type f | head -1) ]]; }; then
+  tar czf "/tmp/jaxattn-results-$$.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* \
+      && mv "/tmp/jaxattn-results-$$.tgz" "$OUT/results.tgz" \
+      && echo "== packed into \$OUT/results.tgz (tar xzf it)"
+fi
 exit $status
