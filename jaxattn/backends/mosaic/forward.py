@@ -497,10 +497,10 @@ def _smem_transforms(cols: int, itemsize: int):
 
 
 #: Head dims of the forward and backward kernels. At D=256 the forward holds a 64x256
-#: fp32 accumulator per compute warpgroup and 192 KiB of SMEM with the default launch
-#: (not with ``prefetch_q``: SMEM); the backward, see
-#: ``mosaic_bwd.backward``. Lowered for CUDA and checked in interpret mode, not yet run
-#: on a GPU.
+#: fp32 accumulator per compute warpgroup and 192 KiB of SMEM with two compute
+#: warpgroups (not with ``prefetch_q``: SMEM), 224 KiB with one and the SMEM state
+#: (``MosaicConfig.smem_state``, the default past one SPLIT); the backward, see
+#: ``mosaic_bwd.backward``. Run on the H200 since 2026-12-01.
 HEAD_DIMS = (64, 128, 256)
 
 
