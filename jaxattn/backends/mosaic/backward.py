@@ -972,15 +972,18 @@ class _DqKernel:
         ds = p * (dp - lax.broadcast_in_dim(rows.dlt, (bq, bkv), [0]))
         ds_op = _a_operand(ds.astype(self.dtype), rows.ds_s, gpu_operands)
         if self.cfg.dq_in_smem:  # the running dQ in the output tile, a column chunk at a time
-            cols = DQ_SMEM_COLS
-            for c in range(0, self.d, cols):
-                ref = rows.own["out"].at[:, pl.ds(c, cols)]
-                ref[...] = lay.tile(ref) + _wgmma(ds_op, k_s.at[:, pl.ds(c, cols)],
-                                                  (bq, cols))
+            for cols in self.dq_chunks():
+                ref = rows.own["out"].at[:, cols]
+                ref[...] = lay.tile(ref) + _wgmma(ds_op, k_s.at[:, cols],
+                                                  (bq, DQ_SMEM_COLS))
         else:
             dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
         plgpu.barrier_arrive(bars["free"].at[slot])
         return dq
+
+    def dq_chunks(self):
+        """``dq_in_smem``: the column slices of dQ taken at a time, in column order."""
+        return [pl.ds(c, DQ_SMEM_COLS) for c in range(0, self.d, DQ_SMEM_COLS)]
 
     def release(self, bars, j, _):
         """Consumer step j of a block that only the other warpgroup's tile sees: waits
@@ -1000,8 +1003,8 @@ class _DqKernel:
         hi, q0, offset, bkv = rows.hi, rows.q0, rows.offset, BLOCK_KV
         if self.cfg.dq_in_smem:  # the tile holds dQ: acc_in's copy, or zeros (no carry)
             if not self.continue_acc:
-                for c in range(0, self.d, DQ_SMEM_COLS):
-                    rows.own["out"].at[:, pl.ds(c, DQ_SMEM_COLS)][...] = self.lay.zeros(
+                for cols in self.dq_chunks():
+                    rows.own["out"].at[:, cols][...] = self.lay.zeros(
                         (BLOCK_Q, DQ_SMEM_COLS))
             dq = None
         else:
@@ -1027,8 +1030,7 @@ class _DqKernel:
         if self.cfg.dq_in_smem:  # (dq is None: the output tile holds it)
             staged = rows.own["q"] if self.finish else rows.own["out"]
             if self.finish:
-                for c in range(0, self.d, DQ_SMEM_COLS):
-                    cols = pl.ds(c, DQ_SMEM_COLS)
+                for cols in self.dq_chunks():
                     staged.at[:, cols][...] = (self.lay.tile(rows.own["out"].at[:, cols])
                                                * self.scale).astype(self.dtype)
         elif self.finish:

@@ -680,18 +680,19 @@ def kernel_finalize(acc, m, l, normalize="divide"):
                          reciprocal=normalize == "reciprocal")
 
 
+#: The ``exp`` and ``log`` of :func:`merge_rows` and :func:`merge_weights` in the
+#: kernels' base (:data:`KERNEL_LSE_BASE2`); empty: the natural base, their defaults.
+_KERNEL_BASE = {"exp": jnp.exp2, "log": jnp.log2} if KERNEL_LSE_BASE2 else {}
+
+
 def kernel_merge(*states, layout=None):
     """:func:`merge_rows` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
-    if KERNEL_LSE_BASE2:
-        return merge_rows(*states, exp=jnp.exp2, log=jnp.log2, layout=layout)
-    return merge_rows(*states, layout=layout)
+    return merge_rows(*states, layout=layout, **_KERNEL_BASE)
 
 
 def kernel_merge_weights(lse_left, lse_right, shape):
     """:func:`merge_weights` in the kernels' base (:data:`KERNEL_LSE_BASE2`)."""
-    if KERNEL_LSE_BASE2:
-        return merge_weights(lse_left, lse_right, shape, exp=jnp.exp2, log=jnp.log2)
-    return merge_weights(lse_left, lse_right, shape)
+    return merge_weights(lse_left, lse_right, shape, **_KERNEL_BASE)
 
 
 #: ``MosaicConfig.smem_state``: the columns of the SMEM state merged at a time.
@@ -1043,9 +1044,10 @@ class _Forward:
         #: MosaicConfig.smem_state where it applies (a prefill, one item a CTA); with
         #: one compute warpgroup on the GPU the lse rows staged for the epilogue's store
         #: share the ring's SMEM (idle once the item's last block is consumed).
-        self.smem_state = bool(cfg.smem_state and position is None and not persistent
-                           and not (split_out or state_in or state_out or raw_out
-                                    or carry_in or finish_rows))
+        self.smem_state = bool(cfg.smem_state) and smem_state_applies(
+            decode=position is not None, persistent=bool(persistent),
+            states=split_out or state_in or state_out or raw_out or carry_in
+            or bool(finish_rows))
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
         need = smem_bytes(self.scratch(())) if self.smem_state and interpret is None else 0
         if need > SMEM_LIMIT_STATE:
@@ -2177,6 +2179,14 @@ def auto_late_rowsum(rowsum: str, *, persistent: bool, decode: bool,
     return rowsum == "reduce32" and not persistent and not decode and not split_out
 
 
+def smem_state_applies(*, decode: bool, persistent: bool, states: bool) -> bool:
+    """Where ``MosaicConfig.smem_state`` applies: a prefill (not decode rows) on a grid
+    of one CTA per tile, whose output is the folded state itself (``states``: split
+    or CP states in or out, a carried or raw state, finished rows: the registers'
+    path)."""
+    return not (decode or persistent or states)
+
+
 def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
     """``MosaicConfig(smem_state=None)``'s choice for a prefill on a grid of one CTA
     per tile (the caller's conditions), with ``skv`` keys (padded to whole blocks):
@@ -2491,9 +2501,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     else:
         smem_state = cfg.smem_state
         if smem_state is None:
-            smem_state = (not (partials or raw or carry is not None or state is not None
-                               or state_out or cfg.persistent)
-                          and auto_smem_state(d, skv_kernel, gpu=interpret is None))
+            smem_state = (smem_state_applies(
+                decode=False, persistent=bool(cfg.persistent),
+                states=partials or raw or carry is not None or state is not None
+                or state_out) and auto_smem_state(d, skv_kernel, gpu=interpret is None))
             cfg = dataclasses.replace(cfg, smem_state=smem_state,
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
