@@ -587,3 +587,21 @@ def test_rejects_bad_key_mask(mosaic_bwd):
         with pytest.raises(ValueError, match="key_padding_mask"):
             mosaic_bwd.backward(q, q, q, q, lse, q, causal=True, interpret=True,
                                 key_padding_mask=mask)
+
+
+@needs_api
+@pytest.mark.parametrize("d", [128, 256])
+def test_dq_in_smem_default_is_by_head_dim(mosaic_bwd, d):
+    """``BwdConfig.dq_in_smem=None`` (the default) lowers the dQ kernel that
+    ``dq_in_smem=True`` does where D > 128, and ``False``'s where D <= 128."""
+    q = jax.ShapeDtypeStruct((1, 4, 256, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 512, d), jnp.bfloat16)
+
+    def kernels(**kw):
+        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=True,
+                                         config=mosaic_bwd.BwdConfig(**kw)).as_text()
+        return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+    default, on, off = kernels(), kernels(dq_in_smem=True), kernels(dq_in_smem=False)
+    assert on != off
+    assert default == (on if d > 128 else off)
