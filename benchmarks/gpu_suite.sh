@@ -181,12 +181,15 @@ if has peers; then
 fi
 if has sweep; then
   # name|timeout|args: each part is its own process (its results survive a later timeout).
+  # The D=256 parts' limits cover a cold compile cache (2026-12-05, H100: d256 ran past
+  # 90 s cold and took 54 s warm). All parts: about 1110 s, so two device calls (e.g.
+  # SWEEP_SELECT=causal128,noncausal128,d64 then the rest).
   SWEEP_PARTS=${SWEEP_PARTS:-"causal128|240|--modes=fwd,fwdbwd --seq_lens=1024,2048,4096,8192,16384,32768 --tokens=32768
 noncausal128|180|--modes=fwd,fwdbwd --nocausal --seq_lens=1024,4096,16384,32768 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
 d64|90|--modes=fwd,fwdbwd --head_dim=64 --seq_lens=4096,16384 --tokens=32768
 d64nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=64 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
-d256|90|--modes=fwd,fwdbwd --head_dim=256 --seq_lens=4096,16384 --tokens=32768
-d256nc|75|--modes=fwd,fwdbwd --nocausal --head_dim=256 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
+d256|180|--modes=fwd,fwdbwd --head_dim=256 --seq_lens=4096,16384 --tokens=32768
+d256nc|150|--modes=fwd,fwdbwd --nocausal --head_dim=256 --seq_lens=4096,16384 --tokens=32768 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,pallas_mha,torch_flash,torch_cudnn
 chunked|90|--modes=chunked --chunk_size=2048 --seq_lens=4096,16384,32768 --batch=1 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,xla,torch_flash,torch_efficient
 decode|120|--modes=decode --decode_batch=8 --decode_kv_lens=1024,4096,16384,65536,131072 --backends=jaxattn:mosaic,jaxattn:pallas,cudnn,xla,torch_flash,torch_cudnn,torch_efficient"}
   while IFS='|' read -r name limit args; do
