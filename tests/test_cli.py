@@ -282,3 +282,31 @@ def test_ncu_source_reads_the_h200s_source_view():
     assert "WARPGROUP.DEPBAR" in hottest and hottest.split()[0] == "639", hottest
     kernel = text.split("the whole kernel:")[1].splitlines()
     assert kernel[2].split()[0] == "long_sb", kernel[:3]
+
+
+def test_sweep_tables_render_ratios_errors_and_decode():
+    """benchmarks.sweep_tables: a table per (mode, D, causal), rows by sequence length,
+    the default in bold with its ratio to the peer, a failed row as "error", decode in
+    GB/s."""
+    from benchmarks import sweep_tables
+
+    def row(system, mode, s, b, value, **kw):
+        metric = "GB/s" if mode == "decode" else "TFLOP/s"
+        return dict(system=system, mode=mode, B=b, Sq=1 if mode == "decode" else s,
+                    Skv=s, D=128, causal=True, **{metric: value}, **kw)
+
+    rows = [row("jaxattn:mosaic", "fwd", 4096, 8, 450.0),
+            row("torch_cudnn", "fwd", 4096, 8, 500.0),
+            row("jaxattn:mosaic", "fwd", 1024, 32, 300.0),
+            row("torch_cudnn", "fwd", 1024, 32, None, error="OOM"),
+            row("jaxattn:mosaic", "decode", 8192, 8, 2900.0),
+            row("torch_cudnn", "decode", 8192, 8, 2000.0)]
+    md = sweep_tables.tables(rows, "jaxattn:mosaic", "torch_cudnn")
+    fwd, decode = md.split("### ")[1:]
+    assert fwd.startswith("Forward TFLOP/s, D=128, causal")
+    lines = fwd.strip().splitlines()
+    assert lines[1] == "| S | jaxattn mosaic | torch_cudnn | mosaic / torch_cudnn |"
+    assert lines[3] == "| 1024 (B=32) | **300** | error | - |"  # sorted by length
+    assert lines[4] == "| 4096 (B=8) | **450** | 500 | 0.90 |"
+    assert decode.startswith("Decode GB/s")
+    assert "| 8192 (B=8) | **2900** | 2000 | 1.45 |" in decode
