@@ -300,6 +300,30 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_dv_two_warpgroups_keep_bits(mosaic_bwd):
+    """BwdConfig(dv_wgs=2) (the split dV kernel, which holds no V and loads no delta,
+    with two KV blocks per CTA sharing one query stream) gives the bits of one block per
+    CTA, and those of the joint dK/dV kernel: causal (the second block's first query
+    blocks fully masked) with GQA, and a key mask over NaN in dropped K and V."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
+    keep = jnp.asarray(np.random.default_rng(seed).random((1, 256)) > 0.2).at[:, -1].set(True)
+    k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+    v_nan = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+    for mask, kk, vv in ((None, k, v), (keep, k_nan, v_nan)):
+        out, lse = jaxattn.attention(q, kk, vv, causal=True, key_padding_mask=mask,
+                                     return_lse=True, backend="pallas")
+        runs = [mosaic_bwd.backward(q, kk, vv, out, lse, do, causal=True, interpret=True,
+                                    key_padding_mask=mask,
+                                    config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, **kw))
+                for kw in ({}, {"split_dkdv": True, "dv_wgs": 2})]
+        for name, a, b in zip("qkv", *runs, strict=True):
+            tag = f"d{name}, mask {mask is not None} (seed {seed})"
+            assert not np.isnan(np.asarray(b, np.float32)).any(), tag
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=tag)
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
     """BwdConfig(dp_overlap=True) (the dK/dV kernel's P^T computed while dP^T runs)
     gives the default's bits: causal with a key mask over NaN in K and V (masked and
@@ -496,7 +520,8 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {}, {"registers": None},
                                 {"mask": "scores"}, {"exp2": False},
                                 {"mask": "scores", "exp2": False, "dq_wgs": 2},
-                                {"split_dkdv": True}, {"dp_overlap": True}],
+                                {"split_dkdv": True}, {"dp_overlap": True},
+                                {"split_dkdv": True, "dv_wgs": 2}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
                          or "default")
 def test_dkdv_options_lower(mosaic_bwd, kw):
@@ -515,14 +540,21 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     """D=256: delta, dK and dV by two kernels, dQ with one tile and one K/V slot per
-    CTA (the SMEM: 192 KiB each), tails and a key mask included."""
+    CTA (the SMEM: 192 KiB each), tails and a key mask included; ``dv_wgs=2`` (two
+    warpgroups in the dV kernel) fits too."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 2, 300, 256), jnp.bfloat16)
-    mask = jax.ShapeDtypeStruct((2, 300), jnp.bool_)
+    k = jax.ShapeDtypeStruct((2, 2, 250, 256), jnp.bfloat16)  # 256 keys padded: 2 x 128
+    mask = jax.ShapeDtypeStruct((2, 250), jnp.bool_)
     for m in (None, mask):
-        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
-                                         config=mosaic_bwd.BwdConfig()).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 4
+        kernels = {}
+        for wgs in (1, 2):
+            text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
+                                             config=mosaic_bwd.BwdConfig(dv_wgs=wgs)).as_text()
+            kernels[wgs] = [line for line in text.splitlines()
+                            if "custom_call @mosaic_gpu" in line]
+            assert len(kernels[wgs]) == 4
+        # dv_wgs=2 changes the dV kernel alone (two warpgroups: SMEM fits without V).
+        assert sum(a != b for a, b in zip(kernels[1], kernels[2], strict=True)) == 1
 
 
 @needs_api
@@ -545,7 +577,7 @@ def test_tails_and_key_mask_lower(mosaic_bwd, kw, causal):
 
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
-               {"dq_wgs": 0}, {"registers": (240,)}, {"registers": (241, 24)},
+               {"dq_wgs": 0}, {"dv_wgs": 3}, {"registers": (240,)}, {"registers": (241, 24)},
                {"mask": "logits"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)

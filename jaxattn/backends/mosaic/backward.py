@@ -194,6 +194,13 @@ class BwdConfig:
     #: On an H100 (2026-12-05, tree f2afb68, D=256 causal): bits equal, the backward
     #: 36.1 -> 33.2 ms at B=8 S=4096 and 111.3 -> 102.4 ms at B=2 S=16384 (8%).
     dq_in_smem: bool | None = None
+    #: Compute warpgroups of the dV kernel where dK and dV are split (``split_dkdv``):
+    #: 1 or 2, each holding one KV block of a shared query stream, as ``dkdv_wgs``
+    #: (the same bits). The dV kernel holds no V (it computes no dP), so two fit at
+    #: D=256 (K, and the ring of Q, dO and lse: 192 KiB). Needs ``Skv`` to be a
+    #: multiple of 128 (else 1). The dK kernel keeps one (K and V per warpgroup and two
+    #: ring slots do not fit twice). Not yet run on a GPU.
+    dv_wgs: int = 1
 
     def __post_init__(self):
         if self.stages < 1:
@@ -217,6 +224,8 @@ class BwdConfig:
             raise ValueError(f"mask must be 'scores' or 'probs', got {self.mask!r}")
         if self.dq_wgs not in (1, 2):
             raise ValueError(f"dq_wgs must be 1 or 2, got {self.dq_wgs}")
+        if self.dv_wgs not in (1, 2):
+            raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.registers is not None and (
                 len(self.registers) != 2 or any(r % 8 or not 24 <= r <= 256
                                                 for r in self.registers)):
@@ -475,8 +484,8 @@ class _DkdvKernel:
         cfg, bkv = self.cfg, BLOCK_KV
         self.want_dk, self.want_dv = self.parts != "dv", self.parts != "dk"
         self.stages = cfg.stages
-        self.nwg = (cfg.dkdv_wgs if self.skv % (cfg.dkdv_wgs * bkv) == 0
-                    and self.parts == "dkdv" else 1)
+        wgs = {"dkdv": cfg.dkdv_wgs, "dv": cfg.dv_wgs}.get(self.parts, 1)
+        self.nwg = wgs if self.skv % (wgs * bkv) == 0 else 1
         gpu = self.gpu_operands and self.interpret is None
         self.inplace = (cfg.accumulate or ("inplace" if gpu else "fresh")) == "inplace"
         if self.inplace and not gpu:
@@ -487,9 +496,10 @@ class _DkdvKernel:
         self.lay = _Layouts(self.interpret)
         self.tr = functools.partial(_smem_transforms,
                                     itemsize=jnp.dtype(self.dtype).itemsize)
-        #: The streamed operands, in the ring's copy order.
-        self.names = ["q", "do", "lse", "delta"] + ([] if self.gpu_operands
-                                                    else ["qt", "dot"])
+        #: The streamed operands, in the ring's copy order (dV alone needs no delta,
+        #: and no V: it computes no dP).
+        self.names = (["q", "do", "lse"] + (["delta"] if self.want_dk else [])
+                      + ([] if self.gpu_operands else ["qt", "dot"]))
 
     def offset_of(self, bi, offs_ref):
         """The causal offset of sequence ``bi`` (read from ``offs`` with
@@ -561,16 +571,18 @@ class _DkdvKernel:
         bq, bkv, lay, bi, kvh = BLOCK_Q, BLOCK_KV, self.lay, tile.bi, tile.kvh
         start = tile.start + w * bkv
         offset = self.offset_of(bi, tile.offs)
-        sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w])
+        sm = dict(sm, k=sm["k"].at[w], v=sm["v"].at[w] if "v" in sm else None)
         if "p" in sm:
             sm.update(p=sm["p"].at[w], ds=sm["ds"].at[w])
         keys = pl.ds(start, bkv)
         plgpu.copy_gmem_to_smem(tile_of(refs["k"], bi, kvh, keys, self.btnh), sm["k"],
                                 bars["misc"].at[2 * w])
-        plgpu.copy_gmem_to_smem(tile_of(refs["v"], bi, kvh, keys, self.btnh), sm["v"],
-                                bars["misc"].at[2 * w + 1])
+        if self.want_dk:  # V for dP (dV alone computes none)
+            plgpu.copy_gmem_to_smem(tile_of(refs["v"], bi, kvh, keys, self.btnh), sm["v"],
+                                    bars["misc"].at[2 * w + 1])
         plgpu.barrier_wait(bars["misc"].at[2 * w])
-        plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
+        if self.want_dk:
+            plgpu.barrier_wait(bars["misc"].at[2 * w + 1])
         # [keys, queries]: visible iff start + r <= q0 + c + offset.
         diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
         kept = None
@@ -594,13 +606,14 @@ class _DkdvKernel:
         dk, dv = carry
         slot = lax.rem(t, jnp.int32(self.stages))
         q0 = (tile.first + lax.rem(t, tile.n)) * bq
-        for name in ("lse", "delta", "q", "do") + (() if gpu_operands else ("qt", "dot")):
-            plgpu.barrier_wait(bars[name].at[slot])
+        for name in ("lse", "delta", "q", "do", "qt", "dot"):  # (the streamed ones)
+            if name in self.names:
+                plgpu.barrier_wait(bars[name].at[slot])
         lse = lay.vec(sm["lse"].at[slot], 0)
-        dlt = lay.vec(sm["delta"].at[slot], 0)
+        dlt = lay.vec(sm["delta"].at[slot], 0) if want_dk else None
         q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
         qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
-        dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
+        dot_ = (_t(do_s) if gpu_operands else sm["dot"].at[slot]) if want_dk else None
         s_t = _wgmma(sm["k"], qt, (bkv, bq))
         overlap = want_dk and cfg.dp_overlap  # P^T computed while dP^T runs
         if not overlap:
@@ -676,19 +689,20 @@ class _DkdvKernel:
 
     def epilogue(self, blk: _DkdvBlock, tile: _DkdvTile, refs, dk, dv):
         """Epilogue: dK scaled, both cast to k's dtype and staged in the SMEM of K and V
-        (no longer needed), then stored by TMA."""
+        (no longer needed; dV alone, which holds no V, in K's), then stored by TMA."""
         sm, keys = blk.sm, pl.ds(blk.start, BLOCK_KV)
+        dv_s = sm["v"] if self.want_dk else sm["k"]
         if self.want_dk:
             sm["k"][...] = (dk * self.scale).astype(self.dtype)
         if self.want_dv:
-            sm["v"][...] = dv.astype(self.dtype)
+            dv_s[...] = dv.astype(self.dtype)
         plgpu.commit_smem()
         if self.want_dk:
             plgpu.copy_smem_to_gmem(sm["k"], tile_of(refs["dk"], tile.bi, tile.kvh, keys,
                                                    self.btnh))
         if self.want_dv:
-            plgpu.copy_smem_to_gmem(sm["v"], tile_of(refs["dv"], tile.bi, tile.kvh, keys,
-                                                   self.btnh))
+            plgpu.copy_smem_to_gmem(dv_s, tile_of(refs["dv"], tile.bi, tile.kvh, keys,
+                                                self.btnh))
         plgpu.wait_smem_to_gmem(0)
 
     def consume(self, w, refs, sm, bars, tile: _DkdvTile):
@@ -712,6 +726,8 @@ class _DkdvKernel:
             "lse": plgpu.SMEM((stages, bq), jnp.float32),
             "delta": plgpu.SMEM((stages, bq), jnp.float32),
         }
+        if not self.want_dk:  # dV alone: no dP, so neither V nor delta
+            del spec["v"], spec["delta"]
         if not self.gpu_operands:
             spec.update(
                 qt=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
