@@ -300,11 +300,12 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_dv_two_warpgroups_keep_bits(mosaic_bwd):
-    """BwdConfig(dv_wgs=2) (the split dV kernel, which holds no V and loads no delta,
-    with two KV blocks per CTA sharing one query stream) gives the bits of one block per
-    CTA, and those of the joint dK/dV kernel: causal (the second block's first query
-    blocks fully masked) with GQA, and a key mask over NaN in dropped K and V."""
+def test_interpret_split_two_warpgroups_keep_bits(mosaic_bwd):
+    """BwdConfig(dv_wgs=2, dk_wgs=2) (the split dV kernel, which holds no V and loads
+    no delta, and the split dK kernel, each with two KV blocks per CTA sharing one query
+    stream) give the bits of the joint dK/dV kernel of one block per CTA: causal (the
+    second block's first query blocks fully masked) with GQA, and a key mask over NaN
+    in dropped K and V."""
     seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 256)) > 0.2).at[:, -1].set(True)
     k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
@@ -315,7 +316,7 @@ def test_interpret_dv_two_warpgroups_keep_bits(mosaic_bwd):
         runs = [mosaic_bwd.backward(q, kk, vv, out, lse, do, causal=True, interpret=True,
                                     key_padding_mask=mask,
                                     config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, **kw))
-                for kw in ({}, {"split_dkdv": True, "dv_wgs": 2})]
+                for kw in ({}, {"split_dkdv": True, "dv_wgs": 2, "dk_wgs": 2})]
         for name, a, b in zip("qkv", *runs, strict=True):
             tag = f"d{name}, mask {mask is not None} (seed {seed})"
             assert not np.isnan(np.asarray(b, np.float32)).any(), tag
@@ -521,7 +522,7 @@ def test_lowers_for_cuda_without_gpu(mosaic_bwd, d, gpu_operands, semantics):
                                 {"mask": "scores"}, {"exp2": False},
                                 {"mask": "scores", "exp2": False, "dq_wgs": 2},
                                 {"split_dkdv": True}, {"dp_overlap": True},
-                                {"split_dkdv": True, "dv_wgs": 2}],
+                                {"split_dkdv": True, "dv_wgs": 2, "dk_wgs": 2}],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
                          or "default")
 def test_dkdv_options_lower(mosaic_bwd, kw):
@@ -540,21 +541,25 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     """D=256: delta, dK and dV by two kernels, dQ with one tile and one K/V slot per
-    CTA (the SMEM: 192 KiB each), tails and a key mask included; ``dv_wgs=2`` (two
-    warpgroups in the dV kernel) fits too."""
+    CTA (the SMEM: 192 KiB each), tails and a key mask included; two warpgroups in the
+    dV kernel (``dv_wgs=2``) or in the dK kernel (``dk_wgs=2``, one ring slot) fit too."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 2, 250, 256), jnp.bfloat16)  # 256 keys padded: 2 x 128
     mask = jax.ShapeDtypeStruct((2, 250), jnp.bool_)
     for m in (None, mask):
         kernels = {}
-        for wgs in (1, 2):
+        for name, kw in (("default", {}), ("dv", {"dv_wgs": 2}), ("dk", {"dk_wgs": 2})):
             text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
-                                             config=mosaic_bwd.BwdConfig(dv_wgs=wgs)).as_text()
-            kernels[wgs] = [line for line in text.splitlines()
-                            if "custom_call @mosaic_gpu" in line]
-            assert len(kernels[wgs]) == 4
-        # dv_wgs=2 changes the dV kernel alone (two warpgroups: SMEM fits without V).
-        assert sum(a != b for a, b in zip(kernels[1], kernels[2], strict=True)) == 1
+                                             config=mosaic_bwd.BwdConfig(**kw)).as_text()
+            kernels[name] = [line for line in text.splitlines()
+                             if "custom_call @mosaic_gpu" in line]
+            assert len(kernels[name]) == 4
+        # dv_wgs=2 and dk_wgs=2 (one ring slot) each change one kernel, not the same.
+        changed = {name: [i for i, (a, b) in enumerate(zip(kernels["default"], kernels[name],
+                                                              strict=True)) if a != b]
+                   for name in ("dv", "dk")}
+        assert len(changed["dv"]) == len(changed["dk"]) == 1, changed
+        assert changed["dv"] != changed["dk"], changed
 
 
 @needs_api
@@ -577,8 +582,8 @@ def test_tails_and_key_mask_lower(mosaic_bwd, kw, causal):
 
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
-               {"dq_wgs": 0}, {"dv_wgs": 3}, {"registers": (240,)}, {"registers": (241, 24)},
-               {"mask": "logits"}):
+               {"dq_wgs": 0}, {"dv_wgs": 3}, {"dk_wgs": 0}, {"registers": (240,)},
+               {"registers": (241, 24)}, {"mask": "logits"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
     # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag

@@ -198,9 +198,13 @@ class BwdConfig:
     #: 1 or 2, each holding one KV block of a shared query stream, as ``dkdv_wgs``
     #: (the same bits). The dV kernel holds no V (it computes no dP), so two fit at
     #: D=256 (K, and the ring of Q, dO and lse: 192 KiB). Needs ``Skv`` to be a
-    #: multiple of 128 (else 1). The dK kernel keeps one (K and V per warpgroup and two
-    #: ring slots do not fit twice). Not yet run on a GPU.
+    #: multiple of 128 (else 1). Not yet run on a GPU.
     dv_wgs: int = 1
+    #: Compute warpgroups of the split dK kernel, 1 or 2, as ``dv_wgs``. At D=256 two
+    #: warpgroups' K and V (128 KiB) leave room for one ring slot of Q and dO, so the
+    #: kernel then runs ``stages=1`` (the two warpgroups still overlap each other's
+    #: softmax and products; the next step's load waits for both). Not yet run on a GPU.
+    dk_wgs: int = 1
 
     def __post_init__(self):
         if self.stages < 1:
@@ -226,6 +230,8 @@ class BwdConfig:
             raise ValueError(f"dq_wgs must be 1 or 2, got {self.dq_wgs}")
         if self.dv_wgs not in (1, 2):
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
+        if self.dk_wgs not in (1, 2):
+            raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
         if self.registers is not None and (
                 len(self.registers) != 2 or any(r % 8 or not 24 <= r <= 256
                                                 for r in self.registers)):
@@ -484,8 +490,10 @@ class _DkdvKernel:
         cfg, bkv = self.cfg, BLOCK_KV
         self.want_dk, self.want_dv = self.parts != "dv", self.parts != "dk"
         self.stages = cfg.stages
-        wgs = {"dkdv": cfg.dkdv_wgs, "dv": cfg.dv_wgs}.get(self.parts, 1)
+        wgs = {"dkdv": cfg.dkdv_wgs, "dv": cfg.dv_wgs, "dk": cfg.dk_wgs}[self.parts]
         self.nwg = wgs if self.skv % (wgs * bkv) == 0 else 1
+        if self.parts == "dk" and self.nwg > 1 and self.d > 128:
+            self.stages = 1  # K and V of two warpgroups leave SMEM for one slot
         gpu = self.gpu_operands and self.interpret is None
         self.inplace = (cfg.accumulate or ("inplace" if gpu else "fresh")) == "inplace"
         if self.inplace and not gpu:
