@@ -373,6 +373,22 @@ def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     assert not np.isnan(np.asarray(runs[1][0], np.float32)).any()
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_dq_split_ring_keeps_bits(mosaic_bwd):
+    """BwdConfig(dq_split_ring=True) (at D=256 the dQ kernel's K in two ring slots and V
+    in one of its own, freed after dP) gives the default's bits: causal with offset 64
+    over three key blocks (each slot reused; masked and unmasked blocks), GQA."""
+    one = dict(dkdv_wgs=1, dq_wgs=1)
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 256)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                    mosaic_bwd.BwdConfig(**one, dq_split_ring=flag)) for flag in (False, True)]
+    assert not np.isnan(np.asarray(runs[1][0], np.float32)).any(), f"dq (seed {seed})"
+    np.testing.assert_array_equal(bits(runs[0][0]), bits(runs[1][0]),
+                                  err_msg=f"dq (seed {seed})")
+
+
 @pytest.mark.slow  # CI time: schedule options, the H200 runs the default
 @needs_threads
 @needs_interpret
@@ -541,25 +557,36 @@ def test_dkdv_options_lower(mosaic_bwd, kw):
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     """D=256: delta, dK and dV by two kernels, dQ with one tile and one K/V slot per
-    CTA (the SMEM: 192 KiB each), tails and a key mask included; two warpgroups in the
-    dV kernel (``dv_wgs=2``) or in the dK kernel (``dk_wgs=2``, one ring slot) fit too."""
+    CTA (the SMEM: 192 KiB each), query and key tails and a key mask included; causal,
+    the launch options that change one kernel each fit too: two warpgroups in the dV kernel
+    (``dv_wgs=2``) or in the dK kernel (``dk_wgs=2``, one ring slot), and the dQ
+    kernel's split ring (``dq_split_ring``)."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 2, 250, 256), jnp.bfloat16)  # 256 keys padded: 2 x 128
-    mask = jax.ShapeDtypeStruct((2, 250), jnp.bool_)
+    skv = 256 if causal else 300  # the options need 2 x 128 keys; a key tail
+    k = jax.ShapeDtypeStruct((2, 2, skv, 256), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, skv), jnp.bool_)
     for m in (None, mask):
         kernels = {}
-        for name, kw in (("default", {}), ("dv", {"dv_wgs": 2}), ("dk", {"dk_wgs": 2})):
+        options = (("dv", {"dv_wgs": 2}), ("dk", {"dk_wgs": 2}),
+                   ("dq", {"dq_split_ring": True})) if causal else ()  # (CI time)
+        for name, kw in (("default", {}), *options):
             text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
                                              config=mosaic_bwd.BwdConfig(**kw)).as_text()
             kernels[name] = [line for line in text.splitlines()
                              if "custom_call @mosaic_gpu" in line]
             assert len(kernels[name]) == 4
-        # dv_wgs=2 and dk_wgs=2 (one ring slot) each change one kernel, not the same.
+        if not causal:
+            continue
+        # dv_wgs=2, dk_wgs=2 (one ring slot) and dq_split_ring (none with a key mask,
+        # which a key count off the 64 grid also takes: it would not fit) each change
+        # one kernel, not the same.
         changed = {name: [i for i, (a, b) in enumerate(zip(kernels["default"], kernels[name],
                                                               strict=True)) if a != b]
-                   for name in ("dv", "dk")}
+                   for name in ("dv", "dk", "dq")}
         assert len(changed["dv"]) == len(changed["dk"]) == 1, changed
         assert changed["dv"] != changed["dk"], changed
+        assert len(changed["dq"]) == (0 if m is not None else 1), changed
+        assert not set(changed["dq"]) & set(changed["dv"] + changed["dk"]), changed
 
 
 @needs_api
@@ -589,7 +616,7 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
-                        ("dp_overlap", "yes"), ("dq_in_smem", 1)):
+                        ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

@@ -205,6 +205,15 @@ class BwdConfig:
     #: kernel then runs ``stages=1`` (the two warpgroups still overlap each other's
     #: softmax and products; the next step's load waits for both). Not yet run on a GPU.
     dk_wgs: int = 1
+    #: The dQ kernel's K/V ring split in two where D > 128 and no key mask is given
+    #: (ignored elsewhere): K (K and K^T off the GPU operand path) in ``stages + 1``
+    #: slots and V in its own ``stages``, V's freed as soon as the block's dP is
+    #: computed. At D=256 (one K/V slot: Q, dO, the fp32 tile and one block fill 192
+    #: KiB) block j+1's V then loads under block j's softmax and dQ product, and its K
+    #: into the second slot (224 KiB; every SMEM buffer takes whole KiB, so a key mask's
+    #: keep values pass the 227 by 96 bytes). The same operations: a launch choice. Not
+    #: yet run on a GPU.
+    dq_split_ring: bool = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -232,6 +241,9 @@ class BwdConfig:
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.dk_wgs not in (1, 2):
             raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
+        if not isinstance(self.dq_split_ring, bool):
+            raise TypeError(f"dq_split_ring must be True or False, got "
+                            f"{self.dq_split_ring!r}")
         if self.registers is not None and (
                 len(self.registers) != 2 or any(r % 8 or not 24 <= r <= 256
                                                 for r in self.registers)):
@@ -255,30 +267,35 @@ def _check(q, k, v):
                          f"{BLOCK_KV} (prototype)")
 
 
-def _produce(srcs, sm, bars, stages: int, total, source):
+def _produce(srcs, sm, bars, stages: int, total, source, rings=None):
     """The producer warpgroup's ring: step t copies ``source(name, ref, t)`` of every
     source into slot ``t % stages`` (signalling ``bars[name]``) once the consumer has
     freed that slot (``bars["free"]``), then waits for the last ``stages`` slots to be
-    freed before the kernel ends."""
+    freed before the kernel ends. ``rings``: instead, ``[(names, slots, free), ...]``,
+    rings of their own slot counts and free barriers, filled in that order each step."""
+    rings = rings or [(tuple(srcs), stages, "free")]
+
     def load(t, _):
-        slot = lax.rem(t, jnp.int32(stages))
+        for names, slots, free in rings:
+            slot = lax.rem(t, jnp.int32(slots))
 
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(bars["free"].at[slot])
+            @pl.when(t >= slots)
+            def _(free=free, slot=slot):  # (traced here, once)
+                plgpu.barrier_wait(bars[free].at[slot])
 
-        for name, ref in srcs.items():
-            plgpu.copy_gmem_to_smem(source(name, ref, t), sm[name].at[slot],
-                                    bars[name].at[slot])
+            for name in names:
+                plgpu.copy_gmem_to_smem(source(name, srcs[name], t), sm[name].at[slot],
+                                        bars[name].at[slot])
         return None
 
     lax.fori_loop(0, total, load, None)
 
-    def drain(t, _):
-        plgpu.barrier_wait(bars["free"].at[lax.rem(t, jnp.int32(stages))])
-        return None
+    for _, slots, free in rings:
+        def drain(t, _, slots=slots, free=free):
+            plgpu.barrier_wait(bars[free].at[lax.rem(t, jnp.int32(slots))])
+            return None
 
-    lax.fori_loop(lax.max(total - stages, 0), total, drain, None)
+        lax.fori_loop(lax.max(total - slots, 0), total, drain, None)
 
 
 def _check_rows(name, x, shape, dtype=None):
@@ -898,6 +915,9 @@ class _DqKernel:
                     and (self.gpu_operands or d <= 64) and d <= 128 else 1)
         if d > 128:
             self.stages = 1
+        #: ``BwdConfig.dq_split_ring``, where it applies (with a key mask the keep
+        #: values' slots, each padded to 1 KiB, pass the SMEM by 96 bytes at D=256).
+        self.split_ring = cfg.dq_split_ring and d > 128 and not self.key_mask
         #: ``BwdConfig.dq_in_smem``, resolved (None: where D > 128).
         self.dq_in_smem = cfg.dq_in_smem if cfg.dq_in_smem is not None else d > 128
         self.group, self.n_kv = self.hq // self.hkv, self.skv // BLOCK_KV
@@ -908,6 +928,13 @@ class _DqKernel:
         #: The streamed operands, in the ring's copy order.
         self.names = ((["k", "v"] if self.gpu_operands else ["k", "kt", "vt"])
                       + (["keep"] if self.key_mask else []))
+        #: The rings: ``(names, slots, free barrier)``; with ``split_ring``, V (read by
+        #: dP alone) in a ring of its own, freed early.
+        early = ("v" if self.gpu_operands else "vt",) if self.split_ring else ()
+        late = tuple(n for n in self.names if n not in early)
+        self.rings = ([(late, self.stages + 1, "free"), (early, self.stages, "free_v")]
+                      if early else [(late, self.stages, "free")])
+        self.slots = {n: slots for names, slots, _ in self.rings for n in names}
 
     def offset_of(self, bi, offs_ref):
         """The causal offset of sequence ``bi`` (read from ``offs`` with
@@ -944,7 +971,8 @@ class _DqKernel:
                 return ref.at[bi, kvh, :, cols]
             return tile_of(ref, bi, kvh, cols, self.btnh)
 
-        _produce(srcs, sm, bars, self.stages, tile.hi_cta, source)
+        _produce(srcs, sm, bars, self.stages, tile.hi_cta, source,
+                 self.rings if self.split_ring else None)
 
     # -- consumer
 
@@ -982,19 +1010,21 @@ class _DqKernel:
         ``masked`` is False: every key of the block visible to every row),
         ``ds = p (dp - delta)``, ``dQ += ds K``; frees the slot."""
         bq, bkv, lay, gpu_operands = BLOCK_Q, BLOCK_KV, self.lay, self.gpu_operands
-        slot = lax.rem(j, jnp.int32(self.stages))
+        slot = self.slot_of(j)
         for name in self.names:
-            plgpu.barrier_wait(bars[name].at[slot])
-        k_s = sm["k"].at[slot]
-        kt = _t(k_s) if gpu_operands else sm["kt"].at[slot]
-        vt = _t(sm["v"].at[slot]) if gpu_operands else sm["vt"].at[slot]
+            plgpu.barrier_wait(bars[name].at[slot[name]])
+        k_s = sm["k"].at[slot["k"]]
+        kt = _t(k_s) if gpu_operands else sm["kt"].at[slot["kt"]]
+        vt = _t(sm["v"].at[slot["v"]]) if gpu_operands else sm["vt"].at[slot["vt"]]
         s = _wgmma(rows.own["q"], kt, (bq, bkv))
         dp = _wgmma(rows.own["do"], vt, (bq, bkv))
+        if self.split_ring:  # V is read: its slot takes the next block's
+            plgpu.barrier_arrive(bars["free_v"].at[slot["free_v"]])
         visible = None
         if masked:
             visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
             if self.key_mask:
-                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot], 0),
+                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot["keep"]], 0),
                                             (bq, bkv), [1]) != 0.0
                 visible = kept if visible is None else visible & kept
         p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
@@ -1007,8 +1037,16 @@ class _DqKernel:
                                                   (bq, DQ_SMEM_COLS))
         else:
             dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
-        plgpu.barrier_arrive(bars["free"].at[slot])
+        plgpu.barrier_arrive(bars["free"].at[slot["free"]])
         return dq
+
+    def slot_of(self, j):
+        """Block j's slot in each stream's ring and in each ring's free barriers (by
+        name)."""
+        by_count = {k: lax.rem(j, jnp.int32(k)) for _, k, _ in self.rings}
+        slots = {n: by_count[k] for n, k in self.slots.items()}
+        slots.update({free: by_count[k] for _, k, free in self.rings})
+        return slots
 
     def dq_chunks(self):
         """``dq_in_smem``: the column slices of dQ taken at a time, in column order."""
@@ -1017,10 +1055,11 @@ class _DqKernel:
     def release(self, bars, j, _):
         """Consumer step j of a block that only the other warpgroup's tile sees: waits
         for the slot and frees it unread."""
-        slot = lax.rem(j, jnp.int32(self.stages))
+        slot = self.slot_of(j)
         for name in self.names:
-            plgpu.barrier_wait(bars[name].at[slot])
-        plgpu.barrier_arrive(bars["free"].at[slot])
+            plgpu.barrier_wait(bars[name].at[slot[name]])
+        for _, _, free in self.rings:
+            plgpu.barrier_arrive(bars[free].at[slot[free]])
         return None
 
     def mainloop(self, rows: _DqRows, tile: _DqTile, sm, bars):
@@ -1084,7 +1123,7 @@ class _DqKernel:
     def smem(self):
         """The SMEM of a CTA: each warpgroup's Q, dO, lse, delta and fp32 output tile
         (and staged dS off the GPU operand path), and the ring's slots."""
-        dtype, tr, nwg, stages, bq, bkv, d = (self.dtype, self.tr, self.nwg, self.stages,
+        dtype, tr, nwg, slots, bq, bkv, d = (self.dtype, self.tr, self.nwg, self.slots,
                                               BLOCK_Q, BLOCK_KV, self.d)
         spec = {
             "q": plgpu.SMEM((nwg, bq, d), dtype, transforms=tr(d)),
@@ -1093,19 +1132,20 @@ class _DqKernel:
             "delta": plgpu.SMEM((nwg, bq), jnp.float32),
             "out": plgpu.SMEM((nwg, bq, d), jnp.float32,
                               transforms=_smem_transforms(d, 4)),
-            "k": plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d)),
+            "k": plgpu.SMEM((slots["k"], bkv, d), dtype, transforms=tr(d)),
         }
         if self.gpu_operands:
-            spec["v"] = plgpu.SMEM((stages, bkv, d), dtype, transforms=tr(d))
+            spec["v"] = plgpu.SMEM((slots["v"], bkv, d), dtype, transforms=tr(d))
         else:
             spec.update(
-                kt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
-                vt=plgpu.SMEM((stages, d, bkv), dtype, transforms=tr(bkv)),
+                kt=plgpu.SMEM((slots["kt"], d, bkv), dtype, transforms=tr(bkv)),
+                vt=plgpu.SMEM((slots["vt"], d, bkv), dtype, transforms=tr(bkv)),
                 ds=plgpu.SMEM((nwg, bq, bkv), dtype, transforms=tr(bkv)))
         if self.key_mask:
-            spec["keep"] = plgpu.SMEM((stages, bkv), jnp.float32)
-        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in self.names}
-        bar_spec["free"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
+            spec["keep"] = plgpu.SMEM((slots["keep"], bkv), jnp.float32)
+        bar_spec = {name: plgpu.Barrier(num_barriers=slots[name]) for name in self.names}
+        for _, count, free in self.rings:
+            bar_spec[free] = plgpu.Barrier(num_arrivals=nwg, num_barriers=count)
         bar_spec["misc"] = plgpu.Barrier(num_barriers=5 * nwg)
         return spec, bar_spec
 
