@@ -375,6 +375,29 @@ def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
+    """BwdConfig(dkdv_pair=True) (dK and dV by one kernel whose two warpgroups share one
+    KV block: P^T handed from the dV warpgroup to the dK one through SMEM) gives the
+    split kernels' bits: D=128 (the products' shapes differ from S's), causal with
+    offset 64, GQA, a key mask over NaN in dropped K and V."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
+    keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
+    k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+    v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+    out, lse = jaxattn.attention(q, k, v, causal=True, key_padding_mask=keep,
+                                 return_lse=True, backend="pallas")
+    runs = [mosaic_bwd.backward(q, k, v, out, lse, do, causal=True, interpret=True,
+                                key_padding_mask=keep,
+                                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1,
+                                                            split_dkdv=True, **kw))
+            for kw in ({}, {"dkdv_pair": True})]
+    for name, a, b in zip("qkv", *runs, strict=True):
+        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_dq_split_ring_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_split_ring=True) (at D=256 the dQ kernel's K in two ring slots and V
     in one of its own, freed after dP) gives the default's bits: causal with offset 64
@@ -560,7 +583,7 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     CTA (the SMEM: 192 KiB each), query and key tails and a key mask included; causal,
     the launch options that change one kernel each fit too: two warpgroups in the dV kernel
     (``dv_wgs=2``) or in the dK kernel (``dk_wgs=2``, one ring slot), and the dQ
-    kernel's split ring (``dq_split_ring``)."""
+    kernel's split ring (``dq_split_ring``); ``dkdv_pair`` lowers one kernel for both."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
     skv = 256 if causal else 300  # the options need 2 x 128 keys; a key tail
     k = jax.ShapeDtypeStruct((2, 2, skv, 256), jnp.bfloat16)
@@ -587,6 +610,10 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
         assert changed["dv"] != changed["dk"], changed
         assert len(changed["dq"]) == (0 if m is not None else 1), changed
         assert not set(changed["dq"]) & set(changed["dv"] + changed["dk"]), changed
+        # dkdv_pair: one kernel for dK and dV (its SMEM fits with the key mask too).
+        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
+                                         config=mosaic_bwd.BwdConfig(dkdv_pair=True)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 3
 
 
 @needs_api
@@ -616,7 +643,8 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
-                        ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1)):
+                        ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1),
+                        ("dkdv_pair", 1)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

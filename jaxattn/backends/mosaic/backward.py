@@ -214,6 +214,14 @@ class BwdConfig:
     #: keep values pass the 227 by 96 bytes). The same operations: a launch choice. Not
     #: yet run on a GPU.
     dq_split_ring: bool = False
+    #: Where dK and dV are split (``split_dkdv``), one kernel for both instead of two:
+    #: its two compute warpgroups share one KV block and one query stream, warpgroup 0
+    #: computing S^T and P^T and summing dV, warpgroup 1 computing dP^T, taking P^T
+    #: (fp32) from an SMEM tile and summing dK. Each sum's operations are those of its
+    #: own kernel (the same bits); S^T is computed once where the two kernels compute
+    #: it twice, and Q and dO stream once. SMEM at D=256: K, V, two ring slots and the
+    #: P^T tile, 209 KiB. Not yet run on a GPU.
+    dkdv_pair: bool = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -241,6 +249,8 @@ class BwdConfig:
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.dk_wgs not in (1, 2):
             raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
+        if not isinstance(self.dkdv_pair, bool):
+            raise TypeError(f"dkdv_pair must be True or False, got {self.dkdv_pair!r}")
         if not isinstance(self.dq_split_ring, bool):
             raise TypeError(f"dq_split_ring must be True or False, got "
                             f"{self.dq_split_ring!r}")
@@ -502,13 +512,16 @@ class _DkdvKernel:
     btnh: bool = False
 
     def __post_init__(self):
-        if self.parts not in ("dkdv", "dk", "dv"):
-            raise ValueError(f"parts must be 'dkdv', 'dk' or 'dv', got {self.parts!r}")
+        if self.parts not in ("dkdv", "dk", "dv", "pair"):
+            raise ValueError(f"parts must be 'dkdv', 'dk', 'dv' or 'pair', got "
+                             f"{self.parts!r}")
         cfg, bkv = self.cfg, BLOCK_KV
         self.want_dk, self.want_dv = self.parts != "dv", self.parts != "dk"
         self.stages = cfg.stages
-        wgs = {"dkdv": cfg.dkdv_wgs, "dv": cfg.dv_wgs, "dk": cfg.dk_wgs}[self.parts]
-        self.nwg = wgs if self.skv % (wgs * bkv) == 0 else 1
+        wgs = {"dkdv": cfg.dkdv_wgs, "dv": cfg.dv_wgs, "dk": cfg.dk_wgs, "pair": 2}[self.parts]
+        self.nwg = wgs if self.skv % (wgs * bkv) == 0 or self.parts == "pair" else 1
+        #: KV blocks a CTA holds (``pair``: one, for both warpgroups).
+        self.kv_per_cta = 1 if self.parts == "pair" else self.nwg
         if self.parts == "dk" and self.nwg > 1 and self.d > 128:
             self.stages = 1  # K and V of two warpgroups leave SMEM for one slot
         gpu = self.gpu_operands and self.interpret is None
@@ -539,7 +552,7 @@ class _DkdvKernel:
         and, for each, the query blocks in ascending order from the first with a row
         that sees key ``start``."""
         kb, kvh, bi = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
-        start = kb * (self.nwg * BLOCK_KV)
+        start = kb * (self.kv_per_cta * BLOCK_KV)
         first = _first_qblock(start, causal=self.causal, offset=self.offset_of(bi, offs_ref),
                               n_q=self.n_q)
         n = jnp.int32(self.n_q) - first
@@ -777,7 +790,7 @@ class _DkdvKernel:
             refs["keep"], *rest = rest
         if self.dyn_offsets:
             offs_ref, *rest = rest
-        if self.parts == "dkdv":
+        if self.parts in ("dkdv", "pair"):
             *t_refs, refs["dk"], refs["dv"] = rest
         elif self.want_dk:
             *t_refs, refs["dk"] = rest
@@ -811,16 +824,179 @@ class _DkdvKernel:
             else (self.b, self.hkv, self.skv, self.d), self.dtype)
         return launch(
             self.kernel, pdl=self.cfg.pdl,
-            out_type=(kv_grad,) * (2 if self.parts == "dkdv" else 1),
-            grid=(self.skv // (self.nwg * BLOCK_KV), self.hkv, self.b),
+            out_type=(kv_grad,) * (2 if self.parts in ("dkdv", "pair") else 1),
+            grid=(self.skv // (self.kv_per_cta * BLOCK_KV), self.hkv, self.b),
             grid_names=("kv", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",
             compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
 
 
+class _DkdvPairKernel(_DkdvKernel):
+    """``BwdConfig.dkdv_pair``: dK and dV of one KV block by the two compute warpgroups
+    of one CTA on one query stream (``parts="pair"``). Step t of warpgroup 0: ``s^T = K
+    Q^T``, P^T from lse (masked), stored (fp32) in the P tile, ``dV += p^T dO``; of
+    warpgroup 1: ``dp^T = V dO^T``, P^T read from the tile, ``ds^T = p^T (dp^T -
+    delta)``, ``dK += ds^T Q``. Every value is computed by the operations of the split
+    kernels (:class:`_DkdvKernel` with ``parts`` "dv" and "dk"), in the same order."""
+
+    def load_block(self, w, refs, sm, bars, tile: _DkdvTile) -> _DkdvBlock:
+        """Warpgroup w's prologue: K (and the keep values) for warpgroup 0, V for 1."""
+        bq, bkv, lay, bi, kvh = BLOCK_Q, BLOCK_KV, self.lay, tile.bi, tile.kvh
+        offset = self.offset_of(bi, tile.offs)
+        keys = pl.ds(tile.start, bkv)
+        name = "k" if w == 0 else "v"
+        plgpu.copy_gmem_to_smem(tile_of(refs[name], bi, kvh, keys, self.btnh), sm[name],
+                                bars["misc"].at[w])
+        plgpu.barrier_wait(bars["misc"].at[w])
+        diag = lay.iota((bkv, bq), 0) - lay.iota((bkv, bq), 1)
+        kept = None
+        if self.key_mask and w == 0:
+            plgpu.copy_gmem_to_smem(refs["keep"].at[bi, keys], sm["keep"], bars["keep"].at[0])
+            plgpu.barrier_wait(bars["keep"].at[0])
+            kept = lax.broadcast_in_dim(lay.vec(sm["keep"], 1), (bkv, bq), [0]) != 0.0
+        return _DkdvBlock(sm, tile.start, offset, diag, kept)
+
+    def step_dv(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
+                masked=True):
+        """Warpgroup 0's step t: P^T (the split dV kernel's), handed to warpgroup 1
+        through the P tile, and dV."""
+        bq, bkv, d, sm, cfg = BLOCK_Q, BLOCK_KV, self.d, blk.sm, self.cfg
+        gpu_operands = self.gpu_operands
+        slot = lax.rem(t, jnp.int32(self.stages))
+        q0 = (tile.first + lax.rem(t, tile.n)) * bq
+        for name in ("lse", "q", "do") + (() if gpu_operands else ("qt",)):
+            plgpu.barrier_wait(bars[name].at[slot])
+        lse = self.lay.vec(sm["lse"].at[slot], 0)
+        q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+        qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
+        s_t = _wgmma(sm["k"], qt, (bkv, bq))
+        visible = None
+        if masked:
+            visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
+            if blk.kept is not None:
+                visible = blk.kept if visible is None else visible & blk.kept
+        lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
+        p_t = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
+
+        @pl.when(t > 0)
+        def _():  # warpgroup 1 has read the last step's P^T
+            plgpu.barrier_wait(bars["p_free"].at[0])
+
+        sm["pt"][...] = p_t
+        plgpu.barrier_arrive(bars["p_full"].at[0])
+        p_op = _a_operand(p_t.astype(self.dtype), sm.get("p"), gpu_operands)
+        dk, dv = carry
+        if accs is not None:
+            plgpu.wgmma(accs[1], p_op, do_s)
+            plgpu.wgmma_wait(0)
+        else:
+            dv = dv + _wgmma(p_op, do_s, (bkv, d))
+        plgpu.barrier_arrive(bars["free"].at[slot])
+        return dk, dv
+
+    def step_dk(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
+                masked=True):
+        """Warpgroup 1's step t: dP^T, P^T from the P tile, dS^T (the split dK kernel's
+        operations) and dK. ``masked`` is warpgroup 0's (P^T comes masked)."""
+        del masked
+        bq, bkv, d, sm = BLOCK_Q, BLOCK_KV, self.d, blk.sm
+        gpu_operands = self.gpu_operands
+        slot = lax.rem(t, jnp.int32(self.stages))
+        for name in ("delta", "q", "do") + (() if gpu_operands else ("dot",)):
+            plgpu.barrier_wait(bars[name].at[slot])
+        dlt = self.lay.vec(sm["delta"].at[slot], 0)
+        q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+        dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
+        dp_t = _wgmma(sm["v"], dot_, (bkv, bq))
+        plgpu.barrier_wait(bars["p_full"].at[0])
+        p_t = self.lay.tile(sm["pt"])
+        plgpu.barrier_arrive(bars["p_free"].at[0])
+        ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
+        ds_op = _a_operand(ds_t.astype(self.dtype), sm.get("ds"), gpu_operands)
+        dk, dv = carry
+        if accs is not None:
+            plgpu.wgmma(accs[0], ds_op, q_s)
+            plgpu.wgmma_wait(0)
+        else:
+            dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+        plgpu.barrier_arrive(bars["free"].at[slot])
+        return dk, dv
+
+    def run_role(self, w, blk: _DkdvBlock, tile: _DkdvTile, bars):
+        """Warpgroup w's loop over the steps: its sum (dV for 0, dK for 1)."""
+        bkv, d = BLOCK_KV, self.d
+        step = functools.partial(self.step_dv if w == 0 else self.step_dk, blk, tile, bars)
+        zeros = self.lay.zeros((bkv, d))
+        if self.inplace:
+            def run_one(acc_ref):
+                acc_ref[...] = zeros
+                accs = (None, acc_ref) if w == 0 else (acc_ref, None)
+                self.steps(blk, tile, functools.partial(step, accs=accs), (zeros, zeros))
+                return acc_ref[...]
+
+            return pl.run_scoped(run_one, plgpu.ACC((bkv, d), jnp.float32))
+        dk, dv = self.steps(blk, tile, step, (zeros, zeros))
+        return dv if w == 0 else dk
+
+    def consume(self, w, refs, sm, bars, tile: _DkdvTile):
+        """Warpgroup 0 sums dV and stores it (staged in K's SMEM), warpgroup 1 sums dK
+        and stores it scaled (staged in V's)."""
+        for role in (0, 1):
+            @pl.when(w == role)
+            def _(role=role):  # (traced here, once)
+                blk = self.load_block(role, refs, sm, bars, tile)
+                acc = self.run_role(role, blk, tile, bars)
+                if role == 0:  # the last step's P^T read (every phase observed)
+                    @pl.when(tile.total > 0)
+                    def _():
+                        plgpu.barrier_wait(bars["p_free"].at[0])
+
+                name, out = ("k", "dv") if role == 0 else ("v", "dk")
+                val = acc if role == 0 else acc * self.scale
+                sm[name][...] = val.astype(self.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(sm[name], tile_of(refs[out], tile.bi, tile.kvh,
+                                                          pl.ds(tile.start, BLOCK_KV),
+                                                          self.btnh))
+                plgpu.wait_smem_to_gmem(0)
+
+    def smem(self):
+        """K and V of the CTA's block, the ring's slots, the P^T tile (fp32), the
+        staged A operands off the GPU operand path, the keep values."""
+        dtype, tr, stages, bq, bkv, d = (self.dtype, self.tr, self.stages, BLOCK_Q,
+                                         BLOCK_KV, self.d)
+        spec = {
+            "k": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
+            "v": plgpu.SMEM((bkv, d), dtype, transforms=tr(d)),
+            "q": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
+            "do": plgpu.SMEM((stages, bq, d), dtype, transforms=tr(d)),
+            "lse": plgpu.SMEM((stages, bq), jnp.float32),
+            "delta": plgpu.SMEM((stages, bq), jnp.float32),
+            "pt": plgpu.SMEM((bkv, bq), jnp.float32, transforms=_smem_transforms(bq, 4)),
+        }
+        if not self.gpu_operands:
+            spec.update(
+                qt=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
+                dot=plgpu.SMEM((stages, d, bq), dtype, transforms=tr(bq)),
+                p=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)),
+                ds=plgpu.SMEM((bkv, bq), dtype, transforms=tr(bq)))
+        if self.key_mask:
+            spec["keep"] = plgpu.SMEM((bkv,), jnp.float32)
+        bar_spec = {name: plgpu.Barrier(num_barriers=stages) for name in self.names}
+        bar_spec["free"] = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=2)
+        bar_spec["p_full"] = plgpu.Barrier(num_barriers=1)
+        bar_spec["p_free"] = plgpu.Barrier(num_barriers=1)
+        if self.key_mask:
+            bar_spec["keep"] = plgpu.Barrier(num_barriers=1)
+        return spec, bar_spec
+
+
 def _build_dkdv(**kw):
-    """The dK/dV kernel (:class:`_DkdvKernel`'s parameters)."""
-    return _DkdvKernel(**kw).build()
+    """The dK/dV kernel (:class:`_DkdvKernel`'s parameters; ``parts="pair"``:
+    :class:`_DkdvPairKernel`)."""
+    cls = _DkdvPairKernel if kw.get("parts") == "pair" else _DkdvKernel
+    return cls(**kw).build()
 
 
 # --------------------------------------------------------------------------------- dQ
@@ -1543,6 +1719,9 @@ def _dkdv_parts(q, k, v, d_out, lse, delta_, keep, offs=None, *, config, **kw):
     split = config.split_dkdv if config.split_dkdv is not None else q.shape[-1] > 128
     if not split:
         return _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, **kw)
+    if config.dkdv_pair:  # one kernel, a warpgroup a sum
+        return _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config,
+                            parts="pair", **kw)
     (dk,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dk",
                          **kw)
     (dv,) = _dkdv_blocks(q, k, v, d_out, lse, delta_, keep, offs, config=config, parts="dv",
