@@ -220,7 +220,7 @@ class BwdConfig:
     #: (fp32) from an SMEM tile and summing dK. Each sum's operations are those of its
     #: own kernel (the same bits); S^T is computed once where the two kernels compute
     #: it twice, and Q and dO stream once. SMEM at D=256: K, V, two ring slots and the
-    #: P^T tile, 209 KiB. Not yet run on a GPU.
+    #: P^T tile, 210 KiB. Not yet run on a GPU.
     dkdv_pair: bool = False
 
     def __post_init__(self):
