@@ -656,11 +656,7 @@ class _DkdvKernel:
         overlap = want_dk and cfg.dp_overlap  # P^T computed while dP^T runs
         if not overlap:
             dp_t = _wgmma(sm["v"], dot_, (bkv, bq)) if want_dk else None  # dV alone: no dP
-        visible = None
-        if masked:
-            visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
-            if blk.kept is not None:
-                visible = blk.kept if visible is None else visible & blk.kept
+        visible = self.visible(blk, q0, masked)
         lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
         if overlap:
             def dp_and_p(dp_ref):
@@ -693,6 +689,16 @@ class _DkdvKernel:
             dk = dk + _wgmma(ds_op, q_s, (bkv, d))
         plgpu.barrier_arrive(bars["free"].at[slot])
         return dk, dv
+
+    def visible(self, blk: _DkdvBlock, q0, masked):
+        """The ``[keys, queries]`` mask of the step at query row ``q0`` (causal, kept
+        keys), or None: unmasked (``masked`` False, or nothing to mask)."""
+        if not masked:
+            return None
+        visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
+        if blk.kept is not None:
+            visible = blk.kept if visible is None else visible & blk.kept
+        return visible
 
     def mainloop(self, blk: _DkdvBlock, tile: _DkdvTile, bars):
         """Consumer mainloop: dK and dV summed over the steps, in the wgmma accumulators
@@ -860,23 +866,16 @@ class _DkdvPairKernel(_DkdvKernel):
                 masked=True):
         """Warpgroup 0's step t: P^T (the split dV kernel's), handed to warpgroup 1
         through the P tile, and dV."""
-        bq, bkv, d, sm, cfg = BLOCK_Q, BLOCK_KV, self.d, blk.sm, self.cfg
+        bq, bkv, sm, cfg = BLOCK_Q, BLOCK_KV, blk.sm, self.cfg
         gpu_operands = self.gpu_operands
-        slot = lax.rem(t, jnp.int32(self.stages))
+        slot = self.wait_step(bars, t, ("lse", "q", "do") + (() if gpu_operands else ("qt",)))
         q0 = (tile.first + lax.rem(t, tile.n)) * bq
-        for name in ("lse", "q", "do") + (() if gpu_operands else ("qt",)):
-            plgpu.barrier_wait(bars[name].at[slot])
         lse = self.lay.vec(sm["lse"].at[slot], 0)
         q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
         qt = _t(q_s) if gpu_operands else sm["qt"].at[slot]
         s_t = _wgmma(sm["k"], qt, (bkv, bq))
-        visible = None
-        if masked:
-            visible = blk.diag <= q0 + blk.offset - blk.start if self.causal else None
-            if blk.kept is not None:
-                visible = blk.kept if visible is None else visible & blk.kept
         lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
-        p_t = _probs(cfg, s_t, lse_safe, self.scale, visible, 1)
+        p_t = _probs(cfg, s_t, lse_safe, self.scale, self.visible(blk, q0, masked), 1)
 
         @pl.when(t > 0)
         def _():  # warpgroup 1 has read the last step's P^T
@@ -885,25 +884,17 @@ class _DkdvPairKernel(_DkdvKernel):
         sm["pt"][...] = p_t
         plgpu.barrier_arrive(bars["p_full"].at[0])
         p_op = _a_operand(p_t.astype(self.dtype), sm.get("p"), gpu_operands)
-        dk, dv = carry
-        if accs is not None:
-            plgpu.wgmma(accs[1], p_op, do_s)
-            plgpu.wgmma_wait(0)
-        else:
-            dv = dv + _wgmma(p_op, do_s, (bkv, d))
-        plgpu.barrier_arrive(bars["free"].at[slot])
-        return dk, dv
+        return self.add_and_free(carry, accs, 1, p_op, do_s, bars, slot)
 
     def step_dk(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
                 masked=True):
         """Warpgroup 1's step t: dP^T, P^T from the P tile, dS^T (the split dK kernel's
         operations) and dK. ``masked`` is warpgroup 0's (P^T comes masked)."""
         del masked
-        bq, bkv, d, sm = BLOCK_Q, BLOCK_KV, self.d, blk.sm
+        bq, bkv, sm = BLOCK_Q, BLOCK_KV, blk.sm
         gpu_operands = self.gpu_operands
-        slot = lax.rem(t, jnp.int32(self.stages))
-        for name in ("delta", "q", "do") + (() if gpu_operands else ("dot",)):
-            plgpu.barrier_wait(bars[name].at[slot])
+        slot = self.wait_step(bars, t, ("delta", "q", "do") + (() if gpu_operands
+                                                              else ("dot",)))
         dlt = self.lay.vec(sm["delta"].at[slot], 0)
         q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
         dot_ = _t(do_s) if gpu_operands else sm["dot"].at[slot]
@@ -913,14 +904,28 @@ class _DkdvPairKernel(_DkdvKernel):
         plgpu.barrier_arrive(bars["p_free"].at[0])
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(dlt, (bkv, bq), [1]))
         ds_op = _a_operand(ds_t.astype(self.dtype), sm.get("ds"), gpu_operands)
-        dk, dv = carry
+        return self.add_and_free(carry, accs, 0, ds_op, q_s, bars, slot)
+
+    def wait_step(self, bars, t, names):
+        """Step t's ring slot, once the streams ``names`` (those the warpgroup reads)
+        have arrived there."""
+        slot = lax.rem(t, jnp.int32(self.stages))
+        for name in names:
+            plgpu.barrier_wait(bars[name].at[slot])
+        return slot
+
+    def add_and_free(self, carry, accs, which, a_op, b_s, bars, slot):
+        """``a_op @ b_s`` added to sum ``which`` (0: dK, 1: dV) of the carry: in place
+        into ``accs[which]`` (awaited: the slot's operands are read) or as a fresh
+        product; then the ring's slot is freed."""
+        sums = list(carry)
         if accs is not None:
-            plgpu.wgmma(accs[0], ds_op, q_s)
+            plgpu.wgmma(accs[which], a_op, b_s)
             plgpu.wgmma_wait(0)
         else:
-            dk = dk + _wgmma(ds_op, q_s, (bkv, d))
+            sums[which] = sums[which] + _wgmma(a_op, b_s, (BLOCK_KV, self.d))
         plgpu.barrier_arrive(bars["free"].at[slot])
-        return dk, dv
+        return tuple(sums)
 
     def run_role(self, w, blk: _DkdvBlock, tile: _DkdvTile, bars):
         """Warpgroup w's loop over the steps: its sum (dV for 0, dK for 1)."""
