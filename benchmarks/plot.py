@@ -11,11 +11,12 @@ results it draws.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 
 from absl import app, flags
+
+from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("results", None, "attention_bench results.json files.")
@@ -24,16 +25,6 @@ flags.DEFINE_string("out_dir", None, "Where to write the PNGs.")
 PREFILL_MODES = ("fwd", "fwdbwd", "chunked")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward",
                "chunked": "chunked prefill (one chunk vs S keys)"}
-
-
-def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    rows, metas = [], []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        metas.append(data["meta"])
-        rows += [r for r in data["rows"] if "error" not in r]
-    return rows, metas
 
 
 def _caption(metas: list[dict]) -> str:
@@ -119,7 +110,7 @@ def main(argv):
     del argv
     if not FLAGS.results or not FLAGS.out_dir:
         raise app.UsageError("--results and --out_dir are required")
-    rows, metas = load(FLAGS.results)
+    rows, metas = report.read(FLAGS.results)  # the measured rows
     for path in plot(rows, metas, FLAGS.out_dir):
         print(path)
 

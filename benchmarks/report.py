@@ -54,6 +54,19 @@ def write(out_dir: str | None, data: Any, md: str | None = None, **json_kw) -> N
             f.write(md)
 
 
+def read(paths: list[str], errors: bool = False) -> tuple[list[dict], list[dict]]:
+    """The rows and metas of the ``results.json`` files at ``paths`` (the binaries'
+    :func:`write`); the rows of systems that failed (an ``error`` key) only with
+    ``errors``."""
+    rows, metas = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        rows += [r for r in data["rows"] if errors or "error" not in r]
+    return rows, metas
+
+
 def print_row(row: dict) -> None:
     """One measured row, floats to 3 decimals, flushed (long runs show progress)."""
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},

@@ -11,9 +11,9 @@ TFLOP/s for the prefill modes, GB/s for decode; "error" where a system failed.
 
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
+
+from benchmarks import report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("results", None, "attention_bench results.json files.")
@@ -65,20 +65,12 @@ def tables(rows: list[dict], default: str, ratio_to: str) -> str:
     return "\n".join(out)
 
 
-def load_rows(paths: list[str]) -> list[dict]:
-    """Every row of ``paths``, the failed ones too (``plot.load`` drops those)."""
-    rows = []
-    for path in paths:
-        with open(path) as f:
-            rows += json.load(f)["rows"]
-    return rows
-
-
 def main(argv):
     del argv
     if not FLAGS.results:
         raise app.UsageError("--results is required")
-    print(tables(load_rows(FLAGS.results), FLAGS.default, FLAGS.ratio_to))
+    print(tables(report.read(FLAGS.results, errors=True)[0], FLAGS.default,
+                 FLAGS.ratio_to))
 
 
 if __name__ == "__main__":
