@@ -313,7 +313,7 @@ if has fwd33; then
   # JAX cuDNN, one process per head dim and mask (FWD33_RUNS: 128c 128n 64c 64n, c
   # causal, n not); FWD33_VARIANTS: the Mosaic forward's launch variants (the default
   # twice: the spread within one process; each variant's bits against the first's are
-  # in its rows); FWD33_BWD=1 adds the backward (causal runs) with BWD33_VARIANTS.
+  # in its rows); FWD33_BWD=1 adds the backward (with the run's mask) with BWD33_VARIANTS.
   mkdir -p "$OUT/fwd33"
   for name in ${FWD33_RUNS:-128c 128n 64c 64n}; do
     d=${name%?}; c=--nospeed_causal; [[ $name == *c ]] && c=--speed_causal

@@ -35,8 +35,8 @@ flags.DEFINE_bool("backward", False, "Also check the backward prototype.")
 flags.DEFINE_bool("checks", True, "Run the accuracy / bits checks.")
 flags.DEFINE_bool("speed", False, "Time forward and backward against the Pallas backend "
                   "at SPEED_SHAPE (the Mosaic issue's bar is in TFLOP/s).")
-flags.DEFINE_bool("speed_causal", True, "Causal forwards in --speed (--backward_speed "
-                  "times causal backwards only).")
+flags.DEFINE_bool("speed_causal", True, "Causal forwards (and backwards, with "
+                  "--backward_speed) in --speed; false: non-causal.")
 flags.DEFINE_integer("iters", 10, "Timed samples (median) for --speed.")
 flags.DEFINE_list("families", ["inplace-reduce32", "fresh-mma"],
                   "Arithmetic families checked (FAMILIES); the first gets every launch.")
@@ -417,18 +417,18 @@ def time_speed(results: list) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             results.append(row)
             print(row, flush=True)
-        if not FLAGS.backward_speed or not causal:  # the backward timing is causal
+        if not FLAGS.backward_speed:
             continue
         q, k, v, do = _inputs(b, hq, hkv, s, s, d, seed=7)
         o, lse = fns["pallas"](q, k, v)
         bwds = [(f"mosaic-bwd:{name}", functools.partial(
-                    mb.backward, causal=True, scale=scale, config=mb.BwdConfig(**kw)))
+                    mb.backward, causal=causal, scale=scale, config=mb.BwdConfig(**kw)))
                 for name, kw in map(_variant, FLAGS.bwd_variants)]
         bwds.append(("pallas-bwd", lambda q, k, v, o, l, do: pv.backward(
-            q, k, v, None, o, l, do, None, causal=True, scale=scale, interpret=False)))
+            q, k, v, None, o, l, do, None, causal=causal, scale=scale, interpret=False)))
         first = None
         for name, bwd in bwds:
-            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": True}
+            row = {"kind": "speed", "system": name, "B": b, "S": s, "causal": causal}
             try:
                 fn = jax.jit(bwd)
                 before = jax.block_until_ready(fn(q, k, v, o, lse, do))

@@ -540,16 +540,19 @@ def test_dq_in_smem_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_split_wgs_keep_bits_on_gpu():
-    """On sm90, BwdConfig(dv_wgs=2) (the split dV kernel with two KV blocks a CTA, no V
-    or delta loaded), BwdConfig(dk_wgs=2) (the split dK kernel likewise, one ring slot)
-    BwdConfig(dq_split_ring=True) (the dQ kernel's K in two slots, V in one freed after
-    dP) and BwdConfig(dkdv_pair=True) (dK and dV by one kernel, a warpgroup each) give
-    the default's gradients in bits, no NaN: D=256 causal with a partial
-    last block, non-causal, and a key padding mask over NaN in dropped K and V; GQA."""
+def test_d256_backward_options_keep_bits_on_gpu():
+    """On sm90 at D=256, the backward's launch options give the same gradients in bits,
+    no NaN: the default (dK and dV by one kernel, a warpgroup each: ``dkdv_pair``; the
+    dQ kernel's K in two slots, V in one freed after dP: ``dq_split_ring``), each of
+    those two off, both off (dK and dV by two kernels), and the two kernels with two KV
+    blocks a CTA (``dv_wgs=2``: no V or delta loaded; ``dk_wgs=2``: one ring slot).
+    Causal with a partial last block, non-causal, and a key padding mask over NaN in
+    dropped K and V; GQA."""
     from jaxattn.backends.mosaic import backward as mb
-    configs = [mb.BwdConfig(), mb.BwdConfig(dv_wgs=2), mb.BwdConfig(dk_wgs=2),
-               mb.BwdConfig(dq_split_ring=True), mb.BwdConfig(dkdv_pair=True)]
+    two = dict(dkdv_pair=False, dq_split_ring=False)
+    configs = [mb.BwdConfig(), mb.BwdConfig(dkdv_pair=False), mb.BwdConfig(dq_split_ring=False),
+               mb.BwdConfig(**two), mb.BwdConfig(**two, dv_wgs=2),
+               mb.BwdConfig(**two, dk_wgs=2)]
     rng = np.random.default_rng()
     for s, causal, masked in ((1000, True, False), (1024, False, False), (1000, True, True)):
         q, k, v = rand_qkv(2, 8, 2, s, s, 256, jnp.bfloat16)

@@ -390,7 +390,7 @@ def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
                                 key_padding_mask=keep,
                                 config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1,
                                                             split_dkdv=True, **kw))
-            for kw in ({}, {"dkdv_pair": True})]
+            for kw in ({"dkdv_pair": False}, {"dkdv_pair": True})]
     for name, a, b in zip("qkv", *runs, strict=True):
         assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
@@ -583,7 +583,8 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
     CTA (the SMEM: 192 KiB each), query and key tails and a key mask included; causal,
     the launch options that change one kernel each fit too: two warpgroups in the dV kernel
     (``dv_wgs=2``) or in the dK kernel (``dk_wgs=2``, one ring slot), and the dQ
-    kernel's split ring (``dq_split_ring``); ``dkdv_pair`` lowers one kernel for both."""
+    kernel's split ring (``dq_split_ring``, the default); ``dkdv_pair`` (the default)
+    lowers one kernel for both."""
     q = jax.ShapeDtypeStruct((2, 8, 200, 256), jnp.bfloat16)
     skv = 256 if causal else 300  # the options need 2 x 128 keys; a key tail
     k = jax.ShapeDtypeStruct((2, 2, skv, 256), jnp.bfloat16)
@@ -592,9 +593,11 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
         kernels = {}
         options = (("dv", {"dv_wgs": 2}), ("dk", {"dk_wgs": 2}),
                    ("dq", {"dq_split_ring": True})) if causal else ()  # (CI time)
+        two = dict(dkdv_pair=False, dq_split_ring=False)  # dK and dV by two kernels
         for name, kw in (("default", {}), *options):
             text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
-                                             config=mosaic_bwd.BwdConfig(**kw)).as_text()
+                                             config=mosaic_bwd.BwdConfig(**{**two, **kw})
+                                             ).as_text()
             kernels[name] = [line for line in text.splitlines()
                              if "custom_call @mosaic_gpu" in line]
             assert len(kernels[name]) == 4
@@ -610,9 +613,10 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
         assert changed["dv"] != changed["dk"], changed
         assert len(changed["dq"]) == (0 if m is not None else 1), changed
         assert not set(changed["dq"]) & set(changed["dv"] + changed["dk"]), changed
-        # dkdv_pair: one kernel for dK and dV (its SMEM fits with the key mask too).
-        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m,
-                                         config=mosaic_bwd.BwdConfig(dkdv_pair=True)).as_text()
+        # dkdv_pair (the default): one kernel for dK and dV (its SMEM fits with the key
+        # mask too).
+        text = mosaic_bwd.lower_for_cuda(q, k, k, causal=causal, key_padding_mask=m
+                                         ).as_text()
         assert text.count("custom_call @mosaic_gpu") == 3
 
 
@@ -683,9 +687,10 @@ def test_rejects_bad_key_mask(mosaic_bwd):
 
 @needs_api
 @pytest.mark.parametrize("d", [128, 256])
-def test_dq_in_smem_default_is_by_head_dim(mosaic_bwd, d):
-    """``BwdConfig.dq_in_smem=None`` (the default) lowers the dQ kernel that
-    ``dq_in_smem=True`` does where D > 128, and ``False``'s where D <= 128."""
+def test_backward_defaults_are_by_head_dim(mosaic_bwd, d):
+    """``BwdConfig``'s ``dq_in_smem``, ``dkdv_pair`` and ``dq_split_ring`` default to
+    None: on where D > 128 (each changes the module there), off where D <= 128 (also
+    ``dkdv_pair`` where the split is asked for at D=128)."""
     q = jax.ShapeDtypeStruct((1, 4, 256, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, d), jnp.bfloat16)
 
@@ -694,6 +699,15 @@ def test_dq_in_smem_default_is_by_head_dim(mosaic_bwd, d):
                                          config=mosaic_bwd.BwdConfig(**kw)).as_text()
         return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
-    default, on, off = kernels(), kernels(dq_in_smem=True), kernels(dq_in_smem=False)
-    assert on != off
-    assert default == (on if d > 128 else off)
+    flags = ("dq_in_smem", "dkdv_pair", "dq_split_ring")
+    default = kernels()
+    assert default == kernels(**dict.fromkeys(flags, d > 128))
+    if d > 128:
+        for flag in flags:  # each one, turned off alone, changes the module
+            assert kernels(**{flag: False}) != default, flag
+        assert len(default) == 3  # delta, dK and dV by one kernel, dQ
+    else:
+        assert kernels(dq_in_smem=True) != default
+        split = kernels(split_dkdv=True)
+        assert split == kernels(split_dkdv=True, dkdv_pair=False)
+        assert split != kernels(split_dkdv=True, dkdv_pair=True)
