@@ -212,7 +212,7 @@ class BwdConfig:
     #: KiB) block j+1's V then loads under block j's softmax and dQ product, and its K
     #: into the second slot (224 KiB; every SMEM buffer takes whole KiB, so a key mask's
     #: keep values pass the 227 by 96 bytes). The same operations: a launch choice.
-    #: None: on (it applies only where D > 128). On an H100 (2026-12-05, tree 9b50dd1,
+    #: None: on (it applies only where D > 128). On an H100 (2026-12-05, tree b57d173,
     #: D=256 causal): bits equal, the backward 32.1 -> 29.8 ms at B=8 S=4096 and
     #: 101.8 -> 86.8 ms at B=2 S=16384; with ``dkdv_pair`` 20.2 -> 17.9 and 77.5 -> 68.4.
     dq_split_ring: bool | None = None
@@ -223,7 +223,7 @@ class BwdConfig:
     #: own kernel (the same bits); S^T is computed once where the two kernels compute
     #: it twice, and Q and dO stream once. SMEM at D=256: K, V, two ring slots and the
     #: P^T tile, 210 KiB. None: where D > 128 (where the split is the default). On an
-    #: H100 (2026-12-05, tree 9b50dd1, D=256 causal): bits equal, the backward 32.1 ->
+    #: H100 (2026-12-05, tree b57d173, D=256 causal): bits equal, the backward 32.1 ->
     #: 20.2 ms at B=8 S=4096 and 101.8 -> 77.5 ms at B=2 S=16384.
     dkdv_pair: bool | None = None
 
