@@ -446,8 +446,9 @@ def test_interpret_probs_mask_and_exp2(mosaic_bwd):
 @needs_interpret
 def test_interpret_split_dkdv_and_head_dim_256(mosaic_bwd):
     """dK and dV by two kernels (``split_dkdv``, one accumulator each) give the bits of
-    the joint kernel; at D=256 (where the backward always splits them, and dQ runs one
-    tile and one K/V slot per CTA) the gradients match the float32 reference."""
+    the joint kernel; at D=256 (the default there: dK and dV by one kernel of two
+    warpgroups, a sum each, and dQ with one tile a CTA and K and V in rings of their
+    own) the gradients match the float32 reference."""
     seed, q, k, v, do = _inputs(1, 2, 1, 128, 128, 64)
     out, lse, _ = _triton(q, k, v, do, True)
     joint = _mosaic(mosaic_bwd, q, k, v, out, lse, do, True)
