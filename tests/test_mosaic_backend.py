@@ -573,6 +573,34 @@ def test_d256_backward_options_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("d", [128, 256])
+def test_dq_pair_keeps_bits_on_gpu(d):
+    """On sm90, BwdConfig(dq_pair=True) (the dQ kernel's query tile on two compute
+    warpgroups: S and P on one, dP and dS on the other, each adding dS K to half of
+    dQ's columns) gives the default's gradients in bits, no NaN: causal with a partial
+    last block, non-causal, and a key padding mask over NaN in dropped K and V; GQA."""
+    from jaxattn.backends.mosaic import backward as mb
+    configs = [mb.BwdConfig(), mb.BwdConfig(dq_pair=True)]
+    rng = np.random.default_rng()
+    for s, causal, masked in ((1000, True, False), (1024, False, False), (1000, True, True)):
+        q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)
+        do = rand_qkv(2, 8, 8, s, s, d, jnp.bfloat16)[0]
+        keep = None
+        if masked:
+            keep = jnp.asarray(rng.random((2, s)) > 0.2).at[:, -1].set(True)
+            k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+            v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
+                                     key_padding_mask=keep, backend="mosaic")
+        _configs_agree_in_bits(
+            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
+            (d, s, causal, masked), q, k, v, out, lse, do, causal=causal,
+            key_padding_mask=keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_fp32_is_the_pallas_backends():
     """On sm90, the mosaic backend's fp32 calls equal the pallas backend's in bits: the
     forward with its lse, the gradients, paged KV and CP."""

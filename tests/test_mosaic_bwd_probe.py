@@ -398,6 +398,29 @@ def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
+    """BwdConfig(dq_pair=True) (the dQ kernel's tile on two warpgroups: P handed from
+    the first to the second through SMEM, dS back, each summing half of dQ's columns)
+    gives the one-warpgroup kernel's bits: D=128, causal with offset 64 over three key
+    blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V."""
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
+    keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
+    k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+    v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+    out, lse = jaxattn.attention(q, k, v, causal=True, key_padding_mask=keep,
+                                 return_lse=True, backend="pallas")
+    runs = [mosaic_bwd.backward(q, k, v, out, lse, do, causal=True, interpret=True,
+                                key_padding_mask=keep,
+                                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1,
+                                                            dq_pair=flag))
+            for flag in (False, True)]
+    for name, a, b in zip("qkv", *runs, strict=True):
+        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_dq_split_ring_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_split_ring=True) (at D=256 the dQ kernel's K in two ring slots and V
     in one of its own, freed after dP) gives the default's bits: causal with offset 64
@@ -622,6 +645,24 @@ def test_head_dim_256_lowers_for_cuda(mosaic_bwd, causal):
 
 
 @needs_api
+@pytest.mark.parametrize("d", [128, 256])
+def test_dq_pair_lowers_for_cuda(mosaic_bwd, d):
+    """``dq_pair`` lowers for CUDA (SMEM: Q, dO, two K slots, V, the P and dS tiles)
+    at D=128 and 256, causal with a key mask and query and key tails, and non-causal;
+    it changes the dQ kernel alone."""
+    q = jax.ShapeDtypeStruct((2, 8, 200, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 300, d), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 300), jnp.bool_)
+    for causal, m in ((True, mask), (False, None)):
+        kernels = [[line for line in mosaic_bwd.lower_for_cuda(
+            q, k, k, causal=causal, key_padding_mask=m,
+            config=mosaic_bwd.BwdConfig(dq_pair=flag)).as_text().splitlines()
+                    if "custom_call @mosaic_gpu" in line] for flag in (False, True)]
+        assert len(kernels[0]) == len(kernels[1]) == 3
+        assert kernels[0][:2] == kernels[1][:2] and kernels[0][2] != kernels[1][2]
+
+
+@needs_api
 @pytest.mark.parametrize("kw", [{}, {"accumulate": "inplace"},
                                 {"gpu_operands": False, "dq_wgs": 1},
                                 {"mask": "scores", "exp2": False}],
@@ -649,7 +690,7 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
                         ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1),
-                        ("dkdv_pair", 1)):
+                        ("dkdv_pair", 1), ("dq_pair", None)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

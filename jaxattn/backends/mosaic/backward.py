@@ -226,6 +226,17 @@ class BwdConfig:
     #: H100 (2026-12-05, tree b57d173, D=256 causal): bits equal, the backward 32.1 ->
     #: 20.2 ms at B=8 S=4096 and 101.8 -> 77.5 ms at B=2 S=16384.
     dkdv_pair: bool | None = None
+    #: The dQ kernel with two compute warpgroups on one 64-row query tile where D >= 128
+    #: and it stores the finished dQ from zero (not a CP key range's accumulator):
+    #: warpgroup 0 computes S and P and hands P (fp32) to warpgroup 1 through an SMEM
+    #: tile, warpgroup 1 computes dP and dS and hands dS back through another, and each
+    #: adds ``dS K`` to its half of dQ's columns in registers (a fresh 64 x D/2 product
+    #: added to the running half: each element's operations are the one-warpgroup
+    #: kernel's, the same bits). Why: under Nsight Compute (H100, 2026-12-05) the
+    #: one-warpgroup dQ kernel is the D=256 backward's longest (9.3 ms of 17.9 at B=8
+    #: S=4096 causal, 355 TFLOP/s), its warpgroup waiting on its own wgmma 32% of its
+    #: samples. ptxas: 168 registers, no spills. Not yet run on a GPU.
+    dq_pair: bool = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -250,6 +261,8 @@ class BwdConfig:
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.dk_wgs not in (1, 2):
             raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
+        if not isinstance(self.dq_pair, bool):
+            raise TypeError(f"dq_pair must be True or False, got {self.dq_pair!r}")
         for name in ("dq_in_smem", "dkdv_pair", "dq_split_ring"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be None, True or False, got "
@@ -1243,20 +1256,20 @@ class _DqKernel:
             plgpu.barrier_arrive(bars[free].at[slot[free]])
         return None
 
-    def mainloop(self, rows: _DqRows, tile: _DqTile, sm, bars):
+    def mainloop(self, rows: _DqRows, tile: _DqTile, sm, bars, step=None, dq=None):
         """Consumer mainloop: the tile walks the blocks its rows see ([0, hi)) exactly
         as a CTA of one warpgroup would (with ``mask="probs"`` and a causal mask alone,
         those whose last key the tile's first row sees unmasked), then releases the
-        blocks only the other warpgroup needs ([hi, hi_cta)) unread."""
-        step = functools.partial(self.step, rows, sm, bars)
+        blocks only the other warpgroup needs ([hi, hi_cta)) unread. ``step`` and the
+        initial ``dq``: :meth:`step` and the tile's own (given: ``dq_pair``'s)."""
+        step = functools.partial(step or self.step, rows, sm, bars)
         hi, q0, offset, bkv = rows.hi, rows.q0, rows.offset, BLOCK_KV
-        if self.dq_in_smem:  # the tile holds dQ: acc_in's copy, or zeros (no carry)
+        if dq is None and self.dq_in_smem:  # the tile holds dQ: acc_in's, or zeros
             if not self.continue_acc:
                 for cols in self.dq_chunks():
                     rows.own["out"].at[:, cols][...] = self.lay.zeros(
                         (BLOCK_Q, DQ_SMEM_COLS))
-            dq = None
-        else:
+        elif dq is None:
             dq = (self.lay.tile(rows.own["out"]) if self.continue_acc
                   else self.lay.zeros((BLOCK_Q, self.d)))
         if self.cfg.mask == "scores" or not self.causal or self.key_mask:
@@ -1375,9 +1388,222 @@ class _DqKernel:
             compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
 
 
+class _DqPairKernel(_DqKernel):
+    """``BwdConfig.dq_pair``: one query tile's dQ by two compute warpgroups. Step j of
+    warpgroup 0: ``s = Q K^T``, P from lse (masked), stored (fp32) in the P tile, then,
+    once warpgroup 1 has stored dS, ``dQ[:, :D/2] += dS K[:, :D/2]``; of warpgroup 1:
+    ``dp = dO V^T``, P read from the P tile, ``ds = p (dp - delta)`` stored (in the
+    inputs' dtype) in the dS tile, ``dQ[:, D/2:] += dS K[:, D/2:]``. Each value is
+    computed by :class:`_DqKernel`'s operations (every dQ element a fresh product over
+    the block's keys added to the running value), so the bits are its bits. Serves
+    ``finish`` without ``continue_acc`` (the dQ of :func:`backward`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.nwg, self.dq_in_smem, self.half = 1, False, self.d // 2
+        gpu = self.gpu_operands
+        #: The streams each warpgroup reads (0: S, the mask, dQ; 1: dP, dQ).
+        self.reads = ({"k", "keep"} if gpu else {"k", "kt", "keep"},
+                      {"k", "v"} if gpu else {"k", "vt"})
+
+    def load_rows(self, w, refs, sm, bars, tile: _DqTile) -> _DqRows:
+        """Warpgroup w's prologue: Q and lse for warpgroup 0, dO and delta for 1."""
+        bq, bkv, lay, bi, h = BLOCK_Q, BLOCK_KV, self.lay, tile.bi, tile.h
+        q0 = tile.tile0
+        offset = self.offset_of(bi, tile.offs)
+        hi = _last_kvblock(q0, causal=self.causal, offset=offset, n_kv=self.n_kv)
+        rows_sl = pl.ds(q0, bq)
+        own = {name: sm[name].at[0] for name in ("q", "do", "lse", "delta")}
+        names = ("q", "lse") if w == 0 else ("do", "delta")
+        for i, name in enumerate(names):
+            plgpu.copy_gmem_to_smem(tile_of(refs[name], bi, h, rows_sl,
+                                            self.btnh and name in ("q", "do")),
+                                    own[name], bars["misc"].at[2 * w + i])
+        for i in range(len(names)):
+            plgpu.barrier_wait(bars["misc"].at[2 * w + i])
+        lse_safe = dlt = None
+        if w == 0:
+            lse = lay.vec(own["lse"], 1)
+            lse_safe = jnp.where(lse == NEG_INF, POS_INF, lse)
+        else:
+            dlt = lay.vec(own["delta"], 1)
+        diag = lay.iota((bq, bkv), 1) - lay.iota((bq, bkv), 0)
+        return _DqRows(q0, offset, hi, rows_sl, own, lse_safe, dlt, diag, None)
+
+    def wait_reads(self, bars, w, slot):
+        """Block j's streams that warpgroup w reads, once arrived in their slots."""
+        for name in self.names:
+            if name in self.reads[w]:
+                plgpu.barrier_wait(bars[name].at[slot[name]])
+
+    def step_p(self, rows: _DqRows, sm, bars, j, dq, masked=True):
+        """Warpgroup 0's step j: S, P (handed over in the P tile), its half of dQ."""
+        bq, bkv, lay = BLOCK_Q, BLOCK_KV, self.lay
+        slot = self.slot_of(j)
+        self.wait_reads(bars, 0, slot)
+        k_s = sm["k"].at[slot["k"]]
+        kt = _t(k_s) if self.gpu_operands else sm["kt"].at[slot["kt"]]
+        s = _wgmma(rows.own["q"], kt, (bq, bkv))
+        visible = None
+        if masked:
+            visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
+            if self.key_mask:
+                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot["keep"]], 0),
+                                            (bq, bkv), [1]) != 0.0
+                visible = kept if visible is None else visible & kept
+        p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
+
+        @pl.when(j > 0)
+        def _():  # warpgroup 1 has read the last step's P
+            plgpu.barrier_wait(bars["p_free"].at[0])
+
+        sm["pt"][...] = p
+        plgpu.barrier_arrive(bars["p_full"].at[0])
+        plgpu.barrier_wait(bars["ds_full"].at[0])
+        return self.add_half(sm, bars, slot, dq, 0, k_s)
+
+    def step_ds(self, rows: _DqRows, sm, bars, j, dq, masked=True):
+        """Warpgroup 1's step j: dP, P from the P tile, dS (handed over in the dS tile),
+        its half of dQ. ``masked`` is warpgroup 0's (P comes masked)."""
+        del masked
+        bq, bkv = BLOCK_Q, BLOCK_KV
+        slot = self.slot_of(j)
+        self.wait_reads(bars, 1, slot)
+        vt = (_t(sm["v"].at[slot["v"]]) if self.gpu_operands
+              else sm["vt"].at[slot["vt"]])
+        dp = _wgmma(rows.own["do"], vt, (bq, bkv))
+        if self.split_ring:  # V is read: its slot takes the next block's
+            plgpu.barrier_arrive(bars["free_v"].at[slot["free_v"]])
+        plgpu.barrier_wait(bars["p_full"].at[0])
+        p = self.lay.tile(sm["pt"])
+        plgpu.barrier_arrive(bars["p_free"].at[0])
+        ds = p * (dp - lax.broadcast_in_dim(rows.dlt, (bq, bkv), [0]))
+
+        @pl.when(j > 0)
+        def _():  # warpgroup 0's product has read the last step's dS
+            plgpu.barrier_wait(bars["ds_free"].at[0])
+
+        sm["ds"][...] = ds.astype(self.dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(bars["ds_full"].at[0])
+        return self.add_half(sm, bars, slot, dq, 1, sm["k"].at[slot["k"]])
+
+    def add_half(self, sm, bars, slot, dq, w, k_s):
+        """``dq + dS K[:, half w]`` (a fresh product added); frees the dS tile (w = 0)
+        and the ring's slot."""
+        cols = pl.ds(w * self.half, self.half)
+        dq = dq + _wgmma(sm["ds"], k_s.at[:, cols], (BLOCK_Q, self.half))
+        if w == 0:
+            plgpu.barrier_arrive(bars["ds_free"].at[0])
+        plgpu.barrier_arrive(bars["free"].at[slot["free"]])
+        return dq
+
+    def consume(self, w, refs, sm, bars, tile: _DqTile):
+        """Each warpgroup sums its half of dQ's columns; both stage theirs, scaled and
+        cast, in the Q tile's SMEM (every wgmma that read Q has been awaited: warpgroup
+        1 passed the last P), and warpgroup 0 stores the tile."""
+        for role in (0, 1):
+            @pl.when(w == role)
+            def _(role=role):  # (traced here, once)
+                rows = self.load_rows(role, refs, sm, bars, tile)
+                dq = self.mainloop(rows, tile, sm, bars,
+                                   step=self.step_p if role == 0 else self.step_ds,
+                                   dq=self.lay.zeros((BLOCK_Q, self.half)))
+
+                @pl.when(rows.hi > 0)
+                def _():  # the other warpgroup's last hand-over (every phase observed)
+                    plgpu.barrier_wait(bars["p_free" if role == 0 else "ds_free"].at[0])
+
+                cols = pl.ds(role * self.half, self.half)
+                rows.own["q"].at[:, cols][...] = (dq * self.scale).astype(self.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bars["done"].at[0])
+                if role == 0:
+                    plgpu.barrier_wait(bars["done"].at[0])
+                    plgpu.copy_smem_to_gmem(rows.own["q"], tile_of(
+                        refs["acc"], tile.bi, tile.h, rows.rows_sl, self.btnh))
+                    plgpu.wait_smem_to_gmem(0)
+
+    def smem(self):
+        """Q, dO, lse and delta of the tile, the ring's slots, the P tile (fp32) and the
+        dS tile; a ring's free barrier takes an arrival from each warpgroup that reads
+        one of its streams."""
+        dtype, tr, slots, bq, bkv, d = (self.dtype, self.tr, self.slots, BLOCK_Q,
+                                        BLOCK_KV, self.d)
+        spec = {
+            "q": plgpu.SMEM((1, bq, d), dtype, transforms=tr(d)),
+            "do": plgpu.SMEM((1, bq, d), dtype, transforms=tr(d)),
+            "lse": plgpu.SMEM((1, bq), jnp.float32),
+            "delta": plgpu.SMEM((1, bq), jnp.float32),
+            "k": plgpu.SMEM((slots["k"], bkv, d), dtype, transforms=tr(d)),
+            "pt": plgpu.SMEM((bq, bkv), jnp.float32, transforms=_smem_transforms(bkv, 4)),
+            "ds": plgpu.SMEM((bq, bkv), dtype, transforms=tr(bkv)),
+        }
+        if self.gpu_operands:
+            spec["v"] = plgpu.SMEM((slots["v"], bkv, d), dtype, transforms=tr(d))
+        else:
+            spec.update(
+                kt=plgpu.SMEM((slots["kt"], d, bkv), dtype, transforms=tr(bkv)),
+                vt=plgpu.SMEM((slots["vt"], d, bkv), dtype, transforms=tr(bkv)))
+        if self.key_mask:
+            spec["keep"] = plgpu.SMEM((slots["keep"], bkv), jnp.float32)
+        bar_spec = {name: plgpu.Barrier(num_barriers=slots[name]) for name in self.names}
+        for names, count, free in self.rings:
+            readers = sum(bool(set(names) & reads) for reads in self.reads)
+            bar_spec[free] = plgpu.Barrier(num_arrivals=readers, num_barriers=count)
+        bar_spec["misc"] = plgpu.Barrier(num_barriers=4)
+        for name in ("p_full", "p_free", "ds_full", "ds_free"):
+            bar_spec[name] = plgpu.Barrier(num_barriers=1)
+        bar_spec["done"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
+        return spec, bar_spec
+
+    def kernel(self, q_ref, do_ref, lse_ref, delta_ref, *rest):
+        """The kernel body: the CTA's schedule, two compute warpgroups and the
+        producer."""
+        refs = dict(q=q_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
+        *kv_refs, refs["acc"] = rest
+        offs_ref = None
+        if self.dyn_offsets:
+            *kv_refs, offs_ref = kv_refs
+        tile = self.schedule(offs_ref)
+        srcs = dict(zip(self.names, kv_refs, strict=True))
+        cfg, interpret = self.cfg, self.interpret
+
+        def body(sm, bars):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg < 2)
+            def _():
+                _set_registers(cfg, 2, interpret, 0)
+                self.consume(wg, refs, sm, bars, tile)
+
+            @pl.when(wg == 2)
+            def _():
+                _set_registers(cfg, 2, interpret, 1)
+                self.produce(srcs, sm, bars, tile)
+
+        pl.run_scoped(body, *self.smem(), collective_axes="wg")
+
+    def build(self):
+        """The launch: one CTA per (query tile, query head, batch), three warpgroups."""
+        return launch(
+            self.kernel,
+            pdl=self.cfg.pdl,
+            out_type=jax.ShapeDtypeStruct(
+                (self.b, self.sq, self.hq, self.d) if self.btnh
+                else (self.b, self.hq, self.sq, self.d), self.dtype),
+            grid=(self.sq // BLOCK_Q, self.hq, self.b),
+            grid_names=("q", "h", "b"),
+            num_threads=3, thread_name="wg",
+            compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
+
+
 def _build_dq(**kw):
-    """The dQ kernel (:class:`_DqKernel`'s parameters)."""
-    return _DqKernel(**kw).build()
+    """The dQ kernel (:class:`_DqKernel`'s parameters; :class:`_DqPairKernel` where
+    ``BwdConfig.dq_pair`` applies)."""
+    pair = (kw["cfg"].dq_pair and kw["d"] >= 128 and kw.get("finish")
+            and not kw.get("continue_acc"))
+    return (_DqPairKernel if pair else _DqKernel)(**kw).build()
 
 
 # --------------------------------------------------------------------------- wrappers
