@@ -519,7 +519,10 @@ def test_dq_in_smem_keeps_bits_on_gpu():
     block and non-causal, GQA, dQ scaled and cast in the kernel; D=128 (two dQ tiles a CTA); and dQ
     continued across two key ranges (CP's path), scaled and cast at the last."""
     from jaxattn.backends.mosaic import backward as mb
-    configs = [mb.BwdConfig(dq_in_smem=False), mb.BwdConfig(dq_in_smem=True)]
+    # (dq_pair, the default at D=256, keeps dQ in registers: the one-warpgroup kernel's
+    # option is CP's key ranges' path)
+    configs = [mb.BwdConfig(dq_in_smem=False, dq_pair=False),
+               mb.BwdConfig(dq_in_smem=True, dq_pair=False)]
     for d, s, causal in ((256, 1000, True), (256, 1024, False), (128, 1024, True)):
         q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)
         do = rand_qkv(2, 8, 8, s, s, d, jnp.bfloat16)[0]
@@ -580,7 +583,7 @@ def test_dq_pair_keeps_bits_on_gpu(d):
     dQ's columns) gives the default's gradients in bits, no NaN: causal with a partial
     last block, non-causal, and a key padding mask over NaN in dropped K and V; GQA."""
     from jaxattn.backends.mosaic import backward as mb
-    configs = [mb.BwdConfig(), mb.BwdConfig(dq_pair=True)]
+    configs = [mb.BwdConfig(dq_pair=False), mb.BwdConfig(dq_pair=True)]
     rng = np.random.default_rng()
     for s, causal, masked in ((1000, True, False), (1024, False, False), (1000, True, True)):
         q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)

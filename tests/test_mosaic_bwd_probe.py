@@ -353,7 +353,7 @@ def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     causal with a partial last key block (dQ scaled and cast in the kernel), and dQ
     continued across two key ranges (the tile starting from the first range's
     accumulator: context parallelism's path)."""
-    one = dict(dkdv_wgs=1, dq_wgs=1)
+    one = dict(dkdv_wgs=1, dq_wgs=1, dq_pair=False)  # (dq_pair keeps dQ in registers)
     seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 256)
     out, lse = reference.forward_with_lse(q, k, v, causal=True)
     runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
@@ -690,7 +690,7 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
                         ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1),
-                        ("dkdv_pair", 1), ("dq_pair", None)):
+                        ("dkdv_pair", 1), ("dq_pair", 1)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 
@@ -730,9 +730,9 @@ def test_rejects_bad_key_mask(mosaic_bwd):
 @needs_api
 @pytest.mark.parametrize("d", [128, 256])
 def test_backward_defaults_are_by_head_dim(mosaic_bwd, d):
-    """``BwdConfig``'s ``dq_in_smem``, ``dkdv_pair`` and ``dq_split_ring`` default to
-    None: on where D > 128 (each changes the module there), off where D <= 128 (also
-    ``dkdv_pair`` where the split is asked for at D=128)."""
+    """``BwdConfig``'s ``dq_in_smem``, ``dkdv_pair``, ``dq_split_ring`` and ``dq_pair``
+    default to None: on where D > 128 (each changes the module there), off where D <=
+    128 (also ``dkdv_pair`` where the split is asked for at D=128)."""
     q = jax.ShapeDtypeStruct((1, 4, 256, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2, 512, d), jnp.bfloat16)
 
@@ -741,15 +741,18 @@ def test_backward_defaults_are_by_head_dim(mosaic_bwd, d):
                                          config=mosaic_bwd.BwdConfig(**kw)).as_text()
         return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
-    flags = ("dq_in_smem", "dkdv_pair", "dq_split_ring")
+    flags = ("dq_in_smem", "dkdv_pair", "dq_split_ring", "dq_pair")
     default = kernels()
     assert default == kernels(**dict.fromkeys(flags, d > 128))
     if d > 128:
-        for flag in flags:  # each one, turned off alone, changes the module
+        for flag in ("dkdv_pair", "dq_split_ring", "dq_pair"):  # each, off alone, counts
             assert kernels(**{flag: False}) != default, flag
+        # dq_in_smem acts on the one-warpgroup dQ kernel (CP's key ranges; dq_pair off)
+        assert kernels(dq_pair=False, dq_in_smem=False) != kernels(dq_pair=False)
         assert len(default) == 3  # delta, dK and dV by one kernel, dQ
     else:
         assert kernels(dq_in_smem=True) != default
+        assert kernels(dq_pair=True) != default
         split = kernels(split_dkdv=True)
         assert split == kernels(split_dkdv=True, dkdv_pair=False)
         assert split != kernels(split_dkdv=True, dkdv_pair=True)

@@ -235,8 +235,12 @@ class BwdConfig:
     #: kernel's, the same bits). Why: under Nsight Compute (H100, 2026-12-05) the
     #: one-warpgroup dQ kernel is the D=256 backward's longest (9.3 ms of 17.9 at B=8
     #: S=4096 causal, 355 TFLOP/s), its warpgroup waiting on its own wgmma 32% of its
-    #: samples. ptxas: 168 registers, no spills. Not yet run on a GPU.
-    dq_pair: bool = False
+    #: samples. ptxas: 168 registers, no spills. None: where D > 128. On an H100
+    #: (2026-12-05, tree 4d7b5ab): bits equal at D=128 and 256; the D=256 backward 18.6
+    #: -> 16.1 ms causal at B=8 S=4096 (69.4 -> 58.8 at B=2 S=16384), 36.0 -> 31.8 and
+    #: 144.4 -> 127.4 non-causal; at D=128 (one tile a CTA against the default's two)
+    #: 6.8 -> 9.2 ms.
+    dq_pair: bool | None = None
 
     def __post_init__(self):
         if self.stages < 1:
@@ -261,9 +265,7 @@ class BwdConfig:
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.dk_wgs not in (1, 2):
             raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
-        if not isinstance(self.dq_pair, bool):
-            raise TypeError(f"dq_pair must be True or False, got {self.dq_pair!r}")
-        for name in ("dq_in_smem", "dkdv_pair", "dq_split_ring"):
+        for name in ("dq_in_smem", "dkdv_pair", "dq_split_ring", "dq_pair"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be None, True or False, got "
                                 f"{getattr(self, name)!r}")
@@ -1601,8 +1603,8 @@ class _DqPairKernel(_DqKernel):
 def _build_dq(**kw):
     """The dQ kernel (:class:`_DqKernel`'s parameters; :class:`_DqPairKernel` where
     ``BwdConfig.dq_pair`` applies)."""
-    pair = (kw["cfg"].dq_pair and kw["d"] >= 128 and kw.get("finish")
-            and not kw.get("continue_acc"))
+    asked = kw["cfg"].dq_pair if kw["cfg"].dq_pair is not None else kw["d"] > 128
+    pair = asked and kw["d"] >= 128 and kw.get("finish") and not kw.get("continue_acc")
     return (_DqPairKernel if pair else _DqKernel)(**kw).build()
 
 
