@@ -236,7 +236,7 @@ class BwdConfig:
     #: one-warpgroup dQ kernel is the D=256 backward's longest (9.3 ms of 17.9 at B=8
     #: S=4096 causal, 355 TFLOP/s), its warpgroup waiting on its own wgmma 32% of its
     #: samples. ptxas: 168 registers, no spills. None: where D > 128. On an H100
-    #: (2026-12-05, tree 4d7b5ab): bits equal at D=128 and 256; the D=256 backward 18.6
+    #: (2026-12-05, tree 65e3de1): bits equal at D=128 and 256; the D=256 backward 18.6
     #: -> 16.1 ms causal at B=8 S=4096 (69.4 -> 58.8 at B=2 S=16384), 36.0 -> 31.8 and
     #: 144.4 -> 127.4 non-causal; at D=128 (one tile a CTA against the default's two)
     #: 6.8 -> 9.2 ms.
