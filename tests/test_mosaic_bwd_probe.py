@@ -402,7 +402,8 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_pair=True) (the dQ kernel's tile on two warpgroups: P handed from
     the first to the second through SMEM, dS back, each summing half of dQ's columns)
     gives the one-warpgroup kernel's bits: D=128, causal with offset 64 over three key
-    blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V."""
+    blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V; and with
+    per-sequence offsets (``backward_over_ranges`` over one range)."""
     seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
     k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
@@ -417,6 +418,19 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
     for name, a, b in zip("qkv", *runs, strict=True):
         assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+    # Per-sequence offsets read in the kernel (one key range: the finished dQ from zero,
+    # dq_pair's case), two sequences.
+    seed, q, k, v, do = _inputs(2, 2, 1, 64, 256, 128)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    runs = [mosaic_bwd.backward_over_ranges(
+                q, k, v, out, lse, do, ranges=[(0, 256)],
+                offsets=jnp.asarray([192, 150], jnp.int32), causal=True, interpret=True,
+                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, dq_pair=flag))
+            for flag in (False, True)]
+    for name, a, b in zip("qkv", *runs, strict=True):
+        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b),
+                                      err_msg=f"d{name}, offsets (seed {seed})")
 
 
 @needs_threads

@@ -102,10 +102,12 @@ BLOCK_Q = 64
 BLOCK_KV = schedule.BLOCK_N
 #: ``BwdConfig.dq_in_smem``: the columns of dQ added into the SMEM tile at a time.
 DQ_SMEM_COLS = 64
-# Head dims: mosaic_fwd.HEAD_DIMS. At D=256 dK and dV come from two kernels
-# (``split_dkdv``) and dQ from one tile and one K/V slot per CTA (SMEM); run on the H200
-# since 2026-12-01 (tests/test_mosaic_backend.py's test_large_head_dims_forward_and_
-# gradients; the invariance matrix at D=256 on an H100, 2026-12-05).
+# Head dims: mosaic_fwd.HEAD_DIMS. At D=256 a warpgroup holds one 64 x 256 fp32 sum: dK
+# and dV come from one kernel of two warpgroups, a sum each (``split_dkdv``,
+# ``dkdv_pair``), and dQ from one query tile per CTA on two warpgroups, half of dQ's
+# columns each (``dq_pair``); run on the H200 since 2026-12-01 (tests/test_mosaic_
+# backend.py's test_large_head_dims_forward_and_gradients; the invariance matrix at
+# D=256 on an H100, 2026-12-05).
 __all__ = ["BLOCK_KV", "BLOCK_Q", "BwdConfig", "backward", "backward_over_ranges", "delta",
            "dkdv", "dq_accumulate", "interpret_params", "lower_for_cuda",
            "reset_interpret_state"]
