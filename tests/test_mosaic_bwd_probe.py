@@ -349,12 +349,13 @@ def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
 @needs_interpret
 def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_in_smem=True) (the dQ kernel's running dQ in its fp32 output tile,
-    each block's product added 64 columns at a time) gives the default's bits: D=256
-    causal with a partial last key block (dQ scaled and cast in the kernel), and dQ
-    continued across two key ranges (the tile starting from the first range's
-    accumulator: context parallelism's path)."""
+    each block's product added 64 columns at a time) gives the registers' bits: causal
+    with a partial last key block (dQ scaled and cast in the kernel; D=128, the same
+    kernel as D=256's, where ``dq_pair`` now takes this path), and dQ continued across
+    two key ranges (the tile starting from the first range's accumulator: context
+    parallelism's path, the option's default use at D=256)."""
     one = dict(dkdv_wgs=1, dq_wgs=1, dq_pair=False)  # (dq_pair keeps dQ in registers)
-    seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 256)
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 128)
     out, lse = reference.forward_with_lse(q, k, v, causal=True)
     runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
                     mosaic_bwd.BwdConfig(**one, dq_in_smem=flag)) for flag in (False, True)]
