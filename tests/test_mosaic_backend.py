@@ -580,14 +580,16 @@ def test_d256_backward_options_keep_bits_on_gpu():
 def test_dq_pair_keeps_bits_on_gpu(d):
     """On sm90, BwdConfig(dq_pair=True) (the dQ kernel's query tile on two compute
     warpgroups: S and P on one, dP and dS on the other, each adding dS K to half of
-    dQ's columns) gives the default's gradients in bits, no NaN: causal with a partial
-    last block, non-causal, and a key padding mask over NaN in dropped K and V; GQA."""
+    dQ's columns) gives the one-warpgroup kernel's gradients in bits, no NaN: causal
+    with a partial last block, non-causal, a key padding mask over NaN in dropped K and
+    V, and more queries than keys (query tiles that see no key); GQA."""
     from jaxattn.backends.mosaic import backward as mb
     configs = [mb.BwdConfig(dq_pair=False), mb.BwdConfig(dq_pair=True)]
     rng = np.random.default_rng()
-    for s, causal, masked in ((1000, True, False), (1024, False, False), (1000, True, True)):
-        q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)
-        do = rand_qkv(2, 8, 8, s, s, d, jnp.bfloat16)[0]
+    for sq, s, causal, masked in ((1000, 1000, True, False), (1024, 1024, False, False),
+                                  (1000, 1000, True, True), (1000, 300, True, False)):
+        q, k, v = rand_qkv(2, 8, 2, sq, s, d, jnp.bfloat16)
+        do = rand_qkv(2, 8, 8, sq, s, d, jnp.bfloat16)[0]
         keep = None
         if masked:
             keep = jnp.asarray(rng.random((2, s)) > 0.2).at[:, -1].set(True)
@@ -597,7 +599,7 @@ def test_dq_pair_keeps_bits_on_gpu(d):
                                      key_padding_mask=keep, backend="mosaic")
         _configs_agree_in_bits(
             lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
-            (d, s, causal, masked), q, k, v, out, lse, do, causal=causal,
+            (d, sq, s, causal, masked), q, k, v, out, lse, do, causal=causal,
             key_padding_mask=keep)
 
 

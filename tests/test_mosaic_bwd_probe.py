@@ -403,8 +403,9 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_pair=True) (the dQ kernel's tile on two warpgroups: P handed from
     the first to the second through SMEM, dS back, each summing half of dQ's columns)
     gives the one-warpgroup kernel's bits: D=128, causal with offset 64 over three key
-    blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V; and with
-    per-sequence offsets (``backward_over_ranges`` over one range)."""
+    blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V; with
+    per-sequence offsets (``backward_over_ranges`` over one range); and with query
+    tiles that see no key."""
     seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
     k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
@@ -432,6 +433,16 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
         assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b),
                                       err_msg=f"d{name}, offsets (seed {seed})")
+    # Query tiles that see no key (Sq > Skv, causal): no P passes between the
+    # warpgroups, so only the epilogue's own wait orders Q's copy before dQ's staging in
+    # its SMEM (without it the interpreter's dQ held Q's values in every run).
+    seed, q, k, v, do = _inputs(1, 2, 1, 320, 64, 128)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    dq = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                  mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, dq_pair=flag))[0]
+          for flag in (False, True)]
+    assert not np.asarray(dq[1][:, :, :256], np.float32).any(), f"seed {seed}"
+    np.testing.assert_array_equal(bits(dq[0]), bits(dq[1]), err_msg=f"dq, Sq > Skv (seed {seed})")
 
 
 @needs_threads

@@ -1518,6 +1518,9 @@ class _DqPairKernel(_DqKernel):
                 def _():  # the other warpgroup's last hand-over (every phase observed)
                     plgpu.barrier_wait(bars["p_free" if role == 0 else "ds_free"].at[0])
 
+                if role == 1:  # Q's copy has landed (a tile that sees no key passes
+                    # no P, which would have ordered it) before its SMEM takes dQ
+                    plgpu.barrier_wait(bars["misc"].at[0])
                 cols = pl.ds(role * self.half, self.half)
                 rows.own["q"].at[:, cols][...] = (dq * self.scale).astype(self.dtype)
                 plgpu.commit_smem()
