@@ -1111,6 +1111,8 @@ class _DqKernel:
         # launch parameters, the same operations.
         self.nwg = (cfg.dq_wgs if self.sq % (cfg.dq_wgs * bq) == 0
                     and (self.gpu_operands or d <= 64) and d <= 128 else 1)
+        #: Compute warpgroups: one a tile (``dq_pair``'s subclass: two on one tile).
+        self.n_compute = self.nwg
         if d > 128:
             self.stages = 1
         #: ``BwdConfig.dq_split_ring``, where it applies (with a key mask the keep
@@ -1359,26 +1361,26 @@ class _DqKernel:
             *kv_refs, offs_ref = kv_refs
         tile = self.schedule(offs_ref)
         srcs = dict(zip(self.names, kv_refs, strict=True))
-        cfg, nwg, interpret = self.cfg, self.nwg, self.interpret
+        cfg, n, interpret = self.cfg, self.n_compute, self.interpret
 
         def body(sm, bars):
             wg = lax.axis_index("wg")
 
-            @pl.when(wg < nwg)
+            @pl.when(wg < n)
             def _():
-                _set_registers(cfg, nwg, interpret, 0)
+                _set_registers(cfg, n, interpret, 0)
                 self.consume(wg, refs, sm, bars, tile)
 
-            @pl.when(wg == nwg)
+            @pl.when(wg == n)
             def _():
-                _set_registers(cfg, nwg, interpret, 1)
+                _set_registers(cfg, n, interpret, 1)
                 self.produce(srcs, sm, bars, tile)
 
         pl.run_scoped(body, *self.smem(), collective_axes="wg")
 
     def build(self):
-        """The launch: one CTA per (``nwg`` query tiles, query head, batch), ``nwg + 1``
-        warpgroups."""
+        """The launch: one CTA per (``nwg`` query tiles, query head, batch), the
+        ``n_compute`` compute warpgroups and the producer."""
         return launch(
             self.kernel,
             pdl=self.cfg.pdl,
@@ -1388,7 +1390,7 @@ class _DqKernel:
                 self.dtype if self.finish else jnp.float32),
             grid=(self.sq // (self.nwg * BLOCK_Q), self.hq, self.b),
             grid_names=("q", "h", "b"),
-            num_threads=self.nwg + 1, thread_name="wg",
+            num_threads=self.n_compute + 1, thread_name="wg",
             compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
 
 
@@ -1404,7 +1406,7 @@ class _DqPairKernel(_DqKernel):
 
     def __post_init__(self):
         super().__post_init__()
-        self.nwg, self.dq_in_smem, self.half = 1, False, self.d // 2
+        self.nwg, self.n_compute, self.dq_in_smem, self.half = 1, 2, False, self.d // 2
         gpu = self.gpu_operands
         #: The streams each warpgroup reads (0: S, the mask, dQ; 1: dP, dQ).
         self.reads = ({"k", "keep"} if gpu else {"k", "kt", "keep"},
@@ -1563,46 +1565,6 @@ class _DqPairKernel(_DqKernel):
             bar_spec[name] = plgpu.Barrier(num_barriers=1)
         bar_spec["done"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
         return spec, bar_spec
-
-    def kernel(self, q_ref, do_ref, lse_ref, delta_ref, *rest):
-        """The kernel body: the CTA's schedule, two compute warpgroups and the
-        producer."""
-        refs = dict(q=q_ref, do=do_ref, lse=lse_ref, delta=delta_ref)
-        *kv_refs, refs["acc"] = rest
-        offs_ref = None
-        if self.dyn_offsets:
-            *kv_refs, offs_ref = kv_refs
-        tile = self.schedule(offs_ref)
-        srcs = dict(zip(self.names, kv_refs, strict=True))
-        cfg, interpret = self.cfg, self.interpret
-
-        def body(sm, bars):
-            wg = lax.axis_index("wg")
-
-            @pl.when(wg < 2)
-            def _():
-                _set_registers(cfg, 2, interpret, 0)
-                self.consume(wg, refs, sm, bars, tile)
-
-            @pl.when(wg == 2)
-            def _():
-                _set_registers(cfg, 2, interpret, 1)
-                self.produce(srcs, sm, bars, tile)
-
-        pl.run_scoped(body, *self.smem(), collective_axes="wg")
-
-    def build(self):
-        """The launch: one CTA per (query tile, query head, batch), three warpgroups."""
-        return launch(
-            self.kernel,
-            pdl=self.cfg.pdl,
-            out_type=jax.ShapeDtypeStruct(
-                (self.b, self.sq, self.hq, self.d) if self.btnh
-                else (self.b, self.hq, self.sq, self.d), self.dtype),
-            grid=(self.sq // BLOCK_Q, self.hq, self.b),
-            grid_names=("q", "h", "b"),
-            num_threads=3, thread_name="wg",
-            compiler_params=_compiler_params(self.cfg), interpret=self.interpret)
 
 
 def _build_dq(**kw):
