@@ -1220,14 +1220,8 @@ class _DqKernel:
         dp = _wgmma(rows.own["do"], vt, (bq, bkv))
         if self.split_ring:  # V is read: its slot takes the next block's
             plgpu.barrier_arrive(bars["free_v"].at[slot["free_v"]])
-        visible = None
-        if masked:
-            visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
-            if self.key_mask:
-                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot["keep"]], 0),
-                                            (bq, bkv), [1]) != 0.0
-                visible = kept if visible is None else visible & kept
-        p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
+        p = _probs(self.cfg, s, rows.lse_safe, self.scale,
+                   self.visible(rows, sm, slot, j, masked), 0)
         ds = p * (dp - lax.broadcast_in_dim(rows.dlt, (bq, bkv), [0]))
         ds_op = _a_operand(ds.astype(self.dtype), rows.ds_s, gpu_operands)
         if self.dq_in_smem:  # the running dQ in the output tile, a column chunk at a time
@@ -1239,6 +1233,19 @@ class _DqKernel:
             dq = dq + _wgmma(ds_op, k_s, (bq, self.d))
         plgpu.barrier_arrive(bars["free"].at[slot["free"]])
         return dq
+
+    def visible(self, rows: _DqRows, sm, slot, j, masked):
+        """Block j's mask of the tile (None: every key visible to every row, or
+        ``masked`` False): causal and the keep values in the block's slot."""
+        if not masked:
+            return None
+        bq, bkv = BLOCK_Q, BLOCK_KV
+        visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
+        if self.key_mask:
+            kept = lax.broadcast_in_dim(self.lay.vec(sm["keep"].at[slot["keep"]], 0),
+                                        (bq, bkv), [1]) != 0.0
+            visible = kept if visible is None else visible & kept
+        return visible
 
     def slot_of(self, j):
         """Block j's slot in each stream's ring and in each ring's free barriers (by
@@ -1444,20 +1451,14 @@ class _DqPairKernel(_DqKernel):
 
     def step_p(self, rows: _DqRows, sm, bars, j, dq, masked=True):
         """Warpgroup 0's step j: S, P (handed over in the P tile), its half of dQ."""
-        bq, bkv, lay = BLOCK_Q, BLOCK_KV, self.lay
+        bq, bkv = BLOCK_Q, BLOCK_KV
         slot = self.slot_of(j)
         self.wait_reads(bars, 0, slot)
         k_s = sm["k"].at[slot["k"]]
         kt = _t(k_s) if self.gpu_operands else sm["kt"].at[slot["kt"]]
         s = _wgmma(rows.own["q"], kt, (bq, bkv))
-        visible = None
-        if masked:
-            visible = rows.diag <= rows.q0 + rows.offset - j * bkv if self.causal else None
-            if self.key_mask:
-                kept = lax.broadcast_in_dim(lay.vec(sm["keep"].at[slot["keep"]], 0),
-                                            (bq, bkv), [1]) != 0.0
-                visible = kept if visible is None else visible & kept
-        p = _probs(self.cfg, s, rows.lse_safe, self.scale, visible, 0)
+        p = _probs(self.cfg, s, rows.lse_safe, self.scale,
+                   self.visible(rows, sm, slot, j, masked), 0)
 
         @pl.when(j > 0)
         def _():  # warpgroup 1 has read the last step's P
