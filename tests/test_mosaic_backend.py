@@ -166,6 +166,29 @@ def _configs_agree_in_bits(f, configs, tag, *args, **kw):
             assert bits_equal(x, y), (tag, config)
 
 
+def _backward_configs_agree_in_bits(configs, d, cases):
+    """The mosaic backward's gradients under each ``BwdConfig`` of ``configs`` equal the
+    first's in bits, no NaN, on fresh inputs (B=2, Hq=8, Hkv=2, head dim ``d``) for each
+    case ``(Sq, Skv, causal, masked)``; ``masked``: a random key padding mask with NaN
+    in the dropped keys' K and V."""
+    from jaxattn.backends.mosaic import backward as mb
+    rng = np.random.default_rng()
+    for sq, skv, causal, masked in cases:
+        q, k, v = rand_qkv(2, 8, 2, sq, skv, d, jnp.bfloat16)
+        do = rand_qkv(2, 8, 8, sq, skv, d, jnp.bfloat16)[0]
+        keep = None
+        if masked:
+            keep = jnp.asarray(rng.random((2, skv)) > 0.2).at[:, -1].set(True)
+            k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
+            v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
+                                     key_padding_mask=keep, backend="mosaic")
+        _configs_agree_in_bits(
+            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
+            (d, sq, skv, causal, masked), q, k, v, out, lse, do, causal=causal,
+            key_padding_mask=keep)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
@@ -523,14 +546,9 @@ def test_dq_in_smem_keeps_bits_on_gpu():
     # option is CP's key ranges' path)
     configs = [mb.BwdConfig(dq_in_smem=False, dq_pair=False),
                mb.BwdConfig(dq_in_smem=True, dq_pair=False)]
-    for d, s, causal in ((256, 1000, True), (256, 1024, False), (128, 1024, True)):
-        q, k, v = rand_qkv(2, 8, 2, s, s, d, jnp.bfloat16)
-        do = rand_qkv(2, 8, 8, s, s, d, jnp.bfloat16)[0]
-        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
-                                     backend="mosaic")
-        _configs_agree_in_bits(
-            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
-            (d, s, causal), q, k, v, out, lse, do, causal=causal)
+    _backward_configs_agree_in_bits(configs, 256, ((1000, 1000, True, False),
+                                                   (1024, 1024, False, False)))
+    _backward_configs_agree_in_bits(configs, 128, ((1024, 1024, True, False),))
     q, k, v = rand_qkv(2, 8, 2, 512, 1024, 256, jnp.bfloat16)
     do = rand_qkv(2, 8, 8, 512, 1024, 256, jnp.bfloat16)[0]
     out, lse = jaxattn.attention(q, k, v, causal=True, return_lse=True, backend="mosaic")
@@ -556,21 +574,9 @@ def test_d256_backward_options_keep_bits_on_gpu():
     configs = [mb.BwdConfig(), mb.BwdConfig(dkdv_pair=False), mb.BwdConfig(dq_split_ring=False),
                mb.BwdConfig(**two), mb.BwdConfig(**two, dv_wgs=2),
                mb.BwdConfig(**two, dk_wgs=2)]
-    rng = np.random.default_rng()
-    for s, causal, masked in ((1000, True, False), (1024, False, False), (1000, True, True)):
-        q, k, v = rand_qkv(2, 8, 2, s, s, 256, jnp.bfloat16)
-        do = rand_qkv(2, 8, 8, s, s, 256, jnp.bfloat16)[0]
-        keep = None
-        if masked:
-            keep = jnp.asarray(rng.random((2, s)) > 0.2).at[:, -1].set(True)
-            k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-            v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
-        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
-                                     key_padding_mask=keep, backend="mosaic")
-        _configs_agree_in_bits(
-            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
-            (s, causal, masked), q, k, v, out, lse, do, causal=causal,
-            key_padding_mask=keep)
+    _backward_configs_agree_in_bits(configs, 256, ((1000, 1000, True, False),
+                                                   (1024, 1024, False, False),
+                                                   (1000, 1000, True, True)))
 
 
 @pytest.mark.gpu
@@ -585,22 +591,10 @@ def test_dq_pair_keeps_bits_on_gpu(d):
     V, and more queries than keys (query tiles that see no key); GQA."""
     from jaxattn.backends.mosaic import backward as mb
     configs = [mb.BwdConfig(dq_pair=False), mb.BwdConfig(dq_pair=True)]
-    rng = np.random.default_rng()
-    for sq, s, causal, masked in ((1000, 1000, True, False), (1024, 1024, False, False),
-                                  (1000, 1000, True, True), (1000, 300, True, False)):
-        q, k, v = rand_qkv(2, 8, 2, sq, s, d, jnp.bfloat16)
-        do = rand_qkv(2, 8, 8, sq, s, d, jnp.bfloat16)[0]
-        keep = None
-        if masked:
-            keep = jnp.asarray(rng.random((2, s)) > 0.2).at[:, -1].set(True)
-            k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-            v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
-        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
-                                     key_padding_mask=keep, backend="mosaic")
-        _configs_agree_in_bits(
-            lambda *a, config, **kw: mb.backward(*a, config=config, **kw), configs,
-            (d, sq, s, causal, masked), q, k, v, out, lse, do, causal=causal,
-            key_padding_mask=keep)
+    _backward_configs_agree_in_bits(configs, d, ((1000, 1000, True, False),
+                                                 (1024, 1024, False, False),
+                                                 (1000, 1000, True, True),
+                                                 (1000, 300, True, False)))
 
 
 @pytest.mark.gpu

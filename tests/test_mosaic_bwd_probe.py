@@ -374,13 +374,11 @@ def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     assert not np.isnan(np.asarray(runs[1][0], np.float32)).any()
 
 
-@needs_threads
-@needs_interpret
-def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
-    """BwdConfig(dkdv_pair=True) (dK and dV by one kernel whose two warpgroups share one
-    KV block: P^T handed from the dV warpgroup to the dK one through SMEM) gives the
-    split kernels' bits: D=128 (the products' shapes differ from S's), causal with
-    offset 64, GQA, a key mask over NaN in dropped K and V."""
+def _masked_configs_agree_in_bits(mosaic_bwd, want, got):
+    """The interpreted backward with ``BwdConfig(**got)`` gives ``BwdConfig(**want)``'s
+    dQ, dK and dV bits, no NaN (one dK/dV and one dQ warpgroup a CTA besides): D=128,
+    causal with offset 64 over three key blocks, GQA, a key mask over NaN in dropped K
+    and V."""
     seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
     k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
@@ -389,12 +387,22 @@ def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
                                  return_lse=True, backend="pallas")
     runs = [mosaic_bwd.backward(q, k, v, out, lse, do, causal=True, interpret=True,
                                 key_padding_mask=keep,
-                                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1,
-                                                            split_dkdv=True, **kw))
-            for kw in ({"dkdv_pair": False}, {"dkdv_pair": True})]
+                                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, **kw))
+            for kw in (want, got)]
     for name, a, b in zip("qkv", *runs, strict=True):
         assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+
+
+@needs_threads
+@needs_interpret
+def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
+    """BwdConfig(dkdv_pair=True) (dK and dV by one kernel whose two warpgroups share one
+    KV block: P^T handed from the dV warpgroup to the dK one through SMEM) gives the
+    split kernels' bits: D=128 (the products' shapes differ from S's), causal with
+    offset 64, GQA, a key mask over NaN in dropped K and V."""
+    _masked_configs_agree_in_bits(mosaic_bwd, dict(split_dkdv=True, dkdv_pair=False),
+                                  dict(split_dkdv=True, dkdv_pair=True))
 
 
 @needs_threads
@@ -406,20 +414,7 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
     blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V; with
     per-sequence offsets (``backward_over_ranges`` over one range); and with query
     tiles that see no key."""
-    seed, q, k, v, do = _inputs(1, 2, 1, 128, 192, 128)
-    keep = jnp.asarray(np.random.default_rng(seed).random((1, 192)) > 0.2).at[:, -1].set(True)
-    k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-    v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
-    out, lse = jaxattn.attention(q, k, v, causal=True, key_padding_mask=keep,
-                                 return_lse=True, backend="pallas")
-    runs = [mosaic_bwd.backward(q, k, v, out, lse, do, causal=True, interpret=True,
-                                key_padding_mask=keep,
-                                config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1,
-                                                            dq_pair=flag))
-            for flag in (False, True)]
-    for name, a, b in zip("qkv", *runs, strict=True):
-        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
-        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
+    _masked_configs_agree_in_bits(mosaic_bwd, dict(dq_pair=False), dict(dq_pair=True))
     # Per-sequence offsets read in the kernel (one key range: the finished dQ from zero,
     # dq_pair's case), two sequences.
     seed, q, k, v, do = _inputs(2, 2, 1, 64, 256, 128)
