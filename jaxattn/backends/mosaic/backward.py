@@ -1535,29 +1535,14 @@ class _DqPairKernel(_DqKernel):
                     plgpu.wait_smem_to_gmem(0)
 
     def smem(self):
-        """Q, dO, lse and delta of the tile, the ring's slots, the P tile (fp32) and the
-        dS tile; a ring's free barrier takes an arrival from each warpgroup that reads
-        one of its streams."""
-        dtype, tr, slots, bq, bkv, d = (self.dtype, self.tr, self.slots, BLOCK_Q,
-                                        BLOCK_KV, self.d)
-        spec = {
-            "q": plgpu.SMEM((1, bq, d), dtype, transforms=tr(d)),
-            "do": plgpu.SMEM((1, bq, d), dtype, transforms=tr(d)),
-            "lse": plgpu.SMEM((1, bq), jnp.float32),
-            "delta": plgpu.SMEM((1, bq), jnp.float32),
-            "k": plgpu.SMEM((slots["k"], bkv, d), dtype, transforms=tr(d)),
-            "pt": plgpu.SMEM((bq, bkv), jnp.float32, transforms=_smem_transforms(bkv, 4)),
-            "ds": plgpu.SMEM((bq, bkv), dtype, transforms=tr(bkv)),
-        }
-        if self.gpu_operands:
-            spec["v"] = plgpu.SMEM((slots["v"], bkv, d), dtype, transforms=tr(d))
-        else:
-            spec.update(
-                kt=plgpu.SMEM((slots["kt"], d, bkv), dtype, transforms=tr(bkv)),
-                vt=plgpu.SMEM((slots["vt"], d, bkv), dtype, transforms=tr(bkv)))
-        if self.key_mask:
-            spec["keep"] = plgpu.SMEM((slots["keep"], bkv), jnp.float32)
-        bar_spec = {name: plgpu.Barrier(num_barriers=slots[name]) for name in self.names}
+        """:class:`_DqKernel`'s SMEM of one tile without its fp32 output tile (dQ stays in
+        registers), with the P tile (fp32) and the dS tile; a ring's free barrier takes
+        an arrival from each warpgroup that reads one of its streams."""
+        bq, bkv = BLOCK_Q, BLOCK_KV
+        spec, bar_spec = super().smem()
+        del spec["out"]
+        spec["pt"] = plgpu.SMEM((bq, bkv), jnp.float32, transforms=_smem_transforms(bkv, 4))
+        spec["ds"] = plgpu.SMEM((bq, bkv), self.dtype, transforms=self.tr(bkv))
         for names, count, free in self.rings:
             readers = sum(bool(set(names) & reads) for reads in self.reads)
             bar_spec[free] = plgpu.Barrier(num_arrivals=readers, num_barriers=count)
