@@ -300,6 +300,30 @@ def test_smem_state_keeps_bits_on_gpu():
     _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_pv_split_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(pv_split=True) (one 64-row tile a CTA: warpgroup 0's S and
+    softmax, warpgroup 1's P V, the SPLIT's accumulator handed over in column halves)
+    gives the bits of the default and of two compute warpgroups with the state in
+    registers, out and lse, no NaN: D=256 causal prefills of one and three SPLITs
+    (Skv off the block grid: the flat K/V), a chunk, Sq > Skv (tiles that see no
+    key), non-causal on whole blocks and with a partial last block (the key mask:
+    pv_split does not apply); D=128 causal."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(),
+               mf.MosaicConfig(pv_split=True)]
+    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
+    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
+                            (1000, 300, True), (2048, 2048, False), (2100, 2100, False)):
+        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
+                               q[:, :, :sq], k[:, :, :skv], v[:, :, :skv],
+                               causal=causal)
+    qd, kd, vd = rand_qkv(2, 8, 2, 2100, 2100, 128, jnp.bfloat16)
+    _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+
+
 def _masked_and_paged_decode_agree(agree, rng, q, k, v):
     """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
     5000, D] K and V under a key padding mask (NaN in dropped K, inf in dropped V), and

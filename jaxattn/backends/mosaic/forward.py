@@ -172,6 +172,21 @@ class MosaicConfig:
     #: S=1024 (one SPLIT: nothing to merge), where the two stay. False: never (two
     #: warpgroups at D=256 then spill the state).
     smem_state: bool | None = None
+    #: One 64-row query tile a CTA on two compute warpgroups with two roles (where
+    #: ``smem_state`` applies: a prefill on a grid of one CTA per tile whose output is
+    #: not a state): warpgroup 0 computes each key block's S = Q K^T and the online
+    #: softmax and hands P (in the input dtype) and the rows' rescale factors over in
+    #: SMEM; warpgroup 1 runs every block's P V into the SPLIT's 64xD accumulator and
+    #: hands it over at the SPLIT's end, when warpgroup 0 finalises it and merges it
+    #: into the running state it holds (:class:`_PvSplitForward`). Warpgroup 0's
+    #: softmax of block t + 1 then runs while warpgroup 1's P V of block t keeps the
+    #: tensor cores busy, and neither warpgroup holds both a 64xD accumulator and a
+    #: 64xD state (the registers' limit at D=256 that ``smem_state`` works around). Per
+    #: element the operations of one warpgroup's step (S, the softmax, P's rounding,
+    #: ``acc * alpha`` and the P V product, the finalize and the merge with its FMA
+    #: pinned as ``smem_state``'s): a launch choice, the same bits. Not with a key
+    #: mask, pages or decode rows. None (the default): off (not yet timed on a GPU).
+    pv_split: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -394,6 +409,9 @@ class MosaicConfig:
         if not (self.smem_state is None or isinstance(self.smem_state, bool)):
             raise ValueError(f"smem_state must be None, True or False, got "
                              f"{self.smem_state!r}")
+        if not (self.pv_split is None or isinstance(self.pv_split, bool)):
+            raise ValueError(f"pv_split must be None, True or False, got "
+                             f"{self.pv_split!r}")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
@@ -808,17 +826,17 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
     each split's state (:attr:`MosaicConfig.splits_per_cta`).
 
-    Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`."""
-    return _Forward(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
-                    causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
-                    interpret=interpret, position=position, key_mask=key_mask,
-                    dyn_offsets=dyn_offsets, split_out=split_out, q_btnh=q_btnh,
-                    kv_btnh=kv_btnh, carry_in=carry_in, raw_out=raw_out,
-                    state_rows=state_rows, page_size=page_size, state_in=state_in,
-                    state_out=state_out, stack_sq=stack_sq, q_row0=q_row0,
-                    k_row0=k_row0, finish_rows=finish_rows, kv_rows=kv_rows,
-                    q_rows=q_rows, rows_out=rows_out, kv_boxes=kv_boxes,
-                    per_cta=per_cta).call()
+    Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`
+    (of :class:`_PvSplitForward` with ``cfg.pv_split``)."""
+    kind = _PvSplitForward if cfg.pv_split else _Forward
+    return kind(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, offset=offset, d=d, dtype=dtype,
+                causal=causal, scale=scale, cfg=cfg, gpu_operands=gpu_operands,
+                interpret=interpret, position=position, key_mask=key_mask, dyn_offsets=dyn_offsets,
+                split_out=split_out, q_btnh=q_btnh, kv_btnh=kv_btnh, carry_in=carry_in,
+                raw_out=raw_out, state_rows=state_rows, page_size=page_size, state_in=state_in,
+                state_out=state_out, stack_sq=stack_sq, q_row0=q_row0, k_row0=k_row0,
+                finish_rows=finish_rows, kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
+                kv_boxes=kv_boxes, per_cta=per_cta).call()
 
 
 @dataclasses.dataclass
@@ -1484,30 +1502,16 @@ class _Forward:
         accumulator, in place (``acc * alpha`` as the wgmma's initial accumulator) or
         into a fresh one added after; the next block's K is awaited while P V runs."""
         acc, m, l = carry
-        _, k_s, v_s, _, ones_s, _, keep_s, *_ = it.smem
+        _, _, v_s, _, ones_s, _, keep_s, *_ = it.smem
         k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
-        bm, bn, d = self.bm, self.bn, self.d
+        bm, d = self.bm, self.d
         slot = self.slot_of(it, t)
         # inline_loads: block t + stages' copies, read before the products (a paged
         # block's table entries are loads from global memory; their use waits for them)
         nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
                if self.inline_loads else None)
         self.wait_keep(it, t)
-
-        def qk(acc_ref):
-            if self.gpu_operands:
-                # kv_boxes: one product per column tile of K, accumulated in column
-                # order (the whole tile's product issues the same k-steps in that order)
-                for c, k_t in self.kv_slot(k_s, slot):
-                    q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
-                    plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
-            else:  # K^T's slot
-                plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
-            if self.pingpong:
-                self.sync(it)
-            return acc_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((bm, bn), jnp.float32))
+        s = self.scores(it, slot)
         self.release(it, n_steps, nxt, slot, "k")
         keep = keep_s.at[slot] if self.key_mask else None
         p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
@@ -1542,11 +1546,7 @@ class _Forward:
             self.zero_dropped(it, t, v_parts, keep)
 
         def pv_parts(acc_ref):
-            """P V into ``acc_ref``: one product per V part (with kv_boxes, into its
-            columns of the accumulator)."""
-            for c, v_t in v_parts:
-                plgpu.wgmma(acc_ref if c is None else acc_ref.at[:, pl.ds(c, self.box_cols)],
-                            p_op, v_t)
+            self.pv_parts(acc_ref, p_op, v_parts)
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1580,6 +1580,33 @@ class _Forward:
             l = l if l_out is None else l_out
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
+
+    def scores(self, it: _Item, slot):
+        """S = Q K^T of the K ring's ``slot`` on wgmma (fp32 ``[bm, bn]``); with
+        ping-pong, the scheduling barrier's sync once the product is issued."""
+        k_s = it.smem[1]
+
+        def qk(acc_ref):
+            if self.gpu_operands:
+                # kv_boxes: one product per column tile of K, accumulated in column
+                # order (the whole tile's product issues the same k-steps in that order)
+                for c, k_t in self.kv_slot(k_s, slot):
+                    q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
+                    plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
+            else:  # K^T's slot
+                plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
+            if self.pingpong:
+                self.sync(it)
+            return acc_ref[...]
+
+        return pl.run_scoped(qk, plgpu.ACC((self.bm, self.bn), jnp.float32))
+
+    def pv_parts(self, acc_ref, p_op, v_parts):
+        """P V into ``acc_ref``: one product per V part (:meth:`kv_slot`; with kv_boxes,
+        into its columns of the accumulator)."""
+        for c, v_t in v_parts:
+            plgpu.wgmma(acc_ref if c is None else acc_ref.at[:, pl.ds(c, self.box_cols)],
+                        p_op, v_t)
 
     def release(self, it: _Item, n_steps, nxt, slot, kind: str):
         """A block's K (``kind`` "k") or V ``slot`` read: an arrival on its "consumed"
@@ -2034,6 +2061,11 @@ class _Forward:
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
+    def threads(self) -> int:
+        """The CTA's warpgroups: the compute warpgroups and the producer (none with
+        ``inline_loads``: ``ctas_per_sm=2``)."""
+        return self.nwg + (0 if self.inline_loads else 1)
+
     def call(self):
         """``call(q, k, v, *extra)``: the ``plgpu.kernel`` over the grid, its constant
         inputs bound: the row sum's all-ones operand where ``rowsum="mma"`` (only there:
@@ -2074,8 +2106,7 @@ class _Forward:
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
-            # (ctas_per_sm=2: no producer warpgroup)
-            num_threads=self.nwg + (0 if self.inline_loads else 1),
+            num_threads=self.threads(),
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
                 approx_math=cfg.approx_math,
@@ -2095,6 +2126,262 @@ class _Forward:
             return call(q, k, v, *ones, *extra, *table)
 
         return bound
+
+
+class _PvSplitForward(_Forward):
+    """``MosaicConfig.pv_split``: one 64-row query tile a CTA, two compute warpgroups
+    with two roles, a producer warpgroup as :class:`_Forward`'s. Warpgroup 0 (the
+    softmax's) loads Q and, per key block, computes S = Q K^T, the online-softmax step
+    (``m``, ``l``: :meth:`softmax_at`) and P, and hands P and the rows' rescale factor
+    ``alpha`` over in a two-slot SMEM ring; warpgroup 1 (P V's) scales its accumulator
+    by ``alpha`` and adds P V (:meth:`block_step`'s two accumulation orders). At a
+    SPLIT's end warpgroup 1 hands its accumulator over in two column halves through
+    one fp32 SMEM tile and warpgroup 0 finalises each half with the SPLIT's ``m`` and
+    ``l`` and merges it into its half of the running state (held in registers, the
+    merge's FMA pinned as ``smem_state``'s, :func:`merge_apply`), then stores the
+    output and the lse as :meth:`store_output`. Every element's operations are those
+    of :class:`_Forward`'s step, SPLIT and fold: the same bits. Built from a
+    one-compute-warpgroup plan (``compute_wgs=1``); not for decode rows, states,
+    pages, a key mask, the persistent grid or ``inline_loads``."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        if (self.position is not None or self.split_out or self.state_in
+                or self.state_out or self.page_size is not None or self.key_mask
+                or self.cfg.persistent or self.inline_loads or self.nwg != 1
+                or self.q_rows is not None or self.use_mma_rowsum
+                or self.cfg.late_rowsum or self.smem_state):
+            raise ValueError(
+                "pv_split is a prefill's launch on a grid of one CTA per 64-row tile "
+                "(compute_wgs=1, rowsum='reduce32' without late_rowsum, no smem_state): "
+                "not for decode rows, split or CP states, pages, a key mask or the "
+                "persistent grid")
+        if self.d % 128:
+            raise ValueError(f"pv_split hands the accumulator over in column halves of "
+                             f"a multiple of 64: D={self.d}")
+        self.half = self.d // 2
+        self.set_regs = self.cfg.registers is not None and self.interpret is None
+
+    def threads(self) -> int:
+        return 3  # the softmax's, P V's, the producer
+
+    def scratch(self, qbufs: tuple) -> list:
+        """:class:`_Forward`'s buffers of one compute warpgroup, then the P ring (two
+        ``[bm, bn]`` tiles in the inputs' dtype, a wgmma A operand), the ``alpha``
+        rows of its two slots and the fp32 tile of an accumulator's column half."""
+        bm, bn, isz = self.bm, self.bn, self.itemsize
+        return [*super().scratch(qbufs),
+                plgpu.SMEM((2, bm, bn), self.dtype, transforms=_smem_transforms(bn, isz)),
+                plgpu.SMEM((2, bm), jnp.float32),
+                plgpu.SMEM((bm, self.half), jnp.float32,
+                           transforms=_smem_transforms(self.half, 4))]
+
+    def item_of(self, w, smem, bars, tile0, h, bi, kvh):
+        """The item's view (:class:`_Item`) for either warpgroup: the tile's rows and
+        the key blocks it visits, as :meth:`consumer` computes them."""
+        it = _Item(w=w, q_s=smem[0].at[0], q_b=bars[4].at[0], lse_s=smem[5].at[0],
+                   p_s=None, smem=smem, bars=bars, q0=tile0, h=h, bi=bi,
+                   base=jnp.int32(0), flags_ref=None, kvh=kvh)
+        it.offset, it.position = self.offset_of(bi), None
+        it.hi = _visited_blocks(it.q0, block_m=self.bm, offset=it.offset,
+                                total=self.total, causal=self.causal)
+        it.full = _full_blocks(it.q0, it.hi, offset=it.offset, whole=self.whole,
+                               causal=self.causal)
+        return it
+
+    def split_bounds(self, it: _Item, si):
+        """SPLIT ``si``'s blocks ``[lo, end)``, unmasked up to ``mid`` (as :meth:`split`)."""
+        lo = si * self.per_split
+        end = lax.min(lo + self.per_split, it.hi)
+        return lo, lax.max(lax.min(it.full, end), lo), end
+
+    def rows_init(self, value):
+        return self.layout(jnp.full((self.bm,), value, jnp.float32), self.row_layout)
+
+    def tile_zeros(self, cols):
+        return self.layout(jnp.zeros((self.bm, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+    # -- warpgroup 0: S, the softmax, the fold ----------------------------------------
+
+    def softmax_step(self, it: _Item, t, carry, *, masked):
+        """Block ``t``: S (K's slot released), the softmax step, P and ``alpha`` into
+        the P ring's slot ``t % 2`` (once warpgroup 1 has read its block ``t - 2``),
+        then the next block's K awaited."""
+        m, l = carry
+        p_ring, a_ring = it.smem[11], it.smem[12]
+        p_full, p_free = it.bars[10], it.bars[11]
+        slot = self.slot_of(it, t)
+        s = self.scores(it, slot)
+        self.release(it, it.hi, None, slot, "k")
+        p, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, None)
+        ps = lax.rem(t, jnp.int32(2))
+
+        @pl.when(t >= 2)
+        def _():
+            plgpu.barrier_wait(p_free.at[ps])
+
+        p_ring.at[ps][...] = p
+        a_ring.at[ps][...] = alpha
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_full.at[ps])
+
+        @pl.when(t + 1 < it.hi)
+        def _():
+            plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, t + 1)])
+
+        return m, l
+
+    def softmax_wg(self, it: _Item, q_ref, o_ref, lse_ref):
+        """Warpgroup 0's item: Q, each SPLIT's softmax steps, its accumulator's halves
+        finalised and merged into the running state, the epilogue."""
+        bm, half = self.bm, self.half
+        dump_full, dump_free, p_free = it.bars[12], it.bars[13], it.bars[11]
+        dump = it.smem[13]
+        plgpu.copy_gmem_to_smem(
+            tile_of(q_ref, it.bi, it.h, pl.ds(self.q_row0 + it.q0, bm), self.q_btnh),
+            it.q_s, it.q_b)
+        plgpu.barrier_wait(it.q_b)
+        it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
+
+        @pl.when(it.hi > 0)
+        def _():
+            plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, 0)])
+
+        def one(si, carry):
+            st0, st1, lse_s = carry
+            lo, mid, end = self.split_bounds(it, si)
+            ml = (self.rows_init(NEG_INF), self.rows_init(0.0))
+            step = functools.partial(self.softmax_step, it)
+            ml = lax.fori_loop(lo, mid, functools.partial(step, masked=False), ml)
+            m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), ml)
+            out, lse = [], lse_s
+            for j, st in enumerate((st0, st1)):
+                plgpu.barrier_wait(dump_full.at[0])
+                acc = self.load(dump, plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(dump_free.at[0])
+                o_p, lse_p = kernel_finalize(acc, m, l, self.cfg.normalize)
+                if j == 0:
+                    weights = kernel_merge_weights(lse_s, lse_p, (bm, half))
+                o, lse = merge_apply(st, lse_s, o_p, lse_p, weights, pin_fma=True)
+                out.append(o)
+            return (*out, lse)
+
+        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+        st0, st1, lse = lax.fori_loop(
+            0, n_splits, one, (self.tile_zeros(half), self.tile_zeros(half),
+                               self.rows_init(NEG_INF)))
+        for t in (it.hi - 2, it.hi - 1):  # the P ring's last releases, observed
+            pl.when(t >= 0)(lambda t=t: plgpu.barrier_wait(
+                p_free.at[lax.rem(t, jnp.int32(2))]))
+        rows = pl.ds(it.q0, bm)
+        for j, st in enumerate((st0, st1)):
+            it.q_s.at[:, pl.ds(j * half, half)][...] = st.astype(self.dtype)
+        it.lse_s[...] = natural_lse(lse)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows, self.q_btnh))
+        plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    # -- warpgroup 1: P V --------------------------------------------------------------
+
+    def pv_step(self, it: _Item, t, acc):
+        """Block ``t``: P and ``alpha`` from the P ring, ``acc * alpha`` plus P V (in
+        place or fresh, as :meth:`block_step`); the P slot and V's slot released."""
+        p_ring, a_ring = it.smem[11], it.smem[12]
+        p_full, p_free = it.bars[10], it.bars[11]
+        slot, ps = self.slot_of(it, t), lax.rem(t, jnp.int32(2))
+        plgpu.barrier_wait(p_full.at[ps])
+        alpha = self.load(a_ring.at[ps], self.row_layout)
+        acc = acc * _rows(alpha, acc.shape)
+        plgpu.barrier_wait(it.bars[1].at[slot])
+        v_parts, p_op = self.kv_slot(it.smem[2], slot), p_ring.at[ps]
+        if self.inplace:
+            def pv_into(acc_ref):
+                self.pv_parts(acc_ref, p_op, v_parts)
+
+            acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
+        else:
+            def pv(acc_ref):
+                self.pv_parts(acc_ref, p_op, v_parts)
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((self.bm, self.d), jnp.float32))
+        plgpu.barrier_arrive(p_free.at[ps])
+        self.release(it, it.hi, None, slot, "v")
+        return acc
+
+    def pv_wg(self, it: _Item):
+        """Warpgroup 1's item: each SPLIT's P V from the zero accumulator, handed over
+        in column halves at the SPLIT's end."""
+        half = self.half
+        dump_full, dump_free = it.bars[12], it.bars[13]
+        dump = it.smem[13]
+
+        def one(si, _):
+            lo, _, end = self.split_bounds(it, si)
+            acc = lax.fori_loop(lo, end, functools.partial(self.pv_step, it),
+                                self.tile_zeros(self.d))
+            for j in range(2):
+                # (the tile read by warpgroup 0: every hand-over but the item's first)
+                pl.when((si > 0) | (j > 0))(lambda: plgpu.barrier_wait(dump_free.at[0]))
+                dump[...] = acc[:, j * half:(j + 1) * half]
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dump_full.at[0])
+            return None
+
+        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+        lax.fori_loop(0, n_splits, one, None)
+        pl.when(n_splits > 0)(lambda: plgpu.barrier_wait(dump_free.at[0]))
+
+    # -- the CTA -----------------------------------------------------------------------
+
+    def kernel(self, q_ref, k_ref, v_ref, *rest):
+        """Warpgroup 0 (the softmax's), 1 (P V's) and 2 (the producer) over the CTA's
+        one item, sharing the ring's SMEM and barriers."""
+        cfg, stages = self.cfg, self.stages
+        if self.dyn_offsets:
+            *rest, self.dyn["offs"] = rest
+        o_ref, lse_ref = rest
+        _, item_at = self.items_of_cta()
+        barriers = (
+            plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),  # K loaded
+            plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),  # V loaded
+            plgpu.Barrier(num_barriers=stages),  # K slot read (warpgroup 0)
+            plgpu.Barrier(num_barriers=stages),  # V slot read (warpgroup 1)
+            plgpu.Barrier(num_barriers=1),  # Q loaded
+            None, None, None, None, None,
+            plgpu.Barrier(num_barriers=2),  # P slot written
+            plgpu.Barrier(num_barriers=2),  # P slot read
+            plgpu.Barrier(num_barriers=1),  # an accumulator half written
+            plgpu.Barrier(num_barriers=1),  # the half read
+        )
+
+        def body(smem, bars):
+            wg = lax.axis_index("wg")
+            tile0, h, bi, kvh, hi_cta = item_at(0)
+
+            @pl.when(wg < 2)
+            def _():
+                if self.set_regs:
+                    plgpu.set_max_registers(cfg.registers[0], action="increase")
+
+            @pl.when(wg == 0)
+            def _():
+                self.softmax_wg(self.item_of(0, smem, bars, tile0, h, bi, kvh),
+                                q_ref, o_ref, lse_ref)
+
+            @pl.when(wg == 1)
+            def _():
+                self.pv_wg(self.item_of(1, smem, bars, tile0, h, bi, kvh))
+
+            @pl.when(wg == 2)
+            def _():
+                if self.set_regs:
+                    plgpu.set_max_registers(cfg.registers[1], action="decrease")
+                self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, jnp.int32(0))
+                self.drain(bars, hi_cta)
+
+        pl.run_scoped(body, self.scratch(()), barriers, collective_axes="wg")
 
 
 #: ``MosaicConfig(persistent=None)`` runs a persistent grid when no tile has more key
@@ -2185,6 +2472,14 @@ def smem_state_applies(*, decode: bool, persistent: bool, states: bool) -> bool:
     or CP states in or out, a carried or raw state, finished rows: the registers'
     path)."""
     return not (decode or persistent or states)
+
+
+def pv_split_applies(*, decode: bool, persistent: bool, states: bool, key_mask: bool,
+                     d: int) -> bool:
+    """Where ``MosaicConfig.pv_split`` applies: :func:`smem_state_applies`' domain
+    without a key mask, at a D whose accumulator halves are whole 64-column tiles."""
+    return (smem_state_applies(decode=decode, persistent=persistent, states=states)
+            and not key_mask and d % 128 == 0)
 
 
 def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
@@ -2507,6 +2802,15 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 or state_out) and auto_smem_state(d, skv_kernel, gpu=interpret is None))
             cfg = dataclasses.replace(cfg, smem_state=smem_state,
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
+        # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
+        # warpgroups of two roles (built from the one-warpgroup plan)
+        pv = bool(cfg.pv_split) and pv_split_applies(
+            decode=False, persistent=bool(cfg.persistent), key_mask=key_mask,
+            states=partials or raw or carry is not None or state is not None
+            or state_out, d=d)
+        cfg = dataclasses.replace(cfg, pv_split=pv, **(
+            dict(compute_wgs=1, smem_state=False, late_rowsum=False, rowsum="reduce32")
+            if pv else {}))
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
