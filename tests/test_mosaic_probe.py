@@ -220,6 +220,69 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_pv_split_keeps_bits(mosaic_fwd):
+    """``pv_split`` (warpgroup 0's S and softmax, warpgroup 1's P V, the SPLIT's
+    accumulator handed over in column halves for warpgroup 0's merge) gives the
+    default's bits: a causal chunk over two SPLITs with a partial last key block
+    (the flat K/V), then tiles that see no key (Sq > Skv: zeros, lse -inf)."""
+    for sq, skv in ((128, 1100), (192, 64)):
+        seed, q, k, v = _inputs(1, 2, 1, sq, skv, 128)
+        base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True)
+        other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(pv_split=True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+        assert float(jnp.max(jnp.abs(base[0].astype(jnp.float32)))) > 0.0
+
+
+@pytest.mark.slow  # CI time: the GPU test covers D=256
+@needs_threads
+@needs_interpret
+def test_interpret_pv_split_keeps_bits_d256(mosaic_fwd):
+    """``pv_split`` at D=256 (the accumulator's halves two 64-column tiles each): the
+    default's bits, causal over two SPLITs and non-causal on whole blocks."""
+    for causal in (True, False):
+        seed, q, k, v = _inputs(1, 2, 1, 64, 1152, 256)
+        base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True)
+        other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                   config=mosaic_fwd.MosaicConfig(pv_split=True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+
+
+@needs_api
+def test_pv_split_lowers_where_it_applies(mosaic_fwd):
+    """``pv_split`` lowers D=256 and D=128 prefills as three warpgroups (the softmax's,
+    P V's, the producer) within the SMEM limit, one CTA per 64-row tile; a key mask
+    (a non-causal call with a partial last block) and D=64 keep the plan they had
+    (the option applies where it can, as ``smem_state``); a bad value is named."""
+    def lower(sq, skv, d, causal=True, **kw):
+        q = jax.ShapeDtypeStruct((1, 4, sq, d), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, 1, skv, d), jnp.bfloat16)
+        got = mosaic_launches(functools.partial(
+            mosaic_fwd.lower_for_cuda, q, k, k, causal=causal, **kw))
+        if got is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        return got
+
+    pv = mosaic_fwd.MosaicConfig(pv_split=True)
+    for sq, d, causal in ((2048, 256, True), (1024, 256, False), (2048, 128, True)):
+        [(threads, smem)] = lower(sq, sq, d, causal, config=pv)
+        assert threads == 384 and smem <= mosaic_fwd.SMEM_LIMIT, (sq, d, threads, smem)
+    assert lower(2100, 2100, 256, False, config=pv) == lower(
+        2100, 2100, 256, False, config=mosaic_fwd.MosaicConfig())
+    assert lower(2048, 2048, 64, config=pv) == lower(
+        2048, 2048, 64, config=mosaic_fwd.MosaicConfig())
+    assert not mosaic_fwd.pv_split_applies(decode=False, persistent=False, states=False,
+                                           key_mask=True, d=256)
+    with pytest.raises(ValueError, match="pv_split must be None, True or False, got 1"):
+        mosaic_fwd.MosaicConfig(pv_split=1)
+
+
 @needs_api
 def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
     """``smem_state`` at D=256 lowers for CUDA with one compute warpgroup (the state

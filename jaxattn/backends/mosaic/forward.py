@@ -2145,6 +2145,7 @@ class _PvSplitForward(_Forward):
     pages, a key mask, the persistent grid or ``inline_loads``."""
 
     def __init__(self, **kw):
+        self.half = kw["d"] // 2  # (scratch() reads it in the plan)
         super().__init__(**kw)
         if (self.position is not None or self.split_out or self.state_in
                 or self.state_out or self.page_size is not None or self.key_mask
@@ -2159,7 +2160,6 @@ class _PvSplitForward(_Forward):
         if self.d % 128:
             raise ValueError(f"pv_split hands the accumulator over in column halves of "
                              f"a multiple of 64: D={self.d}")
-        self.half = self.d // 2
         self.set_regs = self.cfg.registers is not None and self.interpret is None
 
     def threads(self) -> int:
@@ -2809,8 +2809,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             states=partials or raw or carry is not None or state is not None
             or state_out, d=d)
         cfg = dataclasses.replace(cfg, pv_split=pv, **(
-            dict(compute_wgs=1, smem_state=False, late_rowsum=False, rowsum="reduce32")
-            if pv else {}))
+            dict(compute_wgs=1, smem_state=False, late_rowsum=False, rowsum="reduce32",
+                 persistent=0) if pv else {}))
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
