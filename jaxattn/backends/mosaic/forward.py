@@ -2134,13 +2134,15 @@ class _PvSplitForward(_Forward):
     softmax's) loads Q and, per key block, computes S = Q K^T, the online-softmax step
     (``m``, ``l``: :meth:`softmax_at`) and P, and hands P and the rows' rescale factor
     ``alpha`` over in a two-slot SMEM ring; warpgroup 1 (P V's) scales its accumulator
-    by ``alpha`` and adds P V (:meth:`block_step`'s two accumulation orders). At a
-    SPLIT's end warpgroup 1 hands its accumulator over in two column halves through
-    one fp32 SMEM tile and warpgroup 0 finalises each half with the SPLIT's ``m`` and
-    ``l`` and merges it into its half of the running state (held in registers, the
-    merge's FMA pinned as ``smem_state``'s, :func:`merge_apply`), then stores the
-    output and the lse as :meth:`store_output`. Every element's operations are those
-    of :class:`_Forward`'s step, SPLIT and fold: the same bits. Built from a
+    by ``alpha`` and adds P V (:meth:`block_step`'s two accumulation orders). The
+    running state is held in column halves, the first by warpgroup 0, the second by
+    warpgroup 1: at a SPLIT's end warpgroup 0 hands over the SPLIT's ``m`` and ``l``,
+    warpgroup 1 its accumulator's first half (fp32 SMEM tiles), and each finalises its
+    half and merges it into its half of the state (the merge's FMA pinned as
+    ``smem_state``'s, :func:`merge_apply`; the rows' lse computed alike by both).
+    Both stage their half of the output in Q's SMEM and warpgroup 0 stores it and the
+    lse as :meth:`store_output`. Every element's operations are those of
+    :class:`_Forward`'s step, SPLIT and fold: the same bits. Built from a
     one-compute-warpgroup plan (``compute_wgs=1``); not for decode rows, states,
     pages, a key mask, the persistent grid or ``inline_loads``."""
 
@@ -2168,13 +2170,15 @@ class _PvSplitForward(_Forward):
     def scratch(self, qbufs: tuple) -> list:
         """:class:`_Forward`'s buffers of one compute warpgroup, then the P ring (two
         ``[bm, bn]`` tiles in the inputs' dtype, a wgmma A operand), the ``alpha``
-        rows of its two slots and the fp32 tile of an accumulator's column half."""
+        rows of its two slots, the fp32 tile of the accumulator's first column half
+        and the SPLIT's ``m`` and ``l`` rows."""
         bm, bn, isz = self.bm, self.bn, self.itemsize
         return [*super().scratch(qbufs),
                 plgpu.SMEM((2, bm, bn), self.dtype, transforms=_smem_transforms(bn, isz)),
                 plgpu.SMEM((2, bm), jnp.float32),
                 plgpu.SMEM((bm, self.half), jnp.float32,
-                           transforms=_smem_transforms(self.half, 4))]
+                           transforms=_smem_transforms(self.half, 4)),
+                plgpu.SMEM((2, bm), jnp.float32)]
 
     def item_of(self, w, smem, bars, tile0, h, bi, kvh):
         """The item's view (:class:`_Item`) for either warpgroup: the tile's rows and
@@ -2231,12 +2235,28 @@ class _PvSplitForward(_Forward):
 
         return m, l
 
+    def merge_half(self, st, lse_s, acc, m, l):
+        """A SPLIT's accumulator column half finalised with its ``m`` and ``l`` and
+        merged into the running state's half ``st`` (lse ``lse_s``): the merged half
+        and lse (:meth:`fold_in_smem`'s operations on each element)."""
+        o_p, lse_p = kernel_finalize(acc, m, l, self.cfg.normalize)
+        weights = kernel_merge_weights(lse_s, lse_p, (self.bm, self.half))
+        return merge_apply(st, lse_s, o_p, lse_p, weights, pin_fma=True)
+
+    def n_splits(self, it: _Item):
+        return lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+
+    def stage_half(self, it: _Item, w, st):
+        """Warpgroup ``w``'s half of the output, cast, into its columns of Q's SMEM."""
+        it.q_s.at[:, pl.ds(w * self.half, self.half)][...] = st.astype(self.dtype)
+
     def softmax_wg(self, it: _Item, q_ref, o_ref, lse_ref):
-        """Warpgroup 0's item: Q, each SPLIT's softmax steps, its accumulator's halves
-        finalised and merged into the running state, the epilogue."""
-        bm, half = self.bm, self.half
-        dump_full, dump_free, p_free = it.bars[12], it.bars[13], it.bars[11]
-        dump = it.smem[13]
+        """Warpgroup 0's item: Q, each SPLIT's softmax steps, its ``m`` and ``l``
+        handed over and the accumulator's first half merged into its half of the
+        state, the epilogue (once warpgroup 1 has staged its half)."""
+        bm = self.bm
+        p_free, ml_full, ml_free, dump_full, dump_free, done = it.bars[11:17]
+        dump, ml_s = it.smem[13], it.smem[14]
         plgpu.copy_gmem_to_smem(
             tile_of(q_ref, it.bi, it.h, pl.ds(self.q_row0 + it.q0, bm), self.q_btnh),
             it.q_s, it.q_b)
@@ -2248,36 +2268,34 @@ class _PvSplitForward(_Forward):
             plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, 0)])
 
         def one(si, carry):
-            st0, st1, lse_s = carry
+            st, lse_s = carry
             lo, mid, end = self.split_bounds(it, si)
             ml = (self.rows_init(NEG_INF), self.rows_init(0.0))
             step = functools.partial(self.softmax_step, it)
             ml = lax.fori_loop(lo, mid, functools.partial(step, masked=False), ml)
             m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), ml)
-            out, lse = [], lse_s
-            for j, st in enumerate((st0, st1)):
-                plgpu.barrier_wait(dump_full.at[0])
-                acc = self.load(dump, plgpu.Layout.WGMMA)
-                plgpu.barrier_arrive(dump_free.at[0])
-                o_p, lse_p = kernel_finalize(acc, m, l, self.cfg.normalize)
-                if j == 0:
-                    weights = kernel_merge_weights(lse_s, lse_p, (bm, half))
-                o, lse = merge_apply(st, lse_s, o_p, lse_p, weights, pin_fma=True)
-                out.append(o)
-            return (*out, lse)
+            pl.when(si > 0)(lambda: plgpu.barrier_wait(ml_free.at[0]))
+            ml_s.at[0][...] = m
+            ml_s.at[1][...] = l
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ml_full.at[0])
+            plgpu.barrier_wait(dump_full.at[0])
+            acc = self.load(dump, plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(dump_free.at[0])
+            return self.merge_half(st, lse_s, acc, m, l)
 
-        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
-        st0, st1, lse = lax.fori_loop(
-            0, n_splits, one, (self.tile_zeros(half), self.tile_zeros(half),
-                               self.rows_init(NEG_INF)))
+        n_splits = self.n_splits(it)
+        st, lse = lax.fori_loop(0, n_splits, one, (self.tile_zeros(self.half),
+                                                   self.rows_init(NEG_INF)))
         for t in (it.hi - 2, it.hi - 1):  # the P ring's last releases, observed
             pl.when(t >= 0)(lambda t=t: plgpu.barrier_wait(
                 p_free.at[lax.rem(t, jnp.int32(2))]))
-        rows = pl.ds(it.q0, bm)
-        for j, st in enumerate((st0, st1)):
-            it.q_s.at[:, pl.ds(j * half, half)][...] = st.astype(self.dtype)
+        pl.when(n_splits > 0)(lambda: plgpu.barrier_wait(ml_free.at[0]))
+        self.stage_half(it, 0, st)
         it.lse_s[...] = natural_lse(lse)
         plgpu.commit_smem()
+        plgpu.barrier_wait(done.at[0])  # warpgroup 1's half staged
+        rows = pl.ds(it.q0, bm)
         plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows, self.q_btnh))
         plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
         plgpu.wait_smem_to_gmem(0)
@@ -2311,27 +2329,38 @@ class _PvSplitForward(_Forward):
         return acc
 
     def pv_wg(self, it: _Item):
-        """Warpgroup 1's item: each SPLIT's P V from the zero accumulator, handed over
-        in column halves at the SPLIT's end."""
+        """Warpgroup 1's item: each SPLIT's P V from the zero accumulator, its first
+        half handed over and its second merged into its half of the state with the
+        SPLIT's ``m`` and ``l``, then its half of the output staged in Q's SMEM."""
         half = self.half
-        dump_full, dump_free = it.bars[12], it.bars[13]
-        dump = it.smem[13]
+        ml_full, ml_free, dump_full, dump_free, done = it.bars[12:17]
+        dump, ml_s = it.smem[13], it.smem[14]
 
-        def one(si, _):
+        def one(si, carry):
+            st, lse_s = carry
             lo, _, end = self.split_bounds(it, si)
             acc = lax.fori_loop(lo, end, functools.partial(self.pv_step, it),
                                 self.tile_zeros(self.d))
-            for j in range(2):
-                # (the tile read by warpgroup 0: every hand-over but the item's first)
-                pl.when((si > 0) | (j > 0))(lambda: plgpu.barrier_wait(dump_free.at[0]))
-                dump[...] = acc[:, j * half:(j + 1) * half]
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(dump_full.at[0])
-            return None
+            pl.when(si > 0)(lambda: plgpu.barrier_wait(dump_free.at[0]))
+            dump[...] = acc[:, :half]
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(dump_full.at[0])
+            plgpu.barrier_wait(ml_full.at[0])
+            m = self.load(ml_s.at[0], self.row_layout)
+            l = self.load(ml_s.at[1], self.row_layout)
+            plgpu.barrier_arrive(ml_free.at[0])
+            return self.merge_half(st, lse_s, acc[:, half:], m, l)
 
-        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
-        lax.fori_loop(0, n_splits, one, None)
+        n_splits = self.n_splits(it)
+        st, _ = lax.fori_loop(0, n_splits, one, (self.tile_zeros(half),
+                                                 self.rows_init(NEG_INF)))
         pl.when(n_splits > 0)(lambda: plgpu.barrier_wait(dump_free.at[0]))
+        # Q's copy has landed (a tile that sees no key passes no P, which would have
+        # ordered it after warpgroup 0's last S) before its SMEM takes the output
+        plgpu.barrier_wait(it.q_b)
+        self.stage_half(it, 1, st)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done.at[0])
 
     # -- the CTA -----------------------------------------------------------------------
 
@@ -2352,8 +2381,11 @@ class _PvSplitForward(_Forward):
             None, None, None, None, None,
             plgpu.Barrier(num_barriers=2),  # P slot written
             plgpu.Barrier(num_barriers=2),  # P slot read
-            plgpu.Barrier(num_barriers=1),  # an accumulator half written
+            plgpu.Barrier(num_barriers=1),  # the SPLIT's m and l written
+            plgpu.Barrier(num_barriers=1),  # m and l read
+            plgpu.Barrier(num_barriers=1),  # the accumulator's first half written
             plgpu.Barrier(num_barriers=1),  # the half read
+            plgpu.Barrier(num_barriers=1),  # warpgroup 1's output half staged
         )
 
         def body(smem, bars):
