@@ -1581,9 +1581,10 @@ class _Forward:
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
 
-    def scores(self, it: _Item, slot):
+    def scores(self, it: _Item, slot, issued=None):
         """S = Q K^T of the K ring's ``slot`` on wgmma (fp32 ``[bm, bn]``); with
-        ping-pong, the scheduling barrier's sync once the product is issued."""
+        ping-pong, the scheduling barrier's sync once the product is issued;
+        ``issued()``, if given, runs then too (before the product is awaited)."""
         k_s = it.smem[1]
 
         def qk(acc_ref):
@@ -1597,6 +1598,8 @@ class _Forward:
                 plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
             if self.pingpong:
                 self.sync(it)
+            if issued is not None:
+                issued()
             return acc_ref[...]
 
         return pl.run_scoped(qk, plgpu.ACC((self.bm, self.bn), jnp.float32))
@@ -2207,17 +2210,11 @@ class _PvSplitForward(_Forward):
 
     # -- warpgroup 0: S, the softmax, the fold ----------------------------------------
 
-    def softmax_step(self, it: _Item, t, carry, *, masked):
-        """Block ``t``: S (K's slot released), the softmax step, P and ``alpha`` into
-        the P ring's slot ``t % 2`` (once warpgroup 1 has read its block ``t - 2``),
-        then the next block's K awaited."""
-        m, l = carry
+    def hand_p(self, it: _Item, t, p, alpha):
+        """Block ``t``'s P and ``alpha`` into the P ring's slot ``t % 2`` (once warpgroup
+        1 has read its block ``t - 2``), for warpgroup 1."""
         p_ring, a_ring = it.smem[11], it.smem[12]
         p_full, p_free = it.bars[10], it.bars[11]
-        slot = self.slot_of(it, t)
-        s = self.scores(it, slot)
-        self.release(it, it.hi, None, slot, "k")
-        p, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, None)
         ps = lax.rem(t, jnp.int32(2))
 
         @pl.when(t >= 2)
@@ -2229,11 +2226,25 @@ class _PvSplitForward(_Forward):
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_full.at[ps])
 
+    def softmax_step(self, it: _Item, lo, t, carry, *, masked):
+        """Block ``t`` of the SPLIT from block ``lo``: S issued (K's slot released once
+        read), then the block before's P handed over (:meth:`hand_p`, from block
+        ``lo + 1`` on) while S runs, so that its P V queues behind this S on the
+        tensor cores and this block's softmax runs beside that P V; the softmax
+        step, then the next block's K awaited. ``carry``: ``(m, l, p, alpha)``, the
+        last two the block before's, for the next step (or the SPLIT's end) to hand."""
+        m, l, p_prev, alpha_prev = carry
+        slot = self.slot_of(it, t)
+        s = self.scores(it, slot, issued=lambda: pl.when(t > lo)(
+            lambda: self.hand_p(it, t - 1, p_prev, alpha_prev)))
+        self.release(it, it.hi, None, slot, "k")
+        p, alpha, m, l = self.softmax_at(it, t, s, m, l, masked, None)
+
         @pl.when(t + 1 < it.hi)
         def _():
             plgpu.barrier_wait(it.bars[0].at[self.slot_of(it, t + 1)])
 
-        return m, l
+        return m, l, p, alpha
 
     def merge_half(self, st, lse_s, acc, m, l):
         """A SPLIT's accumulator column half finalised with its ``m`` and ``l`` and
@@ -2270,10 +2281,14 @@ class _PvSplitForward(_Forward):
         def one(si, carry):
             st, lse_s = carry
             lo, mid, end = self.split_bounds(it, si)
-            ml = (self.rows_init(NEG_INF), self.rows_init(0.0))
-            step = functools.partial(self.softmax_step, it)
-            ml = lax.fori_loop(lo, mid, functools.partial(step, masked=False), ml)
-            m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), ml)
+            init = (self.rows_init(NEG_INF), self.rows_init(0.0),
+                    self.layout(jnp.zeros((bm, self.bn), self.dtype), plgpu.Layout.WGMMA),
+                    self.rows_init(0.0))
+            step = functools.partial(self.softmax_step, it, lo)
+            carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+            m, l, p, alpha = lax.fori_loop(mid, end, functools.partial(step, masked=True),
+                                           carry)
+            pl.when(end > lo)(lambda: self.hand_p(it, end - 1, p, alpha))  # the last
             pl.when(si > 0)(lambda: plgpu.barrier_wait(ml_free.at[0]))
             ml_s.at[0][...] = m
             ml_s.at[1][...] = l
