@@ -324,6 +324,32 @@ def test_pv_split_keeps_bits_on_gpu():
     _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_kv_multicast_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(kv_multicast=True) (heads 2i and 2i + 1 in a cluster of two
+    CTAs, each K/V block's TMA copy multicast into both) gives the default's bits, out
+    and lse, no NaN: D=256 causal one and three SPLITs, a chunk, Sq > Skv, non-causal
+    with a partial last block (the key mask: each CTA loads its keep values);
+    D=128 on the grid of one CTA per tile (persistent=0) and the default's persistent
+    grid (where it does not apply); a GQA group of 2 and of 4."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(), mf.MosaicConfig(kv_multicast=True)]
+    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
+    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
+                            (1000, 300, True), (2100, 2100, False)):
+        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
+                               q[:, :, :sq], k[:, :, :skv], v[:, :, :skv],
+                               causal=causal)
+    for hkv in (4, 2):
+        qd, kd, vd = rand_qkv(2, 8, hkv, 2100, 2100, 128, jnp.bfloat16)
+        for extra in ({"persistent": 0}, {}):
+            _configs_agree_in_bits(
+                mf.forward, [dataclasses.replace(c, **extra) for c in configs],
+                (128, hkv, extra), qd, kd, vd, causal=True)
+
+
 def _masked_and_paged_decode_agree(agree, rng, q, k, v):
     """``agree(f, tag, *args, **kw)`` on a decode step of q's last row over [B=2, Hkv,
     5000, D] K and V under a key padding mask (NaN in dropped K, inf in dropped V), and

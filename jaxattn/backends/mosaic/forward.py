@@ -187,6 +187,18 @@ class MosaicConfig:
     #: pinned as ``smem_state``'s): a launch choice, the same bits. Not with a key
     #: mask, pages or decode rows. None (the default): off (not yet timed on a GPU).
     pv_split: bool | None = None
+    #: Two CTAs of a cluster run two query heads of one KV head (heads 2i and 2i + 1 of
+    #: a GQA group, the same query tile and sequence: the same key blocks) and load
+    #: each K and V block once between them: each producer issues half of the block's
+    #: TMA copy, multicast into both CTAs' slots, and a slot is refilled once both
+    #: CTAs' compute warpgroups have released it (a cluster barrier). The L2 reads of
+    #: K and V halve. At D=256 the forward's 64-row tiles read K and V at 6.6 to 7.1
+    #: TB/s from L2 on the H100 at every long point measured (2026-12-05, notes
+    #: "twelfth stop"), where they plateau whatever the warpgroups do. The same blocks
+    #: in the same SMEM bytes: a launch choice. For a prefill on a grid of one CTA per
+    #: tile with a producer warpgroup, an even GQA group, without pages or ``kv_boxes``
+    #: (ignored elsewhere, and in interpret mode). False (the default): not yet timed.
+    kv_multicast: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -412,6 +424,9 @@ class MosaicConfig:
         if not (self.pv_split is None or isinstance(self.pv_split, bool)):
             raise ValueError(f"pv_split must be None, True or False, got "
                              f"{self.pv_split!r}")
+        if self.kv_multicast not in (True, False):
+            raise ValueError(f"kv_multicast must be True or False, got "
+                             f"{self.kv_multicast!r}")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
@@ -1095,6 +1110,12 @@ class _Forward:
         self.set_regs = (cfg.registers is not None and self.nwg == 2
                          and interpret is None)
         self.greedy = bool(cfg.persistent)
+        #: MosaicConfig.kv_multicast where it applies: heads 2i and 2i + 1 in a cluster
+        #: of two CTAs ("hc"), each K/V block's copy multicast into both.
+        self.multicast = (cfg.kv_multicast and interpret is None and not cfg.persistent
+                          and not self.inline_loads and page_size is None
+                          and not self.box_cols and position is None and not split_out
+                          and self.group % 2 == 0)
         # Sequence bi's offset and position: static, or read from ``offs`` (dyn_offsets;
         # :meth:`kernel` puts the refs in ``dyn`` before the first use).
         self.dyn = {}
@@ -1254,7 +1275,9 @@ class _Forward:
         the plain grid, each given to the CTA free first by a count of its key
         blocks)."""
         if not self.cfg.persistent:
-            qi, h, bi = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+            qi, bi = lax.axis_index("q"), lax.axis_index("b")
+            h = (lax.axis_index("h") * 2 + lax.axis_index("hc") if self.multicast
+                 else lax.axis_index("h"))
             return jnp.int32(1), lambda k: self.item(qi, h, bi)
         cta = lax.axis_index("cta")
         table = self.dyn["sched"]  # row cta: [count, item, item, ...]
@@ -1327,6 +1350,7 @@ class _Forward:
                 plgpu.copy_gmem_to_smem(tile.at[:, pl.ds(c * cols, cols)],
                                         ring.at[slot, c], bar.at[slot])
             return
+        multicast = {"collective_axes": "hc"} if self.multicast else {}
         for seq, rows, at in parts:
             if kt:
                 src = (ref.at[seq, kvh, :, rows] if self.kv_rows is None else
@@ -1335,7 +1359,7 @@ class _Forward:
             else:
                 src = self.kv_tile(ref, seq, kvh, rows)
                 dst = ring.at[slot] if at is None else ring.at[slot, at]
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[slot], **multicast)
 
     def kv_slot(self, ring, slot):
         """The K or V ring's ``slot`` as ``(first column, [BLOCK_N, columns] tile)``
@@ -1976,8 +2000,10 @@ class _Forward:
             # K / V slot loaded (by ``copies`` TMA copies: a paged block of small pages)
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # K slot consumed
-            plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),  # V slot consumed
+            # K / V slot consumed (kv_multicast: by both CTAs of the cluster)
+            *(plgpu.ClusterBarrier(collective_axes=("hc",), num_arrivals=nwg,
+                                   num_barriers=stages) if self.multicast else
+              plgpu.Barrier(num_arrivals=nwg, num_barriers=stages) for _ in range(2)),
             # Q tile loaded, per compute warpgroup (and Q buffer)
             plgpu.Barrier(num_barriers=nwg * (2 if cfg.prefetch_q else 1)),
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
@@ -2064,6 +2090,15 @@ class _Forward:
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
 
+    def cluster(self, grid_names) -> dict:
+        """``plgpu.kernel``'s cluster arguments: with ``kv_multicast``, clusters of two
+        CTAs along the heads' grid axis ("hc"), else none."""
+        if not self.multicast:
+            return {}
+        names = {"h": "hc", "q": "qc", "b": "bc"}
+        return {"cluster": tuple(2 if n == "h" else 1 for n in grid_names),
+                "cluster_names": tuple(names[n] for n in grid_names)}
+
     def threads(self) -> int:
         """The CTA's warpgroups: the compute warpgroups and the producer (none with
         ``inline_loads``: ``ctas_per_sm=2``)."""
@@ -2076,9 +2111,10 @@ class _Forward:
         splat constant with a broadcast kernel) and a persistent grid's greedy table,
         its last input."""
         cfg, b, hq, d, sq = self.cfg, self.b, self.hq, self.d, self.sq
+        heads = hq // 2 if self.multicast else hq  # (kv_multicast: clusters of two)
         grid = ((cfg.persistent,) if cfg.persistent else
-                (self.n_tiles, hq, b) if cfg.q_order == "ascending"
-                else (hq, self.n_tiles, b))
+                (self.n_tiles, heads, b) if cfg.q_order == "ascending"
+                else (heads, self.n_tiles, b))
         grid_names = (("cta",) if cfg.persistent else
                       ("q", "h", "b") if cfg.q_order == "ascending" else ("h", "q", "b"))
         if self.split_out:
@@ -2109,6 +2145,7 @@ class _Forward:
             out_type=out_type,
             grid=grid,
             grid_names=grid_names,
+            **self.cluster(grid_names),
             num_threads=self.threads(),
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
