@@ -284,6 +284,33 @@ def test_pv_split_lowers_where_it_applies(mosaic_fwd):
 
 
 @needs_api
+def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
+    """``kv_multicast`` lowers the D=256 prefill (the SMEM state's one warpgroup) and a
+    D=128 one on one CTA a tile as clusters of two CTAs whose K/V copies carry a
+    multicast mask; where it does not apply (the persistent grid, an odd GQA group)
+    the module is the default's; a bad value is named."""
+    def module(hq, hkv, d, **kw):
+        q = jax.ShapeDtypeStruct((1, hq, 2048, d), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, hkv, 2048, d), jnp.bfloat16)
+        got = mosaic_modules(functools.partial(
+            mosaic_fwd.lower_for_cuda, q, k, k, causal=True,
+            config=mosaic_fwd.MosaicConfig(**kw)))
+        if got is None:
+            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+        return got
+
+    for d, kw in ((256, {}), (128, {"persistent": 0})):
+        [m] = module(4, 1, d, kv_multicast=True, **kw)
+        assert "multicast_mask" in m and "cluster_block_id" in m, d
+        [m0] = module(4, 1, d, **kw)
+        assert "multicast_mask" not in m0
+    assert module(4, 1, 128, kv_multicast=True) == module(4, 1, 128)  # persistent
+    assert module(3, 1, 256, kv_multicast=True) == module(3, 1, 256)  # odd group
+    with pytest.raises(ValueError, match="kv_multicast must be True or False, got None"):
+        mosaic_fwd.MosaicConfig(kv_multicast=None)
+
+
+@needs_api
 def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
     """``smem_state`` at D=256 lowers for CUDA with one compute warpgroup (the state
     tile beside Q and the ring, the lse rows in the ring's SMEM, no reduction scratch:
