@@ -1275,9 +1275,10 @@ class _Forward:
         the plain grid, each given to the CTA free first by a count of its key
         blocks)."""
         if not self.cfg.persistent:
-            qi, bi = lax.axis_index("q"), lax.axis_index("b")
+            qi = lax.axis_index("q")
             h = (lax.axis_index("h") * 2 + lax.axis_index("hc") if self.multicast
                  else lax.axis_index("h"))
+            bi = lax.axis_index("b")
             return jnp.int32(1), lambda k: self.item(qi, h, bi)
         cta = lax.axis_index("cta")
         table = self.dyn["sched"]  # row cta: [count, item, item, ...]
