@@ -333,9 +333,11 @@ def test_kv_multicast_keeps_bits_on_gpu():
     and lse, no NaN: D=256 causal one and three SPLITs, a chunk, Sq > Skv, non-causal
     with a partial last block (the key mask: each CTA loads its keep values);
     D=128 on the grid of one CTA per tile (persistent=0) and the default's persistent
-    grid (where it does not apply); a GQA group of 2 and of 4."""
+    grid (where it does not apply); a GQA group of 2 and of 4; with ``pv_split``
+    too."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(), mf.MosaicConfig(kv_multicast=True)]
+    configs = [mf.MosaicConfig(), mf.MosaicConfig(kv_multicast=True),
+               mf.MosaicConfig(kv_multicast=True, pv_split=True)]
     q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
     for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
                             (1000, 300, True), (2100, 2100, False)):

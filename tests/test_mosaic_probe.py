@@ -287,10 +287,10 @@ def test_pv_split_lowers_where_it_applies(mosaic_fwd):
 
 @needs_api
 def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
-    """``kv_multicast`` lowers the D=256 prefill (the SMEM state's one warpgroup) and a
-    D=128 one on one CTA a tile as clusters of two CTAs whose K/V copies carry a
-    multicast mask; where it does not apply (the persistent grid, an odd GQA group)
-    the module is the default's; a bad value is named."""
+    """``kv_multicast`` lowers the D=256 prefill (the SMEM state's one warpgroup, and
+    ``pv_split``'s two) and a D=128 one on one CTA a tile as clusters of two CTAs
+    whose K/V copies carry a multicast mask; where it does not apply (the persistent
+    grid, an odd GQA group) the module is the default's; a bad value is named."""
     def module(hq, hkv, d, **kw):
         q = jax.ShapeDtypeStruct((1, hq, 2048, d), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((1, hkv, 2048, d), jnp.bfloat16)
@@ -301,7 +301,7 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
             pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
         return got
 
-    for d, kw in ((256, {}), (128, {"persistent": 0})):
+    for d, kw in ((256, {}), (128, {"persistent": 0}), (256, {"pv_split": True})):
         [m] = module(4, 1, d, kv_multicast=True, **kw)
         assert "multicast_mask" in m and "cluster_block_id" in m, d
         [m0] = module(4, 1, d, **kw)

@@ -2001,10 +2001,7 @@ class _Forward:
             # K / V slot loaded (by ``copies`` TMA copies: a paged block of small pages)
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),
-            # K / V slot consumed (kv_multicast: by both CTAs of the cluster)
-            *(plgpu.ClusterBarrier(collective_axes=("hc",), num_arrivals=nwg,
-                                   num_barriers=stages) if self.multicast else
-              plgpu.Barrier(num_arrivals=nwg, num_barriers=stages) for _ in range(2)),
+            *self.consumed_barriers(nwg),  # K / V slot consumed
             # Q tile loaded, per compute warpgroup (and Q buffer)
             plgpu.Barrier(num_barriers=nwg * (2 if cfg.prefetch_q else 1)),
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
@@ -2090,6 +2087,16 @@ class _Forward:
                 self.drain(bars, lax.fori_loop(0, count, one, -self.split_lo()))
 
         pl.run_scoped(body, scratch_refs, barriers, collective_axes="wg")
+
+    def consumed_barriers(self, arrivals: int) -> tuple:
+        """The K and V rings' "slot consumed" barriers, ``arrivals`` compute warpgroups'
+        releases each; with ``kv_multicast``, cluster barriers (a slot's multicast
+        refill waits for both CTAs' releases)."""
+        if self.multicast:
+            return tuple(plgpu.ClusterBarrier(collective_axes=("hc",), num_arrivals=arrivals,
+                                              num_barriers=self.stages) for _ in range(2))
+        return tuple(plgpu.Barrier(num_arrivals=arrivals, num_barriers=self.stages)
+                     for _ in range(2))
 
     def cluster(self, grid_names) -> dict:
         """``plgpu.kernel``'s cluster arguments: with ``kv_multicast``, clusters of two
@@ -2428,8 +2435,8 @@ class _PvSplitForward(_Forward):
         barriers = (
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),  # K loaded
             plgpu.Barrier(num_arrivals=self.copies, num_barriers=stages),  # V loaded
-            plgpu.Barrier(num_barriers=stages),  # K slot read (warpgroup 0)
-            plgpu.Barrier(num_barriers=stages),  # V slot read (warpgroup 1)
+            # K slot read (warpgroup 0), V slot read (warpgroup 1)
+            *self.consumed_barriers(1),
             plgpu.Barrier(num_barriers=1),  # Q loaded
             None, None, None, None, None,
             plgpu.Barrier(num_barriers=2),  # P slot written
