@@ -133,6 +133,10 @@ LAUNCH_VARIANTS = {
     "persistent": dict(persistent=132, prefetch_q=False),  # the H200's SM count
     "persistent-prefetch": dict(persistent=132, prefetch_q=True),
     "persistent-7": dict(persistent=7),  # more items per CTA
+    # Two warpgroups of two roles on a 64-row tile (applies with rowsum="reduce32");
+    # heads 2i and 2i + 1 in a cluster of two, K/V multicast (the plain grid).
+    "pv-split": dict(pv_split=True),
+    "kv-multicast": dict(kv_multicast=True, persistent=0),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

@@ -281,6 +281,10 @@ def test_pv_split_lowers_where_it_applies(mosaic_fwd):
         2048, 2048, 64, config=mosaic_fwd.MosaicConfig())
     assert not mosaic_fwd.pv_split_applies(decode=False, persistent=False, states=False,
                                            key_mask=True, d=256)
+    # rowsum="mma" is an arithmetic choice of its own: the plan it had, not pv_split's
+    mma = mosaic_fwd.MosaicConfig(rowsum="mma")
+    assert lower(2048, 2048, 256, config=dataclasses.replace(mma, pv_split=True)) == lower(
+        2048, 2048, 256, config=mma)
     with pytest.raises(ValueError, match="pv_split must be None, True or False, got 1"):
         mosaic_fwd.MosaicConfig(pv_split=1)
 

@@ -185,7 +185,9 @@ class MosaicConfig:
     #: element the operations of one warpgroup's step (S, the softmax, P's rounding,
     #: ``acc * alpha`` and the P V product, the finalize and the merge with its FMA
     #: pinned as ``smem_state``'s): a launch choice, the same bits. Not with a key
-    #: mask, pages or decode rows. None (the default): off (not yet timed on a GPU).
+    #: mask, pages, decode rows or ``rowsum="mma"`` (ignored there). None (the
+    #: default): off (H100, 2026-12-06: 0.61 to 0.91x the default at D=256, notes
+    #: "twelfth stop"; the late hand-over since, not yet timed).
     pv_split: bool | None = None
     #: Two CTAs of a cluster run two query heads of one KV head (heads 2i and 2i + 1 of
     #: a GQA group, the same query tile and sequence: the same key blocks) and load
@@ -2567,11 +2569,13 @@ def smem_state_applies(*, decode: bool, persistent: bool, states: bool) -> bool:
 
 
 def pv_split_applies(*, decode: bool, persistent: bool, states: bool, key_mask: bool,
-                     d: int) -> bool:
+                     d: int, rowsum: str = "reduce32") -> bool:
     """Where ``MosaicConfig.pv_split`` applies: :func:`smem_state_applies`' domain
-    without a key mask, at a D whose accumulator halves are whole 64-column tiles."""
+    without a key mask, at a D whose accumulator halves are whole 64-column tiles,
+    with ``rowsum="reduce32"`` (the arithmetic choice it computes; "mma" keeps the
+    plan it had)."""
     return (smem_state_applies(decode=decode, persistent=persistent, states=states)
-            and not key_mask and d % 128 == 0)
+            and not key_mask and d % 128 == 0 and rowsum == "reduce32")
 
 
 def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
@@ -2899,10 +2903,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         pv = bool(cfg.pv_split) and pv_split_applies(
             decode=False, persistent=bool(cfg.persistent), key_mask=key_mask,
             states=partials or raw or carry is not None or state is not None
-            or state_out, d=d)
+            or state_out, d=d, rowsum=cfg.rowsum)
         cfg = dataclasses.replace(cfg, pv_split=pv, **(
-            dict(compute_wgs=1, smem_state=False, late_rowsum=False, rowsum="reduce32",
-                 persistent=0) if pv else {}))
+            dict(compute_wgs=1, smem_state=False, late_rowsum=False, persistent=0)
+            if pv else {}))
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
