@@ -185,9 +185,9 @@ class MosaicConfig:
     #: element the operations of one warpgroup's step (S, the softmax, P's rounding,
     #: ``acc * alpha`` and the P V product, the finalize and the merge with its FMA
     #: pinned as ``smem_state``'s): a launch choice, the same bits. Not with a key
-    #: mask, pages, decode rows or ``rowsum="mma"`` (ignored there). None (the
-    #: default): off (H100, 2026-12-06: 0.61 to 0.91x the default at D=256, notes
-    #: "twelfth stop"; the late hand-over since, not yet timed).
+    #: mask, pages, decode rows, ``rowsum="mma"`` or ``block_m=128`` (ignored there).
+    #: None (the default): off (H100, 2026-12-06: 0.61 to 0.91x the default at D=256,
+    #: notes "twelfth stop"; the late hand-over since, not yet timed).
     pv_split: bool | None = None
     #: Two CTAs of a cluster run two query heads of one KV head (heads 2i and 2i + 1 of
     #: a GQA group, the same query tile and sequence: the same key blocks) and load
@@ -2900,7 +2900,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
         # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
         # warpgroups of two roles (built from the one-warpgroup plan)
-        pv = bool(cfg.pv_split) and pv_split_applies(
+        pv = bool(cfg.pv_split) and cfg.block_m == 64 and pv_split_applies(
             decode=False, persistent=bool(cfg.persistent), key_mask=key_mask,
             states=partials or raw or carry is not None or state is not None
             or state_out, d=d, rowsum=cfg.rowsum)
