@@ -1661,20 +1661,43 @@ class _Forward:
 
     # -- the SPLIT fold --------------------------------------------------------------
 
+    def rows_init(self, value):
+        """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
+        return self.layout(jnp.full((self.bm,), value, jnp.float32), self.row_layout)
+
+    def tile_zeros(self, cols):
+        """A ``[bm, cols]`` fp32 zero tile in the WGMMA layout."""
+        return self.layout(jnp.zeros((self.bm, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+    def split_bounds(self, it: _Item, si):
+        """SPLIT ``si``'s blocks ``(lo, mid, end)``: ``[lo, end)``, unmasked up to
+        ``mid``."""
+        lo = si * self.per_split
+        end = lax.min(lo + self.per_split, it.hi)
+        return lo, lax.max(lax.min(it.full, end), lo), end
+
+    def n_splits(self, it: _Item):
+        """The SPLITs of the item's blocks ``[0, hi)``."""
+        return lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+
+    def visit(self, it: _Item, p0, p_last):
+        """The item's key blocks: ``[0, hi)`` visited (``p_last``: the position that
+        decides them) and ``[0, full)`` every row sees entirely (``p0``): no mask
+        (masking every block ran 27% slower on the H200, docs/mosaic.md)."""
+        it.hi = _visited_blocks(p_last, block_m=self.bm, offset=it.offset,
+                                total=self.total, causal=self.causal)
+        it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
+                               causal=self.causal)
+
     def split(self, it: _Item, n_steps, si, state, init=None):
         """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (or from
         ``init``, the running state of the split's earlier keys: ``carry_in``; those
         from ``mid`` on take the masked path), finalised (:func:`kernel_finalize`) and
         merged into the running ``state`` (:func:`kernel_merge`; None: the first split);
         with ``raw_out`` the running ``(acc, m, l)`` itself."""
-        lo = si * self.per_split
-        end = lax.min(lo + self.per_split, it.hi)
-        mid = lax.max(lax.min(it.full, end), lo)
+        lo, mid, end = self.split_bounds(it, si)
         if init is None:
-            init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32),
-                                plgpu.Layout.WGMMA),
-                    self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout),
-                    self.layout(jnp.zeros((self.bm,), jnp.float32), self.row_layout))
+            init = (self.tile_zeros(self.d), self.rows_init(NEG_INF), self.rows_init(0.0))
         step = functools.partial(self.block_step, it, n_steps)
         carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
         acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
@@ -1696,7 +1719,7 @@ class _Forward:
         bm, cols = self.bm, SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
         for ref in chunks:
-            ref[...] = self.layout(jnp.zeros((bm, cols), jnp.float32), plgpu.Layout.WGMMA)
+            ref[...] = self.tile_zeros(cols)
 
         def one(si, lse_s):
             o_p, lse_p = self.split(it, n_steps, si, None)
@@ -1709,8 +1732,7 @@ class _Forward:
                 ref[...] = o
             return lse
 
-        lse0 = self.layout(jnp.full((bm,), NEG_INF, jnp.float32), self.row_layout)
-        return lax.fori_loop(0, n_splits, one, lse0)
+        return lax.fori_loop(0, n_splits, one, self.rows_init(NEG_INF))
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
@@ -1739,12 +1761,7 @@ class _Forward:
         p0 = it.q0 if it.position is None else it.q0 * 0 + self.block_start(it.position)
         p_last = (p0 if it.position is None
                   else it.q0 * 0 + self.last_block_start(it.position))
-        it.hi = _visited_blocks(p_last, block_m=self.bm, offset=it.offset,
-                                total=self.total, causal=self.causal)
-        # Blocks [0, full) every row of the tile sees entirely: no mask (masking every
-        # block ran 27% slower on the H200, docs/mosaic.md).
-        it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
-                               causal=self.causal)
+        self.visit(it, p0, p_last)
         if qbuf is None and self.q_rows is None:
             plgpu.copy_gmem_to_smem(
                 tile_of(q_ref, bi, h, pl.ds(self.q_row0 + it.q0, self.bm), self.q_btnh),
@@ -1785,14 +1802,13 @@ class _Forward:
             pl.when(w == 1)(lambda: self.sync(it))
 
         first_step, n_steps = self.steps(it)
-        n_splits = lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
+        n_splits = self.n_splits(it)
 
         @pl.when(first_step < n_steps)  # the first K (each later one: during P V)
         def _():
             plgpu.barrier_wait(bars[0].at[self.slot_of(it, first_step)])
 
-        init = (self.layout(jnp.zeros((self.bm, self.d), jnp.float32), plgpu.Layout.WGMMA),
-                self.layout(jnp.full((self.bm,), NEG_INF, jnp.float32), self.row_layout))
+        init = (self.tile_zeros(self.d), self.rows_init(NEG_INF))
         if self.split_out and self.per_cta > 1:
             # This CTA's splits, each from the empty state, each stored (the ring runs
             # on across them); the last CTA of a row has the rest.
@@ -2237,23 +2253,8 @@ class _PvSplitForward(_Forward):
                    p_s=None, smem=smem, bars=bars, q0=tile0, h=h, bi=bi,
                    base=jnp.int32(0), flags_ref=None, kvh=kvh)
         it.offset, it.position = self.offset_of(bi), None
-        it.hi = _visited_blocks(it.q0, block_m=self.bm, offset=it.offset,
-                                total=self.total, causal=self.causal)
-        it.full = _full_blocks(it.q0, it.hi, offset=it.offset, whole=self.whole,
-                               causal=self.causal)
+        self.visit(it, it.q0, it.q0)
         return it
-
-    def split_bounds(self, it: _Item, si):
-        """SPLIT ``si``'s blocks ``[lo, end)``, unmasked up to ``mid`` (as :meth:`split`)."""
-        lo = si * self.per_split
-        end = lax.min(lo + self.per_split, it.hi)
-        return lo, lax.max(lax.min(it.full, end), lo), end
-
-    def rows_init(self, value):
-        return self.layout(jnp.full((self.bm,), value, jnp.float32), self.row_layout)
-
-    def tile_zeros(self, cols):
-        return self.layout(jnp.zeros((self.bm, cols), jnp.float32), plgpu.Layout.WGMMA)
 
     # -- warpgroup 0: S, the softmax, the fold ----------------------------------------
 
@@ -2300,9 +2301,6 @@ class _PvSplitForward(_Forward):
         o_p, lse_p = kernel_finalize(acc, m, l, self.cfg.normalize)
         weights = kernel_merge_weights(lse_s, lse_p, (self.bm, self.half))
         return merge_apply(st, lse_s, o_p, lse_p, weights, pin_fma=True)
-
-    def n_splits(self, it: _Item):
-        return lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
 
     def stage_half(self, it: _Item, w, st):
         """Warpgroup ``w``'s half of the output, cast, into its columns of Q's SMEM."""
