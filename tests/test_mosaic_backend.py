@@ -166,6 +166,23 @@ def _configs_agree_in_bits(f, configs, tag, *args, **kw):
             assert bits_equal(x, y), (tag, config)
 
 
+def _prefill_configs_agree_in_bits(configs, cases, d128=True):
+    """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
+    fresh D=256 inputs (B=2, Hq=8, Hkv=2) for each case ``(Sq, Skv, causal)`` (the
+    queries the last Sq of the first Skv rows where Sq <= Skv, else the first Sq);
+    ``d128``: then a D=128 causal prefill at S=2100."""
+    from jaxattn.backends.mosaic import forward as mf
+    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
+    for sq, skv, causal in cases:
+        lo = max(skv - sq, 0)
+        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
+                               q[:, :, lo:lo + sq], k[:, :, :skv], v[:, :, :skv],
+                               causal=causal)
+    if d128:
+        qd, kd, vd = rand_qkv(2, 8, 2, 2100, 2100, 128, jnp.bfloat16)
+        _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+
+
 def _backward_configs_agree_in_bits(configs, d, cases):
     """The mosaic backward's gradients under each ``BwdConfig`` of ``configs`` equal the
     first's in bits, no NaN, on fresh inputs (B=2, Hq=8, Hkv=2, head dim ``d``) for each
@@ -290,14 +307,8 @@ def test_smem_state_keeps_bits_on_gpu():
                # (persistent=0: at D=128 S=2100 the default is persistent)
                mf.MosaicConfig(compute_wgs=1, smem_state=True, persistent=0),
                mf.MosaicConfig()]
-    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
-    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
-                            (2100, 2100, False)):
-        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
-                               q[:, :, skv - sq:skv], k[:, :, :skv], v[:, :, :skv],
-                               causal=causal)
-    qd, kd, vd = rand_qkv(2, 8, 2, 2100, 2100, 128, jnp.bfloat16)
-    _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+    _prefill_configs_agree_in_bits(configs, ((1000, 1000, True), (2900, 2900, True),
+                                             (300, 2900, True), (2100, 2100, False)))
 
 
 @pytest.mark.gpu
@@ -314,14 +325,9 @@ def test_pv_split_keeps_bits_on_gpu():
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(),
                mf.MosaicConfig(pv_split=True)]
-    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
-    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
-                            (1000, 300, True), (2048, 2048, False), (2100, 2100, False)):
-        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
-                               q[:, :, :sq], k[:, :, :skv], v[:, :, :skv],
-                               causal=causal)
-    qd, kd, vd = rand_qkv(2, 8, 2, 2100, 2100, 128, jnp.bfloat16)
-    _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+    _prefill_configs_agree_in_bits(configs, (
+        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
+        (2048, 2048, False), (2100, 2100, False)))
 
 
 @pytest.mark.gpu
@@ -338,12 +344,9 @@ def test_kv_multicast_keeps_bits_on_gpu():
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(), mf.MosaicConfig(kv_multicast=True),
                mf.MosaicConfig(kv_multicast=True, pv_split=True)]
-    q, k, v = rand_qkv(2, 8, 2, 2900, 2900, 256, jnp.bfloat16)
-    for sq, skv, causal in ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
-                            (1000, 300, True), (2100, 2100, False)):
-        _configs_agree_in_bits(mf.forward, configs, (sq, skv, causal),
-                               q[:, :, :sq], k[:, :, :skv], v[:, :, :skv],
-                               causal=causal)
+    _prefill_configs_agree_in_bits(configs, (
+        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
+        (2100, 2100, False)), d128=False)
     for hkv in (4, 2):
         qd, kd, vd = rand_qkv(2, 8, hkv, 2100, 2100, 128, jnp.bfloat16)
         for extra in ({"persistent": 0}, {}):

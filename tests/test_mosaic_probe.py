@@ -220,6 +220,20 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
 
 
+def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=None,
+                     **kw):
+    """``probe`` (``benchmarks.lowered``'s ``launches`` or ``modules``) of the forward
+    lowered for CUDA at ``[1, hq, sq, d]`` queries over ``[1, hkv, skv or sq, d]`` keys
+    (``kw``: the forward's, e.g. ``config``); skips where this JAX's serialisation step
+    moved."""
+    q = jax.ShapeDtypeStruct((1, hq, sq, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, hkv, skv or sq, d), jnp.bfloat16)
+    got = probe(functools.partial(mosaic_fwd.lower_for_cuda, q, k, k, causal=causal, **kw))
+    if got is None:
+        pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
+    return got
+
+
 @needs_threads
 @needs_interpret
 def test_interpret_pv_split_keeps_bits(mosaic_fwd):
@@ -263,13 +277,7 @@ def test_pv_split_lowers_where_it_applies(mosaic_fwd):
     (a non-causal call with a partial last block) and D=64 keep the plan they had
     (the option applies where it can, as ``smem_state``); a bad value is named."""
     def lower(sq, skv, d, causal=True, **kw):
-        q = jax.ShapeDtypeStruct((1, 4, sq, d), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((1, 1, skv, d), jnp.bfloat16)
-        got = mosaic_launches(functools.partial(
-            mosaic_fwd.lower_for_cuda, q, k, k, causal=causal, **kw))
-        if got is None:
-            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        return got
+        return _prefill_lowered(mosaic_launches, mosaic_fwd, sq, d, causal, skv=skv, **kw)
 
     pv = mosaic_fwd.MosaicConfig(pv_split=True)
     for sq, d, causal in ((2048, 256, True), (1024, 256, False), (2048, 128, True)):
@@ -296,14 +304,8 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
     whose K/V copies carry a multicast mask; where it does not apply (the persistent
     grid, an odd GQA group) the module is the default's; a bad value is named."""
     def module(hq, hkv, d, **kw):
-        q = jax.ShapeDtypeStruct((1, hq, 2048, d), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((1, hkv, 2048, d), jnp.bfloat16)
-        got = mosaic_modules(functools.partial(
-            mosaic_fwd.lower_for_cuda, q, k, k, causal=True,
-            config=mosaic_fwd.MosaicConfig(**kw)))
-        if got is None:
-            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        return got
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, 2048, d, hq=hq, hkv=hkv,
+                                config=mosaic_fwd.MosaicConfig(**kw))
 
     for d, kw in ((256, {}), (128, {"persistent": 0}), (256, {"pv_split": True})):
         [m] = module(4, 1, d, kv_multicast=True, **kw)
@@ -343,13 +345,7 @@ def test_default_takes_the_smem_state_at_d256_past_one_split(mosaic_fwd):
     the state's 64 KiB in SMEM, and those of one SPLIT, D=128 and the explicit
     ``smem_state=False`` as before (384 threads: two and the producer)."""
     def lower(sq, skv, d, causal=True, **kw):
-        q = jax.ShapeDtypeStruct((1, 4, sq, d), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((1, 1, skv, d), jnp.bfloat16)
-        got = mosaic_launches(functools.partial(
-            mosaic_fwd.lower_for_cuda, q, k, k, causal=causal, **kw))
-        if got is None:
-            pytest.skip(f"jax {jax.__version__}: Mosaic GPU's serialisation step moved")
-        return got
+        return _prefill_lowered(mosaic_launches, mosaic_fwd, sq, d, causal, skv=skv, **kw)
 
     auto = mosaic_fwd.MosaicConfig()
     assert auto.smem_state is None
