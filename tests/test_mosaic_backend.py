@@ -335,14 +335,15 @@ def test_pv_split_keeps_bits_on_gpu():
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_kv_multicast_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(kv_multicast=True) (heads 2i and 2i + 1 in a cluster of two
-    CTAs, each K/V block's TMA copy multicast into both) gives the default's bits, out
-    and lse, no NaN: D=256 causal one and three SPLITs, a chunk, Sq > Skv, non-causal
-    with a partial last block (the key mask: each CTA loads its keep values);
-    D=128 on the grid of one CTA per tile (persistent=0) and the default's persistent
-    grid (where it does not apply); a GQA group of 2 and of 4; with ``pv_split``
-    too."""
+    CTAs, each K/V block's TMA copy multicast into both) and the default (None: on
+    past one SPLIT at D=256) give the bits of ``kv_multicast=False``, out and lse, no
+    NaN: D=256 causal one and three SPLITs, a chunk, Sq > Skv, non-causal with a
+    partial last block (the key mask: each CTA loads its keep values); D=128 on the
+    grid of one CTA per tile (persistent=0) and the default's persistent grid (where
+    it does not apply); a GQA group of 2 and of 4; with ``pv_split`` too."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(), mf.MosaicConfig(kv_multicast=True),
+    configs = [mf.MosaicConfig(kv_multicast=False), mf.MosaicConfig(),
+               mf.MosaicConfig(kv_multicast=True),
                mf.MosaicConfig(kv_multicast=True, pv_split=True)]
     _prefill_configs_agree_in_bits(configs, (
         (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),

@@ -302,20 +302,29 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
     """``kv_multicast`` lowers the D=256 prefill (the SMEM state's one warpgroup, and
     ``pv_split``'s two) and a D=128 one on one CTA a tile as clusters of two CTAs
     whose K/V copies carry a multicast mask; where it does not apply (the persistent
-    grid, an odd GQA group) the module is the default's; a bad value is named."""
-    def module(hq, hkv, d, **kw):
-        return _prefill_lowered(mosaic_modules, mosaic_fwd, 2048, d, hq=hq, hkv=hkv,
+    grid, an odd GQA group) the module is the default's. The default (None) takes it
+    for the SMEM state's prefill (D=256 past one SPLIT) only: not at one SPLIT, not at
+    D=128 on one CTA a tile. A bad value is named."""
+    def module(hq, hkv, d, s=2048, **kw):
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, hq=hq, hkv=hkv,
                                 config=mosaic_fwd.MosaicConfig(**kw))
 
     for d, kw in ((256, {}), (128, {"persistent": 0}), (256, {"pv_split": True})):
         [m] = module(4, 1, d, kv_multicast=True, **kw)
         assert "multicast_mask" in m and "cluster_block_id" in m, d
-        [m0] = module(4, 1, d, **kw)
+        [m0] = module(4, 1, d, kv_multicast=False, **kw)
         assert "multicast_mask" not in m0
     assert module(4, 1, 128, kv_multicast=True) == module(4, 1, 128)  # persistent
     assert module(3, 1, 256, kv_multicast=True) == module(3, 1, 256)  # odd group
-    with pytest.raises(ValueError, match="kv_multicast must be True or False, got None"):
-        mosaic_fwd.MosaicConfig(kv_multicast=None)
+    assert mosaic_fwd.MosaicConfig().kv_multicast is None
+    assert module(4, 1, 256) == module(4, 1, 256, kv_multicast=True)
+    assert module(4, 1, 256, s=1024) == module(4, 1, 256, s=1024, kv_multicast=False)
+    assert (module(4, 1, 128, persistent=0)
+            == module(4, 1, 128, persistent=0, kv_multicast=False))
+    assert not mosaic_fwd.auto_kv_multicast(128, smem_state=True)
+    assert not mosaic_fwd.auto_kv_multicast(256, smem_state=False)
+    with pytest.raises(ValueError, match="kv_multicast must be None, True or False, got 1"):
+        mosaic_fwd.MosaicConfig(kv_multicast=1)
 
 
 @needs_api

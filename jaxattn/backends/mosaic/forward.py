@@ -194,13 +194,15 @@ class MosaicConfig:
     #: each K and V block once between them: each producer issues half of the block's
     #: TMA copy, multicast into both CTAs' slots, and a slot is refilled once both
     #: CTAs' compute warpgroups have released it (a cluster barrier). The L2 reads of
-    #: K and V halve. At D=256 the forward's 64-row tiles read K and V at 6.6 to 7.1
-    #: TB/s from L2 on the H100 at every long point measured (2026-12-05, notes
-    #: "twelfth stop"), where they plateau whatever the warpgroups do. The same blocks
-    #: in the same SMEM bytes: a launch choice. For a prefill on a grid of one CTA per
-    #: tile with a producer warpgroup, an even GQA group, without pages or ``kv_boxes``
-    #: (ignored elsewhere, and in interpret mode). False (the default): not yet timed.
-    kv_multicast: bool = False
+    #: K and V halve. The same blocks in the same SMEM bytes: a launch choice. For a
+    #: prefill on a grid of one CTA per tile with a producer warpgroup, an even GQA
+    #: group, without pages or ``kv_boxes`` (ignored elsewhere, and in interpret mode).
+    #: None (the default): on where the prefill takes the SMEM state (``smem_state``'s
+    #: default: D=256 past one SPLIT), :func:`auto_kv_multicast`. H100, 2026-12-06
+    #: (notes "thirteenth stop"): there 1.00 to 1.12x at B * S = 32k, S 2048 to
+    #: 32768, causal and not (bits equal); at one SPLIT (two warpgroups) 0.95 to
+    #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
+    kv_multicast: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -426,8 +428,8 @@ class MosaicConfig:
         if not (self.pv_split is None or isinstance(self.pv_split, bool)):
             raise ValueError(f"pv_split must be None, True or False, got "
                              f"{self.pv_split!r}")
-        if self.kv_multicast not in (True, False):
-            raise ValueError(f"kv_multicast must be True or False, got "
+        if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
+            raise ValueError(f"kv_multicast must be None, True or False, got "
                              f"{self.kv_multicast!r}")
         if self.kv_boxes not in (True, False):
             raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
@@ -1114,7 +1116,7 @@ class _Forward:
         self.greedy = bool(cfg.persistent)
         #: MosaicConfig.kv_multicast where it applies: heads 2i and 2i + 1 in a cluster
         #: of two CTAs ("hc"), each K/V block's copy multicast into both.
-        self.multicast = (cfg.kv_multicast and interpret is None and not cfg.persistent
+        self.multicast = (bool(cfg.kv_multicast) and interpret is None and not cfg.persistent
                           and not self.inline_loads and page_size is None
                           and not self.box_cols and position is None and not split_out
                           and self.group % 2 == 0)
@@ -2587,6 +2589,16 @@ def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
     return gpu and d == 256 and -(-skv // schedule.BLOCK_N) > schedule.BLOCKS_PER_SPLIT
 
 
+def auto_kv_multicast(d: int, *, smem_state: bool) -> bool:
+    """``MosaicConfig(kv_multicast=None)``'s choice for a prefill on a grid of one CTA
+    per tile (the caller's conditions): the K/V multicast where the prefill takes the
+    SMEM state at D > 128 (one compute warpgroup on a 64-row tile), where the H100
+    measured it 1.00 to 1.12x (2026-12-06); not with two compute warpgroups (one
+    SPLIT at D=256: 0.95 to 1.03x) nor at D <= 128 (0.87 to 1.10x, 0.93 to 0.99x at
+    D=64). A launch choice: the same bits."""
+    return smem_state and d > 128
+
+
 def sm_count() -> int:
     """The default device's streaming multiprocessors (:data:`DEFAULT_SM_COUNT` when it is
     not a GPU that says: lowering for CUDA on a CPU machine)."""
@@ -2896,6 +2908,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 or state_out) and auto_smem_state(d, skv_kernel, gpu=interpret is None))
             cfg = dataclasses.replace(cfg, smem_state=smem_state,
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
+        if cfg.kv_multicast is None:
+            cfg = dataclasses.replace(cfg, kv_multicast=auto_kv_multicast(
+                d, smem_state=bool(smem_state)))
         # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
         # warpgroups of two roles (built from the one-warpgroup plan)
         pv = bool(cfg.pv_split) and cfg.block_m == 64 and pv_split_applies(
