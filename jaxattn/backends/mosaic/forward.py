@@ -187,7 +187,8 @@ class MosaicConfig:
     #: pinned as ``smem_state``'s): a launch choice, the same bits. Not with a key
     #: mask, pages, decode rows, ``rowsum="mma"`` or ``block_m=128`` (ignored there).
     #: None (the default): off (H100, 2026-12-06: 0.61 to 0.91x the default at D=256,
-    #: notes "twelfth stop"; the late hand-over since, not yet timed).
+    #: notes "twelfth stop"; with the late hand-over 0.70 to 1.01x, notes "thirteenth
+    #: stop").
     pv_split: bool | None = None
     #: Two CTAs of a cluster run two query heads of one KV head (heads 2i and 2i + 1 of
     #: a GQA group, the same query tile and sequence: the same key blocks) and load
