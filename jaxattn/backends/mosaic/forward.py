@@ -199,7 +199,8 @@ class MosaicConfig:
     #: prefill on a grid of one CTA per tile with a producer warpgroup, an even GQA
     #: group, without pages or ``kv_boxes`` (ignored elsewhere, and in interpret mode).
     #: None (the default): on where the prefill takes the SMEM state (``smem_state``'s
-    #: default: D=256 past one SPLIT), :func:`auto_kv_multicast`. H100, 2026-12-06
+    #: default: D=256 past one SPLIT; there ``pv_split=True`` keeps it too: 1.0 to 1.07x
+    #: ``pv_split`` alone), :func:`auto_kv_multicast`. H100, 2026-12-06
     #: (notes "thirteenth stop"): there 1.00 to 1.12x at B * S = 32k, S 2048 to
     #: 32768, causal and not (bits equal); at one SPLIT (two warpgroups) 0.95 to
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
@@ -2909,7 +2910,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 or state_out) and auto_smem_state(d, skv_kernel, gpu=interpret is None))
             cfg = dataclasses.replace(cfg, smem_state=smem_state,
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
-        if cfg.kv_multicast is None:
+        if cfg.kv_multicast is None:  # (by the SMEM state's choice, before pv_split's)
             cfg = dataclasses.replace(cfg, kv_multicast=auto_kv_multicast(
                 d, smem_state=bool(smem_state)))
         # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
