@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -996,3 +997,64 @@ def test_interpret_btnh_forward_equals_bhsd(sq, skv, causal, masked):
     out_t, lse_t = mosaic_fwd.forward(t(q), t(k), t(v), btnh=True, **kw)
     assert out_t.shape == t(q).shape and not np.isnan(np.asarray(out_t, np.float32)).any()
     assert bits_equal(t(out_t), out) and bits_equal(lse_t, lse), f"seed {seed}"
+
+
+def _d256_paths():
+    """Every public path's call at D=256 past one SPLIT (3 SPLITs and a block, or 2
+    SPLITs, and a partial block where a path takes one), as ``(fn, arg specs)``."""
+    from jaxattn import cp, paged, varlen
+    b, hq, hkv, d, s = 2, 4, 2, 256, 3 * jaxattn.SPLIT + 64
+    bf = jnp.bfloat16
+
+    def spec(*shape, dtype=bf):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def grad(f):
+        return jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+    qkv = (spec(b, hq, s, d), spec(b, hkv, s, d), spec(b, hkv, s, d))
+    odd = (spec(b, hq, s - 37, d), spec(b, hkv, s - 37, d), spec(b, hkv, s - 37, d))
+    even = tuple(spec(*x.shape[:2], 2 * jaxattn.SPLIT, d) for x in qkv)
+    ps, keys = 16, 2 * jaxattn.SPLIT
+    pages = tuple(spec(b * keys // ps, *shape) for shape in ((hkv, ps, d), (ps, hkv, d)))
+    table = (spec(b, keys // ps, dtype=jnp.int32), spec(b, dtype=jnp.int32))
+    att = functools.partial(jaxattn.attention, backend="mosaic")
+    return {
+        "causal": (grad(att), qkv),
+        "non-causal partial block": (grad(functools.partial(att, causal=False)), odd),
+        "key padding mask": (grad(lambda q, k, v, m: att(q, k, v, key_padding_mask=m)),
+                             (*qkv, spec(b, s, dtype=jnp.bool_))),
+        "decode": (att, (spec(b, hq, 1, d), *qkv[1:])),
+        "decode rows": (att, (spec(b, hq, 4, d), *odd[1:])),
+        "chunked prefill": (att, (spec(b, hq, 100, d), *qkv[1:])),
+        # (CP's shards and chunks of whole key blocks: its folded-state kernels)
+        "cp": (grad(functools.partial(cp.forward, cp_world_size=2, backend="mosaic")), even),
+        "cp chunks": (grad(functools.partial(cp.forward, cp_world_size=2, kv_chunk_size=256,
+                                             backend="mosaic")), even),
+        "paged HND": (functools.partial(paged.attention, backend="mosaic"),
+                      (spec(b, hq, 1, d), pages[0], pages[0], *table)),
+        "paged NHD": (functools.partial(paged.attention, backend="mosaic", layout="NHD"),
+                      (spec(b, hq, 1, d), pages[1], pages[1], *table)),
+        "varlen": (grad(lambda q, k, v, cu: varlen.attention(
+                       q, k, v, cu, cu, max_seqlen_q=s, max_seqlen_k=s, backend="mosaic")),
+                   (spec(b * s, hq, d), spec(b * s, hkv, d), spec(b * s, hkv, d),
+                    spec(b + 1, dtype=jnp.int32))),
+        "jax layout": (grad(functools.partial(jaxattn.dot_product_attention, is_causal=True,
+                                              implementation="mosaic")),
+                       (spec(b, s, hq, d), spec(b, s, hkv, d), spec(b, s, hkv, d))),
+    }
+
+
+@needs_api
+@pytest.mark.parametrize("path", list(_d256_paths()) if missing_api(("load", "Layout"))
+                         is None else ["-"])
+def test_every_path_at_d256_lowers_for_cuda(path, monkeypatch):
+    """Each public path at D=256 past one SPLIT, forward and backward where it has one,
+    lowers for CUDA, where Mosaic GPU refuses a kernel whose buffers exceed the SMEM
+    (the H100's D=256 matrix found CP's folded-state kernel at 323 KiB, 2026-12-06; it
+    now runs one compute warpgroup). Off the GPU the registry is told it is on one."""
+    if not ON_GPU:
+        monkeypatch.setattr(registry, "current_platform", lambda: "gpu")
+        monkeypatch.setattr(registry.backend("mosaic"), "available", lambda: None)
+    fn, args = _d256_paths()[path]
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

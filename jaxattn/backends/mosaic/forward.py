@@ -1053,12 +1053,17 @@ class _Forward:
         self.stages = stages
         self.defer_v = self.inline_loads and q_rows is not None
         self.q_alias = self.defer_v and interpret is None  # (as ring_union: the GPU's)
-        limit = SMEM_LIMIT_TWO_CTAS if self.inline_loads else SMEM_LIMIT
+        #: A folded state's kernel (state_in / state_out) at D > 128 on the GPU: one
+        #: compute warpgroup (:func:`state_plan`), its state beside a ring of as many
+        #: slots as fit SMEM_LIMIT_STATE (no reduction scratch, as the SMEM state's).
+        self.states_tight = ((state_in or state_out) and d > 128 and interpret is None)
+        limit = (SMEM_LIMIT_TWO_CTAS if self.inline_loads else
+                 SMEM_LIMIT_STATE if self.states_tight else SMEM_LIMIT)
         if per_cta > 1 and smem_bytes(self.scratch(())) > limit:
             # (several splits a CTA: the state is staged beside the ring, which is busy
             # at a split's end; in column halves, the ring keeps its slots)
             self.state_cols = d // 2
-        while ((split_out or self.inline_loads) and self.stages > 1
+        while ((split_out or self.inline_loads or self.states_tight) and self.stages > 1
                and smem_bytes(self.scratch(())) > limit):
             self.stages -= 1
 
@@ -2183,7 +2188,7 @@ class _Forward:
                 lowering_semantics=getattr(plgpu.LoweringSemantics,
                                            cfg.semantics.capitalize()),
                 **(NO_REDUCTION_SCRATCH if self.inline_loads or self.smem_state
-                   else {})),
+                   or self.states_tight else {})),
             interpret=self.interpret,
         )
         # Constants of the program (numpy arrays).
@@ -2591,6 +2596,18 @@ def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
     return gpu and d == 256 and -(-skv // schedule.BLOCK_N) > schedule.BLOCKS_PER_SPLIT
 
 
+def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
+    """The launch plan of a kernel that loads or stores a folded state (``state_in``
+    / ``state_out``: CP's key ranges, a window's unfinished rows): at D > 128 on the
+    GPU one compute warpgroup, whose fp32 state (64 KiB at D=256) fits beside its Q
+    tile and the ring (two warpgroups' states, 128 KiB, beside their Q tiles and one
+    ring slot do not: the H100's D=256 matrix, 2026-12-06). A launch choice: the same
+    bits."""
+    if gpu and d > 128 and cfg.compute_wgs != 1:
+        return dataclasses.replace(cfg, compute_wgs=1)
+    return cfg
+
+
 def auto_kv_multicast(d: int, *, smem_state: bool) -> bool:
     """``MosaicConfig(kv_multicast=None)``'s choice for a prefill on a grid of one CTA
     per tile (the caller's conditions): the K/V multicast where the prefill takes the
@@ -2690,7 +2707,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         if partials or btnh or pages is not None:
             raise ValueError("a folded state is served with [B, Hq, Sq, D] contiguous K/V, "
                              "without partial states")
-        cfg = dataclasses.replace(cfg, stack_decode=False)
+        cfg = state_plan(dataclasses.replace(cfg, stack_decode=False), q.shape[-1],
+                         gpu=resolve_interpret(interpret) is None)
     if (carry is not None or raw) and not partials:
         raise ValueError("carry and raw are partial states' options")
     if btnh and partials:
@@ -3163,6 +3181,8 @@ def fold_window(q, k, v, state=None, *, rows: tuple[int, int], keys: tuple[int, 
                          f"an offset ({offset}) in multiples of {bn} is served in place")
     _check_state(state, (b, hq, n, d))
     interpret = resolve_interpret(interpret)
+    if state is not None or finish_rows < n:  # (a CTA of fewer rows: still in place)
+        cfg = state_plan(cfg, d, gpu=interpret is None)
     gpu_operands = cfg.gpu_operands if cfg.gpu_operands is not None else interpret is None
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     call = _build(b=b, hq=hq, hkv=k.shape[1], sq=n, skv=skv,
