@@ -591,26 +591,20 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_flat_kv_keeps_bits(mosaic_fwd):
-    """MosaicConfig(flat_kv=True) reads K and V as [B, Hkv * Skv, D] where the last key
-    block is partial (the next head's keys, or zeros, past Skv; no padded copy), and
-    flat_q=True the stacked decode rows from [B, Hq * Sq, D] (the next group's queries,
-    or zeros, past the group; no padded copy), and flat_out=True the split decode's
-    fold storing the group's rows cast in place: the padded call's bits, out and lse,
-    for a split decode past one SPLIT, an unsplit decode, two queries per head, a
-    prefill and a chunk; no NaN. Skv a multiple of 8 and not of 64 (flat_kv's domain);
-    4, 3 and 4 stacked rows per group (most groups' first rows off the 8-row grid:
-    flat_q's untiled slot)."""
+def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd):
+    """MosaicConfig(flat_q=True) reads the stacked decode rows from [B, Hq * Sq, D] (the
+    next group's queries, or zeros, past the group; no padded copy), and flat_out=True
+    has the split decode's fold store the group's rows cast in place: the padded call's
+    bits, out and lse, for a split decode past one SPLIT, an unsplit decode and two
+    queries per head; no NaN. 4, 3 and 4 stacked rows per group (most groups' first
+    rows off the 8-row grid: flat_q's untiled slot)."""
     for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 104, True),
                                        (1, 6, 2, 1, 296, False),
-                                       (1, 8, 2, 2, 304, False),
-                                       (1, 2, 2, 100, 152, None),
-                                       (1, 2, 1, 70, 296, None)):
+                                       (1, 8, 2, 2, 304, False)):
         seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                                    config=mosaic_fwd.MosaicConfig(
-                                       flat_kv=flat, flat_q=flat, flat_out=flat,
-                                       split_decode=split))
+                                       flat_q=flat, flat_out=flat, split_decode=split))
                 for flat in (False, True)]
         for x, y in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(x, np.float32)).any()
@@ -854,29 +848,16 @@ def test_splits_per_cta_lowers_for_cuda(mosaic_fwd):
         cfg(splits_per_cta=0)
 
 
-def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
-    """flat_kv: a decode step and a prefill at 8200 keys lower for CUDA with no pad of
-    K or V (only the query's); where Skv is not a multiple of 8 (head h's first key
-    off the tiled box's 8-row grid) the padded copy stays (without ``kv_boxes``).
-    flat_q as well (the group's
-    rows through an untiled slot): no pad at all in a decode step, 8 or 4 rows per
-    group. flat_out: the split decode is its two kernels and free reshapes, the
-    unsplit one its kernel (the group's rows stored in place). The
-    default row sum (not on wgmma) takes no all-ones operand, which XLA would
-    materialise with a broadcast launch per call."""
-    cfg = mosaic_fwd.MosaicConfig(flat_kv=True, kv_boxes=False)
-    for b, hkv, sq, skv, copies in ((8, 8, 1, 8200, 0), (2, 8, 100, 8200, 0),
-                                    (8, 8, 1, 8193, 1), (1, 1, 1, 8196, 1)):
-        q = jax.ShapeDtypeStruct((b, 32, sq, 128), jnp.bfloat16)
-        k = jax.ShapeDtypeStruct((b, hkv, skv, 128), jnp.bfloat16)
-        text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=cfg).as_text()
-        kv_pads = [line for line in text.splitlines()
-                   if "stablehlo.pad" in line and f"x{skv}x128x" in line]
-        assert len(kv_pads) == copies, (b, hkv, sq, skv)
-    # With flat_q too, a decode step's program pads nothing (K, V nor the group's rows);
-    # with flat_out, the split decode's program is its two kernels and free reshapes.
-    flat = mosaic_fwd.MosaicConfig(flat_kv=True, flat_q=True, flat_out=True)
-    for b, skv, kernels in ((8, 8200, 2), (2, 296, 1), (32, 8200, 1)):
+def test_flat_q_and_out_lower_without_copies(mosaic_fwd):
+    """flat_q (the group's rows through an untiled slot) and kv_boxes: no pad at all in
+    a decode step, 8 or 4 rows per group, at Skv a multiple of 8 or not. flat_out: the
+    split decode is its two kernels and free reshapes, the unsplit one its kernel (the
+    group's rows stored in place). The default row sum (not on wgmma) takes no
+    all-ones operand, which XLA would materialise with a broadcast launch per call."""
+    # A decode step's program pads nothing (K, V nor the group's rows); with flat_out,
+    # the split decode's program is its two kernels and free reshapes.
+    flat = mosaic_fwd.MosaicConfig(flat_q=True, flat_out=True)
+    for b, skv, kernels in ((8, 8200, 2), (2, 296, 1), (32, 8193, 1)):
         q = jax.ShapeDtypeStruct((b, 64, 1, 128), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((b, 8, skv, 128), jnp.bfloat16)
         text = mosaic_fwd.lower_for_cuda(q, k, k, causal=True, config=flat).as_text()
@@ -895,10 +876,6 @@ def test_flat_kv_lowers_without_a_copy_of_k_and_v(mosaic_fwd):
     with pytest.raises(ValueError, match="final"):
         mosaic_fwd.fold_tiles(jnp.zeros((1, 2, 8, 64)), jnp.zeros((1, 2, 64)),
                               final=(6, jnp.bfloat16))
-    with pytest.raises(ValueError, match="kv_rows"):
-        mosaic_fwd._build(b=1, hq=1, hkv=1, sq=64, skv=100, offset=0, d=64,
-                          dtype=jnp.bfloat16, causal=False, scale=0.125, cfg=cfg,
-                          gpu_operands=True, interpret=None, kv_rows=100)
 
 
 def _kv_pads(mosaic_fwd, case, cfg) -> int:
@@ -932,7 +909,7 @@ def test_kv_boxes_lower_without_a_copy_of_k_and_v(mosaic_fwd):
     D]), the program lowers for CUDA with no pad of K or V (one box per column tile,
     the products per column tile); with kv_boxes=False or the "warpgroup" semantics
     (whose layout inference refuses the swizzle-only slot) with the copy. _build
-    refuses kv_boxes with pages, kv_rows or off the GPU operand path, and MosaicConfig
+    refuses kv_boxes with pages or off the GPU operand path, and MosaicConfig
     anything but True or False.
     (Equal bits: test_kv_boxes_keep_bits_on_gpu; the interpreter refuses the boxes'
     out-of-bounds reads and the transposed operand.)"""
@@ -959,7 +936,7 @@ def test_kv_boxes_lower_without_a_copy_of_k_and_v(mosaic_fwd):
     base = dict(b=1, hq=1, hkv=1, sq=64, skv=100, offset=36, d=64, dtype=jnp.bfloat16,
                 causal=True, scale=0.125, cfg=mosaic_fwd.MosaicConfig(), interpret=None,
                 kv_boxes=True)
-    for kw in (dict(gpu_operands=False), dict(gpu_operands=True, kv_rows=100),
+    for kw in (dict(gpu_operands=False),
                dict(gpu_operands=True, page_size=64, dyn_offsets=True)):
         with pytest.raises(ValueError, match="kv_boxes"):
             mosaic_fwd._build(**{**base, **kw})

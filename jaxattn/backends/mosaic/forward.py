@@ -308,40 +308,23 @@ class MosaicConfig:
     #: computed alike in each). None: split D while the tiles do not fill the GPU
     #: (:func:`fold_launch`). A launch choice.
     fold_cols: int | None = None
-    #: A causal call whose last key block is partial (Skv not a multiple of 64) reads
-    #: K and V through the free reshape ``[B, Hkv * Skv, D]``
-    #: instead of a copy padded to whole blocks: the last block's rows past Skv are the
-    #: next head's first keys (their probabilities are exactly 0) or, past the last
-    #: head, zeros that TMA fills in (the interpreter, which refuses out-of-bounds
-    #: reads, gets them padded). Where Skv is a multiple of 8, without a key mask, pages,
-    #: per-sequence offsets or ``[B, S, H, D]``: Mosaic GPU addresses a tiled TMA box
-    #: in whole 8-row tiles, so a box that starts at a row off the 8-row grid (head h's
-    #: first key, ``h * Skv``) reads the wrong rows (on the H200, 2026-12-04: Skv =
-    #: 1025 gave other heads' outputs; the interpreter reads any row and cannot show
-    #: it). Elsewhere (7 of 8 decode steps of a growing cache) ``kv_boxes`` reads them
-    #: in place in boxes (or, with ``kv_boxes=False``, a padded copy); a bucketed cache
-    #: (:func:`jaxattn.schedule.bucket_length`, the bridge's decode) or a paged one has
-    #: whole blocks. A launch choice (the same rows' operations).
-    flat_kv: bool = True
-    #: Where K and V would be padded to whole blocks in a copy (``flat_kv``'s domain
-    #: excluded: Skv off the 8-row grid, 7 of 8 decode steps of a growing cache; a key
-    #: padding mask, per-sequence offsets or a non-causal call with a partial last
-    #: block; ``[B, S, H, D]``): each key block is read in place as one TMA box of 64
+    #: Where K and V would be padded to whole blocks in a copy (a partial last key block: 63
+    #: of 64 decode steps of a growing cache, with a key padding mask, per-sequence offsets
+    #: or ``[B, S, H, D]`` or without): each key block is read in place as one TMA box of 64
     #: rows by 128 bytes per column tile (``D / 64`` boxes; any first row, and past Skv
-    #: TMA's zeros, as the padded copy's) into a swizzled slot that holds its column
-    #: tiles one after the other. Each column tile's bytes are those of a tiled,
-    #: swizzled ``[64, 64]`` slot, which the matrix products and V's zeroing read
-    #: through its tiled view (``UntilingTransform((8, 64))``): S as one wgmma per
-    #: column tile into the same accumulator in column order (the whole tile's product
-    #: issues the same k-steps in that order), P V as one per column tile into its
-    #: columns of the accumulator. On the GPU operand path, in the "lane" semantics (the
-    #: "warpgroup" semantics' layout inference refuses the swizzle-only slot); the
-    #: interpreter, which refuses out-of-bounds reads and transposed operands, keeps the
-    #: copy, as does ``False``. On the H200 (JAX 0.11.2, 2026-12-04, notes "2026-12-04
-    #: (tenth)", us): a decode step at B=8 8193 keys 81.4 against 251.7 padded (8192
-    #: keys, whole blocks: 81.1), B=1 131073 152.7 against 483.9, B=32 8193 259.9
-    #: against 923.8; a causal prefill at B=2 S=4097 0.739 against 0.764 ms. (The
-    #: first build, 8-row boxes, 16 a block, took the step to 100.6 us and the prefill
+    #: TMA's zeros, as the padded copy's) into a swizzled slot that holds its column tiles
+    #: one after the other. Each column tile's bytes are those of a tiled, swizzled ``[64,
+    #: 64]`` slot, which the matrix products and V's zeroing read through its tiled view
+    #: (``UntilingTransform((8, 64))``): S as one wgmma per column tile into the same
+    #: accumulator in column order (the whole tile's product issues the same k-steps in that
+    #: order), P V as one per column tile into its columns of the accumulator. On the GPU
+    #: operand path, in the "lane" semantics (the "warpgroup" semantics' layout inference
+    #: refuses the swizzle-only slot); the interpreter, which refuses out-of-bounds reads
+    #: and transposed operands, keeps the copy, as does ``False``. On the H200 (JAX 0.11.2,
+    #: 2026-12-04, notes "2026-12-04 (tenth)", us): a decode step at B=8 8193 keys 81.4
+    #: against 251.7 padded (8192 keys, whole blocks: 81.1), B=1 131073 152.7 against 483.9,
+    #: B=32 8193 259.9 against 923.8; a causal prefill at B=2 S=4097 0.739 against 0.764 ms.
+    #: (The first build, 8-row boxes, 16 a block, took the step to 100.6 us and the prefill
     #: to 1.026 ms.) A launch choice (the same keys in the same SMEM bytes; equal bits:
     #: ``test_kv_boxes_keep_bits_on_gpu``).
     kv_boxes: bool = True
@@ -350,10 +333,10 @@ class MosaicConfig:
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
     #: and their results are never stored), instead of a copy padded to 64 rows per
     #: group (an XLA launch per decode step). The box lands in an untiled SMEM slot
-    #: (any first row: a tiled box starts on the 8-row grid only, see ``flat_kv``) and
-    #: is stored from registers into the tiled Q slot, once per tile. Not with a
-    #: persistent grid (which prefetches each item's Q from the padded layout). A
-    #: launch choice.
+    #: (any first row: Mosaic GPU addresses a tiled box in whole 8-row tiles, so one
+    #: must start on the 8-row grid) and is stored from registers into the tiled Q
+    #: slot, once per tile. Not with a persistent grid (which prefetches each item's Q
+    #: from the padded layout). A launch choice.
     flat_q: bool = True
     #: The split decode's fold kernel stores the group's rows of the output, cast to
     #: the input dtype, and of the lse straight into ``[B, Hq, Sq, ...]`` (a box of the
@@ -772,7 +755,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            raw_out: bool = False, state_rows: int | None = None,
            page_size: int | None = None, state_in: bool = False,
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
-           finish_rows: int = 0, kv_rows: int | None = None,
+           finish_rows: int = 0,
            q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False,
            per_cta: int = 1):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
@@ -833,17 +816,15 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     of larger arrays: context parallelism's shards and ranges without slices); not
     with a key mask, pages or ``[B, S, H, D]``.
 
-    ``kv_rows``: K and V are ``[B, Hkv * kv_rows, D]`` (the free reshape of ``[B, Hkv,
-    kv_rows, D]``; K^T ``[B, D, Hkv * kv_rows]`` off the GPU operand path), head h's
-    keys at rows ``h * kv_rows`` on (:attr:`MosaicConfig.flat_kv`). ``q_rows`` (stacked
+    ``q_rows`` (stacked
     decode rows): Q is ``[B, Hkv * q_rows, D]``, KV head h's tile the 64 rows from row
     ``h * q_rows`` (:attr:`MosaicConfig.flat_q`); ``rows_out`` (with ``q_rows``, unsplit):
     ``out [B, Hkv * q_rows, D]`` and ``lse [B, Hkv * q_rows]``, the tiles' first
     ``q_rows`` rows stored in place (:attr:`MosaicConfig.flat_out`). ``kv_boxes``: K
     and V are read as one 64-row box per column tile into swizzled slots without
     tiling, each column tile viewed tiled (:attr:`MosaicConfig.kv_boxes`: ``skv`` need
-    not be a multiple of 8; past it, TMA's zeros); the GPU operand path, not with pages
-    or ``kv_rows``. ``per_cta`` (``split_out`` without ``carry_in`` or ``raw_out``): each
+    not be a multiple of 8; past it, TMA's zeros); the GPU operand path, not with
+    pages. ``per_cta`` (``split_out`` without ``carry_in`` or ``raw_out``): each
     CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
     each split's state (:attr:`MosaicConfig.splits_per_cta`).
 
@@ -856,7 +837,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 split_out=split_out, q_btnh=q_btnh, kv_btnh=kv_btnh, carry_in=carry_in,
                 raw_out=raw_out, state_rows=state_rows, page_size=page_size, state_in=state_in,
                 state_out=state_out, stack_sq=stack_sq, q_row0=q_row0, k_row0=k_row0,
-                finish_rows=finish_rows, kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
+                finish_rows=finish_rows, q_rows=q_rows, rows_out=rows_out,
                 kv_boxes=kv_boxes, per_cta=per_cta).call()
 
 
@@ -909,7 +890,7 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 kv_rows=None, q_rows=None, rows_out=False, kv_boxes=False, per_cta=1):
+                 q_rows=None, rows_out=False, kv_boxes=False, per_cta=1):
         bn = self.bn = schedule.BLOCK_N
         if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
             raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
@@ -928,16 +909,9 @@ class _Forward:
             raise ValueError(f"rows_out stores q_rows (a multiple of 4: a 16-byte lse "
                              f"copy) rows of an unsplit call, got q_rows={q_rows}")
         self.rows_out = rows_out
-        if kv_rows is not None and (kv_btnh or page_size is not None or k_row0
-                                    or not causal):
-            raise ValueError("kv_rows (K and V as [B, Hkv * Skv, D]) is for causal calls "
-                             "on [B, H, S, D] without pages or a key window")
-        self.kv_rows = kv_rows
-        if kv_boxes and (not gpu_operands or page_size is not None or kv_rows is not None
-                         or TransformedRef is None):
+        if kv_boxes and (not gpu_operands or page_size is not None or TransformedRef is None):
             raise ValueError("kv_boxes (K and V as boxes of column tiles) is for the GPU operand "
-                             "path without pages or kv_rows, on a JAX with "
-                             "UntilingTransform")
+                             "path without pages, on a JAX with UntilingTransform")
         #: kv_boxes: a slot's boxes of BLOCK_N rows by ``box_cols`` columns (128 bytes).
         self.box_cols = 128 // jnp.dtype(dtype).itemsize if kv_boxes else None
         if kv_boxes and d % self.box_cols:
@@ -1365,8 +1339,7 @@ class _Forward:
         multicast = {"collective_axes": "hc"} if self.multicast else {}
         for seq, rows, at in parts:
             if kt:
-                src = (ref.at[seq, kvh, :, rows] if self.kv_rows is None else
-                       ref.at[seq, :, self.flat_rows(kvh, rows)])
+                src = ref.at[seq, kvh, :, rows]
                 dst = ring.at[slot] if at is None else ring.at[slot, :, at]
             else:
                 src = self.kv_tile(ref, seq, kvh, rows)
@@ -1385,15 +1358,9 @@ class _Forward:
                                              (8, cols)))
                      for c in range(self.d // cols))
 
-    def flat_rows(self, kvh, rows):
-        """``rows`` of KV head ``kvh`` as rows of the ``[B, Hkv * kv_rows, D]`` view."""
-        return pl.ds(kvh * self.kv_rows + rows.start, rows.size)
-
     def kv_tile(self, ref, seq, kvh, rows):
         """The K or V tile of ``rows`` of KV head ``kvh`` of entry ``seq``."""
-        if self.kv_rows is None:
-            return tile_of(ref, seq, kvh, rows, self.kv_btnh)
-        return ref.at[seq, self.flat_rows(kvh, rows)]
+        return tile_of(ref, seq, kvh, rows, self.kv_btnh)
 
     def block_parts(self, bi, t):
         """Key block ``t`` of sequence ``bi`` as TMA copies ``(index, rows, at)``: rows
@@ -2792,15 +2759,9 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
     skv_pad = -(-skv // bn) * bn
     skv_kernel = skv_pad if synth else skv  # the keys the kernel bounds itself
     stacked = group * sq  # the rows of a (batch, KV head) tile when stacked
-    # MosaicConfig.flat_kv: K and V as [B, Hkv * Skv, D], not padded to whole blocks.
-    # (Not yet with a key mask: the interpreter keeps the bits, the H200 has not run it.)
-    kv_rows = skv if (cfg.flat_kv and causal and not dyn and not key_mask and pages is None
-                      and not btnh and skv % bn and skv % 8 == 0
-                      and not (partials or raw or carry is not None or state is not None
-                               or state_out)) else None
-    # MosaicConfig.kv_boxes: elsewhere, K and V read in place in boxes instead of a
-    # copy padded to whole blocks.
-    kv_boxes = (cfg.kv_boxes and kv_rows is None and pages is None and skv_pad != skv
+    # MosaicConfig.kv_boxes: K and V read in place in boxes instead of a copy padded
+    # to whole blocks.
+    kv_boxes = (cfg.kv_boxes and pages is None and skv_pad != skv
                 and gpu_operands and interpret is None and cfg.semantics == "lane"
                 and TransformedRef is not None)
     if stacked <= bn and cfg.stack_decode and (sq == 1 or not (partials or raw
@@ -2837,7 +2798,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       split_out=split, kv_btnh=kv_btnh,
                       carry_in=carry is not None, raw_out=raw,
                       state_rows=state_rows, page_size=page_size, stack_sq=sq,
-                      kv_rows=kv_rows, q_rows=q_rows, rows_out=rows_out,
+                      q_rows=q_rows, rows_out=rows_out,
                       kv_boxes=kv_boxes, per_cta=per_cta)
         # Row r of a (batch, KV head) tile is query r % Sq of the group's head r // Sq:
         # [B, Hq, Sq, D] is [B, Hkv, group * Sq, D] in memory ([B, 1, Hq, D] too; [B,
@@ -2948,7 +2909,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       interpret=interpret, key_mask=key_mask, split_out=partials,
                       q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
                       raw_out=raw, state_in=state is not None,
-                      state_out=state_out, kv_rows=kv_rows, kv_boxes=kv_boxes)
+                      state_out=state_out, kv_boxes=kv_boxes)
         if (lead, sq_pad) != (0, sq):
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
@@ -2965,18 +2926,12 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                 return out, lse
             return (lax.slice_in_dim(out, lead, lead + sq, axis=sa),
                     lse[:, :, lead:lead + sq])
-    if kv_rows is not None:  # the free reshape; the last block's rows past Skv are the
-        # next head's keys or, on the GPU, TMA's out-of-bounds zeros (padded for the
-        # interpreter, which refuses out-of-bounds reads)
-        k, v = (x.reshape(b, hkv * skv, x.shape[-1]) for x in (k, v))
-        if interpret is not None:
-            k, v = (jnp.pad(x, ((0, 0), (0, skv_pad - skv), (0, 0))) for x in (k, v))
-    elif skv_pad != skv and not kv_boxes:
+    if skv_pad != skv and not kv_boxes:
         k, v = (jnp.pad(x, _along(sa, (0, skv_pad - skv))) for x in (k, v))
     # Off the GPU operand path K is read as K^T [B, Hkv, D, Skv] (an XLA transpose; of
     # the pages: [num_pages, Hkv, D, page_size]).
-    k_in = (k if gpu_operands else jnp.swapaxes(k, 1, 2) if kv_rows is not None else
-            jnp.transpose(k, (0, 2, 3, 1)) if kv_btnh else jnp.swapaxes(k, 2, 3))
+    k_in = (k if gpu_operands else jnp.transpose(k, (0, 2, 3, 1)) if kv_btnh
+            else jnp.swapaxes(k, 2, 3))
     extra = ()
     if key_mask:
         keep = jnp.pad(key_padding_mask, ((0, 0), (0, skv_pad - skv)))
