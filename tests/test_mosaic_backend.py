@@ -312,6 +312,26 @@ def test_smem_state_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_gmem_state_keeps_bits_on_gpu():
+    """On sm90, MosaicConfig(gmem_state=True) (two compute warpgroups, the state folded
+    across SPLITs in a global scratch, merged 64 columns at a time from and to the
+    registers), with and without the K/V multicast, gives the bits of two compute
+    warpgroups with the state in registers and of the default (the SMEM state at
+    D=256 past one SPLIT), out and lse, no NaN: D=256 causal prefills of one and three
+    SPLITs, a chunk, Sq > Skv, non-causal with a partial last block (the key mask);
+    D=128 causal."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(),
+               mf.MosaicConfig(gmem_state=True),
+               mf.MosaicConfig(gmem_state=True, kv_multicast=True)]
+    _prefill_configs_agree_in_bits(configs, (
+        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
+        (2100, 2100, False)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_pv_split_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(pv_split=True) (one 64-row tile a CTA: warpgroup 0's S and
     softmax, warpgroup 1's P V, the SPLIT's accumulator handed over in column halves)

@@ -220,6 +220,24 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
+    """The running state folded across SPLITs kept in a global scratch, each
+    warpgroup's rows merged 64 columns at a time from and to the registers
+    (``gmem_state``), gives the registers' bits with two compute warpgroups: a causal
+    chunk of 128 rows over two SPLITs with a partial last key block (the second
+    warpgroup's rows see one more block). (Fails when a merge skips a column chunk.)"""
+    seed, q, k, v = _inputs(1, 2, 1, 128, 1100, 64)
+    cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
+    base, other = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                      config=dataclasses.replace(cfg, gmem_state=g))
+                   for g in (False, True))
+    for x, y in zip(base, other, strict=True):
+        assert not np.isnan(np.asarray(y, np.float32)).any()
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+
+
 def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=None,
                      **kw):
     """``probe`` (``benchmarks.lowered``'s ``launches`` or ``modules``) of the forward
@@ -325,6 +343,32 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
     assert not mosaic_fwd.auto_kv_multicast(256, smem_state=False)
     with pytest.raises(ValueError, match="kv_multicast must be None, True or False, got 1"):
         mosaic_fwd.MosaicConfig(kv_multicast=1)
+
+
+@needs_api
+def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
+    """``gmem_state`` lowers the D=256 prefill past one SPLIT with two compute
+    warpgroups and a producer (384 threads, where the default's SMEM state runs one
+    compute warpgroup: 256) and no SMEM state tile (less SMEM than the default's);
+    the call returns the forward's two outputs only (the scratch is dropped); where
+    it does not apply (a decode step's stacked rows) the modules are the ones without
+    it. A bad value is named."""
+    cfg = mosaic_fwd.MosaicConfig
+    (t0, b0), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2)
+    (t1, b1), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2,
+                                 config=cfg(gmem_state=True))
+    assert (t0, t1) == (256, 384) and b1 < b0, (t0, b0, t1, b1)
+    q1, kv = (jax.ShapeDtypeStruct((2, 8, n, 256), jnp.bfloat16) for n in (1, 2100))
+    assert (mosaic_modules(functools.partial(mosaic_fwd.lower_for_cuda, q1, kv, kv,
+                                             causal=True, config=cfg(gmem_state=True)))
+            == mosaic_modules(functools.partial(mosaic_fwd.lower_for_cuda, q1, kv, kv,
+                                                causal=True)))
+    q, k = (jax.ShapeDtypeStruct((1, h, 2048, 256), jnp.bfloat16) for h in (2, 1))
+    out = jax.eval_shape(functools.partial(mosaic_fwd.forward, causal=True,
+                                           config=cfg(gmem_state=True)), q, k, k)
+    assert [x.shape for x in out] == [(1, 2, 2048, 256), (1, 2, 2048)]
+    with pytest.raises(ValueError, match="gmem_state must be True or False, got None"):
+        cfg(gmem_state=None)
 
 
 @needs_api

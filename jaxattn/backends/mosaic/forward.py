@@ -205,6 +205,19 @@ class MosaicConfig:
     #: 32768, causal and not (bits equal); at one SPLIT (two warpgroups) 0.95 to
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
     kv_multicast: bool | None = None
+    #: The running state folded across SPLITs kept in a global fp32 scratch (an
+    #: output of the kernel the call drops: ``[B, Hq, Sq, D]``, each warpgroup its
+    #: tile's rows) instead of registers or SMEM, each SPLIT's finalised state merged
+    #: into it :data:`SMEM_STATE_COLS` columns at a time straight from and to the
+    #: registers (``smem_state``'s merge, the same operations: a launch choice; each
+    #: thread reads back only the elements it wrote). For D=256 with two compute
+    #: warpgroups, whose states do not fit the SMEM beside their Q tiles and the ring
+    #: and spill from registers: a second warpgroup's products beside the first's
+    #: softmax (the one-warpgroup SMEM state's loop waits on its own wgmmas in 39% of
+    #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a
+    #: grid of one CTA per tile, not a state's kernel), which it replaces; ignored
+    #: elsewhere. Not yet run on a GPU: off.
+    gmem_state: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -413,6 +426,8 @@ class MosaicConfig:
         if not (self.pv_split is None or isinstance(self.pv_split, bool)):
             raise ValueError(f"pv_split must be None, True or False, got "
                              f"{self.pv_split!r}")
+        if self.gmem_state not in (True, False):
+            raise ValueError(f"gmem_state must be True or False, got {self.gmem_state!r}")
         if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
             raise ValueError(f"kv_multicast must be None, True or False, got "
                              f"{self.kv_multicast!r}")
@@ -1062,10 +1077,14 @@ class _Forward:
         #: MosaicConfig.smem_state where it applies (a prefill, one item a CTA); with
         #: one compute warpgroup on the GPU the lse rows staged for the epilogue's store
         #: share the ring's SMEM (idle once the item's last block is consumed).
-        self.smem_state = bool(cfg.smem_state) and smem_state_applies(
+        applies = smem_state_applies(
             decode=position is not None, persistent=bool(persistent),
             states=split_out or state_in or state_out or raw_out or carry_in
             or bool(finish_rows))
+        #: MosaicConfig.gmem_state where it applies (smem_state's domain; it replaces
+        #: the SMEM state): the running state in the kernel's last output.
+        self.gmem_state = cfg.gmem_state and applies
+        self.smem_state = bool(cfg.smem_state) and applies and not self.gmem_state
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
         need = smem_bytes(self.scratch(())) if self.smem_state and interpret is None else 0
         if need > SMEM_LIMIT_STATE:
@@ -1684,14 +1703,16 @@ class _Forward:
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
         return part if state is None else kernel_merge(*state, *part)
 
-    def fold_in_smem(self, it: _Item, n_steps, n_splits, st):
+    def fold_in_smem(self, it: _Item, n_steps, n_splits, st, optimized=True):
         """``smem_state``: the item's SPLITs folded in order into the running state's
-        output in the SMEM tile ``st`` (the empty state first: zeros, lse -inf, as
-        :meth:`consumer`'s registers start), each SPLIT's finalised state merged into it
-        :data:`SMEM_STATE_COLS` columns at a time (:func:`merge_weights` once, then
-        :func:`merge_apply` per column chunk: the operations of :func:`kernel_merge` on
-        each element). Returns the running lse (rows, in registers); each thread
-        reads back only the elements it wrote, so no barrier is needed."""
+        output in the SMEM tile ``st`` (``gmem_state``: the warpgroup's rows of the
+        global scratch, read with ``optimized=False``), the empty state first (zeros,
+        lse -inf, as :meth:`consumer`'s registers start), each SPLIT's finalised
+        state merged into it :data:`SMEM_STATE_COLS` columns at a time
+        (:func:`merge_weights` once, then :func:`merge_apply` per column chunk: the
+        operations of :func:`kernel_merge` on each element). Returns the running lse
+        (rows, in registers); each thread reads back only the elements it wrote, so no
+        barrier is needed."""
         bm, cols = self.bm, SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
         for ref in chunks:
@@ -1702,7 +1723,7 @@ class _Forward:
             weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
             lse = lse_s
             for j, ref in enumerate(chunks):
-                o, lse = merge_apply(self.load(ref, plgpu.Layout.WGMMA), lse_s,
+                o, lse = merge_apply(self.load(ref, plgpu.Layout.WGMMA, optimized), lse_s,
                                      o_p[:, j * cols:(j + 1) * cols], lse_p, weights,
                                      pin_fma=True)
                 ref[...] = o
@@ -1808,10 +1829,12 @@ class _Forward:
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
-        if self.smem_state:
-            st = smem[9].at[w]
-            lse = self.fold_in_smem(it, n_steps, n_splits, st)
-            out = self.load(st, plgpu.Layout.WGMMA)
+        if self.smem_state or self.gmem_state:
+            gmem = self.gmem_state  # (the GPU's vectorised SMEM load is SMEM's only)
+            st = (self.dyn["gstate"].at[bi, h, pl.ds(it.q0, self.bm)] if gmem
+                  else smem[9].at[w])
+            lse = self.fold_in_smem(it, n_steps, n_splits, st, optimized=not gmem)
+            out = self.load(st, plgpu.Layout.WGMMA, optimized=not gmem)
         else:
             out, lse = lax.fori_loop(0, n_splits,
                                      functools.partial(self.split, it, n_steps), init)
@@ -1972,6 +1995,8 @@ class _Forward:
         elif self.finish_rows:
             *rest, o_ref, lse_ref, so_ref, sl_ref = rest
             self.dyn["state_out"] = (so_ref, sl_ref)
+        elif self.gmem_state:
+            *rest, o_ref, lse_ref, self.dyn["gstate"] = rest
         else:
             *rest, o_ref, lse_ref = rest
         if self.carry_in:
@@ -2141,6 +2166,8 @@ class _Forward:
                                              else (b, hq, sq, d),
                                              jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        if self.gmem_state:  # the running states' scratch (the call drops it)
+            out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32))
         call = launch(
             self.kernel,
             pdl=cfg.split_launch_pdl if self.split_out else cfg.pdl,
@@ -2165,7 +2192,8 @@ class _Forward:
                  if self.greedy else ())
 
         def bound(q, k, v, *extra):
-            return call(q, k, v, *ones, *extra, *table)
+            res = call(q, k, v, *ones, *extra, *table)
+            return res[:-1] if self.gmem_state else res
 
         return bound
 
@@ -2881,7 +2909,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
-        smem_state = cfg.smem_state
+        smem_state = False if cfg.gmem_state else cfg.smem_state  # (gmem replaces it)
         if smem_state is None:
             smem_state = (smem_state_applies(
                 decode=False, persistent=bool(cfg.persistent),
@@ -2899,7 +2927,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             states=partials or raw or carry is not None or state is not None
             or state_out, d=d, rowsum=cfg.rowsum)
         cfg = dataclasses.replace(cfg, pv_split=pv, **(
-            dict(compute_wgs=1, smem_state=False, late_rowsum=False, persistent=0)
+            dict(compute_wgs=1, smem_state=False, gmem_state=False, late_rowsum=False,
+                 persistent=0)
             if pv else {}))
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
