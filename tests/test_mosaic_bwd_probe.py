@@ -298,6 +298,7 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+@pytest.mark.slow  # CI time: options off by default (dkdv_pair replaces them), also run on the GPU
 @needs_threads
 @needs_interpret
 def test_interpret_split_two_warpgroups_keep_bits(mosaic_bwd):
@@ -323,6 +324,7 @@ def test_interpret_split_two_warpgroups_keep_bits(mosaic_bwd):
             np.testing.assert_array_equal(bits(a), bits(b), err_msg=tag)
 
 
+@pytest.mark.slow  # CI time: an option off by default, also run on the GPU
 @needs_threads
 @needs_interpret
 def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):

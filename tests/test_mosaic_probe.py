@@ -220,6 +220,7 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
 
 
+@pytest.mark.slow  # CI time: an option off by default (its lowering test runs in CI)
 @needs_threads
 @needs_interpret
 def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
@@ -252,6 +253,7 @@ def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=Non
     return got
 
 
+@pytest.mark.slow  # CI time: an option off by default, also run on the GPU
 @needs_threads
 @needs_interpret
 def test_interpret_pv_split_keeps_bits(mosaic_fwd):
@@ -572,24 +574,26 @@ def test_interpret_stacked_queries_before_any_key(mosaic_fwd):
 @needs_interpret
 def test_interpret_split_decode_keeps_bits(mosaic_fwd):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
-    gives the bits of the in-kernel fold, past one SPLIT, with a key padding mask and
-    with per-sequence offsets (the second sequence's row sits in the first SPLIT: its
-    other split is empty), with a producer warpgroup (``ctas_per_sm=1``); so do the
-    split and the unsplit kernel without one (the default ``ctas_per_sm=2``: the compute
-    warpgroup loads each slot's next block once it has read the slot), the split one
-    also from pages of 16 keys (four copies a block); so does the split kernel with both
-    SPLITs in one CTA (``splits_per_cta=2``: its ring running on across them)."""
+    gives the bits of the in-kernel fold (a producer warpgroup, ``ctas_per_sm=1``)
+    past one SPLIT, and with a key padding mask and per-sequence offsets (the second
+    sequence's row sits in the first SPLIT: its other split is empty): the split kernel
+    without a producer (the default ``ctas_per_sm=2``: the compute warpgroup loads each
+    slot's next block once it has read the slot), also from pages of 16 keys (four
+    copies a block), and with both SPLITs in one CTA (``splits_per_cta=2``: its ring
+    running on across them); without the mask, the split kernel with a producer and
+    the unsplit kernel without one too."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
     offs = jnp.array([s - 1, schedule.SPLIT - 30], jnp.int32)
     cfg = mosaic_fwd.MosaicConfig
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
+        configs = (cfg(split_decode=False, ctas_per_sm=1), cfg(split_decode=True),
+                   cfg(split_decode=True, splits_per_cta=2))
+        if not kw:  # (the launch choices that do not read the mask: once, CI time)
+            configs += (cfg(split_decode=True, ctas_per_sm=1), cfg(split_decode=False))
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
-                for c in (cfg(split_decode=False, ctas_per_sm=1),
-                          cfg(split_decode=True, ctas_per_sm=1),
-                          cfg(split_decode=True), cfg(split_decode=False),
-                          cfg(split_decode=True, splits_per_cta=2))]
+                for c in configs]
         for want, *got in zip(*outs, strict=True):
             assert not np.isnan(np.asarray(want, np.float32)).any()
             for y in got:
@@ -639,11 +643,10 @@ def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd):
     """MosaicConfig(flat_q=True) reads the stacked decode rows from [B, Hq * Sq, D] (the
     next group's queries, or zeros, past the group; no padded copy), and flat_out=True
     has the split decode's fold store the group's rows cast in place: the padded call's
-    bits, out and lse, for a split decode past one SPLIT, an unsplit decode and two
-    queries per head; no NaN. 4, 3 and 4 stacked rows per group (most groups' first
-    rows off the 8-row grid: flat_q's untiled slot)."""
-    for b, hq, hkv, sq, skv, split in ((2, 8, 2, 1, schedule.SPLIT + 104, True),
-                                       (1, 6, 2, 1, 296, False),
+    bits, out and lse, for an unsplit decode (3 stacked rows a group: most groups'
+    first rows off the 8-row grid, flat_q's untiled slot), two queries per head (8
+    rows) and a split decode past one SPLIT on [B, S, H, D] (4 rows); no NaN."""
+    for b, hq, hkv, sq, skv, split in ((1, 6, 2, 1, 296, False),
                                        (1, 8, 2, 2, 304, False)):
         seed, q, k, v = _inputs(b, hq, hkv, sq, skv, 64)
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
@@ -654,8 +657,9 @@ def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd):
             assert not np.isnan(np.asarray(x, np.float32)).any()
             np.testing.assert_array_equal(bits(x), bits(y),
                                           err_msg=f"Sq={sq} Skv={skv} (seed {seed})")
-    # The split decode on [B, S, H, D] (q [B, 1, Hq, D]): flat_q and flat_out there too.
-    seed, q, k, v = _inputs(2, 8, 2, 1, schedule.SPLIT + 64, 64)
+    # The split decode past one SPLIT, on [B, S, H, D] (q [B, 1, Hq, D]), a partial
+    # last block.
+    seed, q, k, v = _inputs(2, 8, 2, 1, schedule.SPLIT + 104, 64)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     outs = [mosaic_fwd.forward(t(q), t(k), t(v), causal=True, interpret=True, btnh=True,
                                config=mosaic_fwd.MosaicConfig(flat_q=flat, flat_out=flat,
