@@ -351,19 +351,11 @@ def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
 @needs_interpret
 def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     """BwdConfig(dq_in_smem=True) (the dQ kernel's running dQ in its fp32 output tile,
-    each block's product added 64 columns at a time) gives the registers' bits: causal
-    with a partial last key block (dQ scaled and cast in the kernel; D=128, the same
-    kernel as D=256's, where ``dq_pair`` now takes this path), and dQ continued across
-    two key ranges (the tile starting from the first range's accumulator: context
-    parallelism's path, the option's default use at D=256)."""
+    each block's product added 64 columns at a time) gives the registers' bits with dQ
+    continued across two key ranges (the tile starting from the first range's
+    accumulator: context parallelism's path, the option's default use at D=256). The
+    finished dQ's path: the slow test below."""
     one = dict(dkdv_wgs=1, dq_wgs=1, dq_pair=False)  # (dq_pair keeps dQ in registers)
-    seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 128)
-    out, lse = reference.forward_with_lse(q, k, v, causal=True)
-    runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
-                    mosaic_bwd.BwdConfig(**one, dq_in_smem=flag)) for flag in (False, True)]
-    for name, a, b in zip("qkv", *runs, strict=True):
-        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
-        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
     seed, q, k, v, do = _inputs(1, 1, 1, 64, 192, 64)
     out, lse = reference.forward_with_lse(q, k, v, causal=True)
     runs = [mosaic_bwd.backward_over_ranges(
@@ -374,6 +366,23 @@ def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
     np.testing.assert_array_equal(bits(runs[0][0]), bits(runs[1][0]),
                                   err_msg=f"dq over ranges (seed {seed})")
     assert not np.isnan(np.asarray(runs[1][0], np.float32)).any()
+
+
+@pytest.mark.slow  # CI time: D > 128 runs dq_pair (registers) for a finished dQ
+@needs_threads
+@needs_interpret
+def test_interpret_dq_in_smem_finished_keeps_bits(mosaic_bwd):
+    """BwdConfig(dq_in_smem=True, dq_pair=False) gives the registers' bits for a
+    finished dQ: causal with a partial last key block (dQ scaled and cast in the
+    kernel; D=128, the same kernel as D=256's)."""
+    one = dict(dkdv_wgs=1, dq_wgs=1, dq_pair=False)
+    seed, q, k, v, do = _inputs(1, 2, 1, 128, 160, 128)
+    out, lse = reference.forward_with_lse(q, k, v, causal=True)
+    runs = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
+                    mosaic_bwd.BwdConfig(**one, dq_in_smem=flag)) for flag in (False, True)]
+    for name, a, b in zip("qkv", *runs, strict=True):
+        assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
 def _masked_configs_agree_in_bits(mosaic_bwd, want, got):
