@@ -206,8 +206,8 @@ class MosaicConfig:
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
     kv_multicast: bool | None = None
     #: The running state folded across SPLITs kept in a global fp32 scratch (an
-    #: output of the kernel the call drops: ``[B, Hq, Sq, D]``, each warpgroup its
-    #: tile's rows) instead of registers or SMEM, each SPLIT's finalised state merged
+    #: output of the kernel the call drops: ``[B, Hq, Sq, D]``, twice the bf16
+    #: output's bytes, each warpgroup its tile's rows) instead of registers or SMEM, each SPLIT's finalised state merged
     #: into it :data:`SMEM_STATE_COLS` columns at a time straight from and to the
     #: registers (``smem_state``'s merge, the same operations: a launch choice; each
     #: thread reads back only the elements it wrote). For D=256 with two compute
