@@ -205,18 +205,18 @@ class MosaicConfig:
     #: 32768, causal and not (bits equal); at one SPLIT (two warpgroups) 0.95 to
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
     kv_multicast: bool | None = None
-    #: The running state folded across SPLITs kept in a global fp32 scratch (an
-    #: output of the kernel the call drops: ``[B, Hq, Sq, D]``, twice the bf16
-    #: output's bytes, each warpgroup its tile's rows) instead of registers or SMEM, each SPLIT's finalised state merged
-    #: into it :data:`SMEM_STATE_COLS` columns at a time straight from and to the
-    #: registers (``smem_state``'s merge, the same operations: a launch choice; each
-    #: thread reads back only the elements it wrote). For D=256 with two compute
-    #: warpgroups, whose states do not fit the SMEM beside their Q tiles and the ring
-    #: and spill from registers: a second warpgroup's products beside the first's
+    #: The running state folded across SPLITs kept in a global fp32 scratch (an output
+    #: of the kernel the call drops: ``[B, Hq, Sq, D]``, twice the bf16 output's bytes,
+    #: each warpgroup its tile's rows) instead of registers or SMEM, each SPLIT's
+    #: finalised state merged into it :data:`SMEM_STATE_COLS` columns at a time straight
+    #: from and to the registers (``smem_state``'s merge, the same operations: a launch
+    #: choice; each thread reads back only the elements it wrote). For D=256 with two
+    #: compute warpgroups, whose states do not fit the SMEM beside their Q tiles and the
+    #: ring and spill from registers: a second warpgroup's products beside the first's
     #: softmax (the one-warpgroup SMEM state's loop waits on its own wgmmas in 39% of
-    #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a
-    #: grid of one CTA per tile, not a state's kernel), which it replaces; ignored
-    #: elsewhere. Not yet run on a GPU: off.
+    #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a grid
+    #: of one CTA per tile, not a state's kernel), which it replaces; ignored elsewhere.
+    #: Not yet run on a GPU: off.
     gmem_state: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
