@@ -226,17 +226,23 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
 def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     """The running state folded across SPLITs kept in a global scratch, each
     warpgroup's rows merged 64 columns at a time from and to the registers
-    (``gmem_state``), gives the registers' bits with two compute warpgroups: a causal
-    chunk of 128 rows over two SPLITs with a partial last key block (the second
-    warpgroup's rows see one more block). (Fails when a merge skips a column chunk.)"""
-    seed, q, k, v = _inputs(1, 2, 1, 128, 1100, 64)
+    (``gmem_state``), gives the registers' bits with two compute warpgroups: causal
+    chunks of 128 rows over two SPLITs (the first merged into constant zeros and
+    stored, the last kept in registers) and three (a middle SPLIT read from and written
+    back to the scratch) with a partial last key block (the second warpgroup's rows
+    see one more block), and Sq > Skv (a tile that sees no key: SPLIT 0 on an empty
+    range; a tile of one SPLIT, never stored). (Fails when a merge skips a column
+    chunk.)"""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
-    base, other = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                      config=dataclasses.replace(cfg, gmem_state=g))
-                   for g in (False, True))
-    for x, y in zip(base, other, strict=True):
-        assert not np.isnan(np.asarray(y, np.float32)).any()
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
+    for sq, skv in ((128, 1100), (128, 2200), (192, 100)):
+        seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
+        base, other = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                          config=dataclasses.replace(cfg, gmem_state=g))
+                       for g in (False, True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"seed {seed}, Sq={sq} Skv={skv}")
 
 
 def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=None,

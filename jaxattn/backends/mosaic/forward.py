@@ -1703,33 +1703,76 @@ class _Forward:
         part = kernel_finalize(acc, m, l, self.cfg.normalize)
         return part if state is None else kernel_merge(*state, *part)
 
-    def fold_in_smem(self, it: _Item, n_steps, n_splits, st, optimized=True):
+    def fold_in_smem(self, it: _Item, n_steps, n_splits, st):
         """``smem_state``: the item's SPLITs folded in order into the running state's
-        output in the SMEM tile ``st`` (``gmem_state``: the warpgroup's rows of the
-        global scratch, read with ``optimized=False``), the empty state first (zeros,
-        lse -inf, as :meth:`consumer`'s registers start), each SPLIT's finalised
-        state merged into it :data:`SMEM_STATE_COLS` columns at a time
-        (:func:`merge_weights` once, then :func:`merge_apply` per column chunk: the
-        operations of :func:`kernel_merge` on each element). Returns the running lse
-        (rows, in registers); each thread reads back only the elements it wrote, so no
-        barrier is needed."""
-        bm, cols = self.bm, SMEM_STATE_COLS
+        output in the SMEM tile ``st``, the empty state first (zeros, lse -inf, as
+        :meth:`consumer`'s registers start), each SPLIT's finalised state merged into
+        it :data:`SMEM_STATE_COLS` columns at a time (:func:`merge_weights` once, then
+        :func:`merge_apply` per column chunk: the operations of :func:`kernel_merge`
+        on each element). Returns the running lse (rows, in registers); each thread
+        reads back only the elements it wrote, so no barrier is needed."""
+        cols = SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
         for ref in chunks:
             ref[...] = self.tile_zeros(cols)
 
+        def store(j, o):
+            chunks[j][...] = o
+
         def one(si, lse_s):
-            o_p, lse_p = self.split(it, n_steps, si, None)
-            weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
-            lse = lse_s
-            for j, ref in enumerate(chunks):
-                o, lse = merge_apply(self.load(ref, plgpu.Layout.WGMMA, optimized), lse_s,
-                                     o_p[:, j * cols:(j + 1) * cols], lse_p, weights,
-                                     pin_fma=True)
-                ref[...] = o
-            return lse
+            return self.merge_split(it, n_steps, si, lse_s,
+                                    lambda j: self.load(chunks[j], plgpu.Layout.WGMMA),
+                                    store)[1]
 
         return lax.fori_loop(0, n_splits, one, self.rows_init(NEG_INF))
+
+    def merge_split(self, it: _Item, n_steps, si, lse_s, left, store=None):
+        """SPLIT ``si`` (:meth:`split`) merged into the running state of lse ``lse_s``
+        whose output's column chunk ``j`` is ``left(j)`` (read as the merge needs it):
+        the merged output's column chunks (registers; ``store(j, o)``: each written
+        back as soon as it is merged) and its lse."""
+        bm, cols = self.bm, SMEM_STATE_COLS
+        o_p, lse_p = self.split(it, n_steps, si, None)
+        weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
+        outs, lse = [], lse_s
+        for j in range(self.d // cols):
+            o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
+                                 weights, pin_fma=True)
+            if store is not None:
+                store(j, o)
+            outs.append(o)
+        return outs, lse
+
+    def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink):
+        """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
+        warpgroup's rows ``st`` of the global scratch (read with ``optimized=False``)
+        only between SPLITs: the first SPLIT merged into the empty state's constant
+        zeros (no filled scratch), every SPLIT but the last written to ``st`` and the
+        next one's merge reading it back, and the last SPLIT's merged column chunks
+        handed to ``sink(j, o)`` as each is merged (the epilogue's SMEM: no reload, and
+        no 64xD tile held in registers beside the SPLIT's). The same operations on the
+        same values as the SMEM state's fold (a merge with the empty state selects the
+        SPLIT's own output and lse, whatever the zeros' origin): a launch choice. An
+        item of no key blocks runs SPLIT 0 on an empty range (output 0, lse -inf: the
+        empty state). Returns the lse."""
+        cols = SMEM_STATE_COLS
+        chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
+
+        def left(si):
+            def chunk(j):
+                return lax.cond(si == 0, lambda: self.tile_zeros(cols),
+                                lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
+            return chunk
+
+        def store(j, o):
+            chunks[j][...] = o
+
+        def one(si, lse_s):
+            return self.merge_split(it, n_steps, si, lse_s, left(si), store)[1]
+
+        lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
+        last = lax.max(n_splits - 1, 0)
+        return self.merge_split(it, n_steps, last, lse, left(last), sink)[1]
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
@@ -1829,12 +1872,19 @@ class _Forward:
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
-        if self.smem_state or self.gmem_state:
-            gmem = self.gmem_state  # (the GPU's vectorised SMEM load is SMEM's only)
-            st = (self.dyn["gstate"].at[bi, h, pl.ds(it.q0, self.bm)] if gmem
-                  else smem[9].at[w])
-            lse = self.fold_in_smem(it, n_steps, n_splits, st, optimized=not gmem)
-            out = self.load(st, plgpu.Layout.WGMMA, optimized=not gmem)
+        if self.gmem_state:  # the output straight into the Q tile's SMEM (Q is done)
+            def sink(j, o):
+                cols = o.shape[1]
+                it.q_s.at[:, pl.ds(j * cols, cols)][...] = o.astype(self.dtype)
+
+            out = None
+            lse = self.fold_in_gmem(it, n_steps, n_splits,
+                                    self.dyn["gstate"].at[bi, h, pl.ds(it.q0, self.bm)],
+                                    sink)
+        elif self.smem_state:
+            st = smem[9].at[w]
+            lse = self.fold_in_smem(it, n_steps, n_splits, st)
+            out = self.load(st, plgpu.Layout.WGMMA)
         else:
             out, lse = lax.fori_loop(0, n_splits,
                                      functools.partial(self.split, it, n_steps), init)
@@ -1963,8 +2013,9 @@ class _Forward:
         plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
 
     def store_output(self, it: _Item, o_ref, lse_ref, out, lse, rows):
-        """The output in the input dtype through the Q tile's SMEM and the natural-log
-        lse (``rows_out``: the group's rows through the untiled Q slot)."""
+        """The output in the input dtype through the Q tile's SMEM (None: already
+        there) and the natural-log lse (``rows_out``: the group's rows through the
+        untiled Q slot)."""
         if self.rows_out:
             st, r = it.smem[10].at[it.w], self.q_rows
             st[...] = out.astype(self.dtype)
@@ -1974,7 +2025,8 @@ class _Forward:
             plgpu.copy_smem_to_gmem(st.at[pl.ds(0, r)], o_ref.at[at])
             plgpu.copy_smem_to_gmem(it.lse_s.at[pl.ds(0, r)], lse_ref.at[at])
             return
-        it.q_s[...] = out.astype(self.dtype)
+        if out is not None:  # (None: already in the Q tile's SMEM, gmem_state)
+            it.q_s[...] = out.astype(self.dtype)
         it.lse_s[...] = natural_lse(lse)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows, self.q_btnh))
