@@ -87,7 +87,7 @@ print(",".join(b for b in usable_backends() if b != "triton"))')}
     JAX_COMPILATION_CACHE_DIR="$JAX_COMPILATION_CACHE_DIR-check-$1-$2" \
     timeout ${CHECK_TIMEOUT:-540} $PY -m jaxattn.check --backends="$1" \
         --batch=${CHECK_BATCH:-4} --seq_len=${CHECK_SEQ:-2048} --decode_steps=${CHECK_DECODE:-64} \
-        --chunk_sizes=64,100,1000 --rows="$3" --json_out="$OUT/check-$1-$2.json" $CHECK_ARGS \
+        --chunk_sizes=64,100,1000 --rows="$3" --json_out="$OUT/check-$1-$2.json" ${CHECK_ARGS:-} \
         > "$OUT/check-$1-$2.txt" 2>&1
     local rc=$?
     echo $rc > "$OUT/check-$1-$2.rc"

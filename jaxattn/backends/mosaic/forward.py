@@ -210,13 +210,16 @@ class MosaicConfig:
     #: each warpgroup its tile's rows) instead of registers or SMEM, each SPLIT's
     #: finalised state merged into it :data:`SMEM_STATE_COLS` columns at a time straight
     #: from and to the registers (``smem_state``'s merge, the same operations: a launch
-    #: choice; each thread reads back only the elements it wrote). For D=256 with two
+    #: choice; each thread reads back only the elements it wrote; the scratch touched
+    #: only between SPLITs, :meth:`_Forward.fold_in_gmem`). For D=256 with two
     #: compute warpgroups, whose states do not fit the SMEM beside their Q tiles and the
     #: ring and spill from registers: a second warpgroup's products beside the first's
     #: softmax (the one-warpgroup SMEM state's loop waits on its own wgmmas in 39% of
     #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a grid
     #: of one CTA per tile, not a state's kernel), which it replaces; ignored elsewhere.
-    #: Not yet run on a GPU: off.
+    #: Off: on the H100 (2026-12-06, docs/mosaic.md) with ``kv_multicast=True`` 1.13x
+    #: the default at S=2048 but 1.00 to 1.02x from S=8192 on, and its scratch grows
+    #: with the tokens.
     gmem_state: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
