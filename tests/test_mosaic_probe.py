@@ -357,10 +357,12 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
 def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     """``gmem_state`` lowers the D=256 prefill past one SPLIT with two compute
     warpgroups and a producer (384 threads, where the default's SMEM state runs one
-    compute warpgroup: 256) and no SMEM state tile (less SMEM than the default's);
-    the call returns the forward's two outputs only (the scratch is dropped); where
-    it does not apply (a decode step's stacked rows) the modules are the ones without
-    it. A bad value is named."""
+    compute warpgroup: 256) and no SMEM state tile (less SMEM than the default's),
+    its scratch one slot of the CTA's rows per SM id (``[144, 128, 256]`` fp32,
+    whatever the batch and length) read through ``%smid``; the call returns the
+    forward's two outputs only (the scratch is dropped); where it does not apply (a
+    decode step's stacked rows; D=64, whose SMEM would let two CTAs share an SM and its
+    slot) the modules are the ones without it. A bad value is named."""
     cfg = mosaic_fwd.MosaicConfig
     (t0, b0), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2)
     (t1, b1), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2,
@@ -371,6 +373,18 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
                                              causal=True, config=cfg(gmem_state=True)))
             == mosaic_modules(functools.partial(mosaic_fwd.lower_for_cuda, q1, kv, kv,
                                                 causal=True)))
+    q64, k64 = (jax.ShapeDtypeStruct((1, h, 2048, 64), jnp.bfloat16) for h in (2, 1))
+    assert (mosaic_modules(functools.partial(mosaic_fwd.lower_for_cuda, q64, k64, k64,
+                                             causal=True, config=cfg(gmem_state=True)))
+            == mosaic_modules(functools.partial(mosaic_fwd.lower_for_cuda, q64, k64, k64,
+                                                causal=True)))
+    for b in (1, 3):
+        qb, kb = (jax.ShapeDtypeStruct((b, h, 2048, 256), jnp.bfloat16) for h in (2, 1))
+        lower = functools.partial(mosaic_fwd.lower_for_cuda, qb, kb, kb, causal=True,
+                                  config=cfg(gmem_state=True))
+        assert f"tensor<{mosaic_fwd.GMEM_STATE_SLOTS}x128x256xf32>" in lower().as_text()
+        module, = mosaic_modules(lower)
+        assert "%smid" in module
     q, k = (jax.ShapeDtypeStruct((1, h, 2048, 256), jnp.bfloat16) for h in (2, 1))
     out = jax.eval_shape(functools.partial(mosaic_fwd.forward, causal=True,
                                            config=cfg(gmem_state=True)), q, k, k)

@@ -206,20 +206,22 @@ class MosaicConfig:
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
     kv_multicast: bool | None = None
     #: The running state folded across SPLITs kept in a global fp32 scratch (an output
-    #: of the kernel the call drops: ``[B, Hq, Sq, D]``, twice the bf16 output's bytes,
-    #: each warpgroup its tile's rows) instead of registers or SMEM, each SPLIT's
-    #: finalised state merged into it :data:`SMEM_STATE_COLS` columns at a time straight
-    #: from and to the registers (``smem_state``'s merge, the same operations: a launch
-    #: choice; each thread reads back only the elements it wrote; the scratch touched
-    #: only between SPLITs, :meth:`_Forward.fold_in_gmem`). For D=256 with two
+    #: of the kernel the call drops: a slot of the CTA's rows per SM, ``[144, 128, D]``,
+    #: 19 MB at D=256 whatever the tokens, the CTA's slot its SM's ``%smid``, each
+    #: warpgroup its rows; applied where the kernel's SMEM leaves no room for a second
+    #: CTA on the SM, :data:`GMEM_STATE_MIN_SMEM`) instead of registers or SMEM, each
+    #: SPLIT's finalised state merged into it :data:`SMEM_STATE_COLS` columns at a time
+    #: straight from and to the registers (``smem_state``'s merge, the same operations:
+    #: a launch choice; each thread reads back only the elements it wrote; the scratch
+    #: touched only between SPLITs, :meth:`_Forward.fold_in_gmem`). For D=256 with two
     #: compute warpgroups, whose states do not fit the SMEM beside their Q tiles and the
     #: ring and spill from registers: a second warpgroup's products beside the first's
     #: softmax (the one-warpgroup SMEM state's loop waits on its own wgmmas in 39% of
     #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a grid
     #: of one CTA per tile, not a state's kernel), which it replaces; ignored elsewhere.
     #: Off: on the H100 (2026-12-06, docs/mosaic.md) with ``kv_multicast=True`` 1.13x
-    #: the default at S=2048 but 1.00 to 1.02x from S=8192 on, and its scratch grows
-    #: with the tokens.
+    #: the default at S=2048 but 1.00 to 1.02x from S=8192 on (with a scratch the size
+    #: of the state, before the per-SM slots; those not yet run on a GPU).
     gmem_state: bool = False
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
@@ -527,6 +529,30 @@ def load_ref(ref, *, layout, optimized: bool = True):
     if _LOAD_TAKES_INDEX:
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+#: ``MosaicConfig.gmem_state``'s scratch slots on the GPU: one per SM identifier. Every
+#: sm90 part is cut from the GH100 die of 144 SMs, and ``%smid`` numbers the SMs of
+#: the die (not necessarily contiguously: an H100 SXM's 132 SMs keep their ids), so
+#: ``%smid`` < 144 on every Hopper GPU.
+GMEM_STATE_SLOTS = 144
+
+
+def sm_id():
+    """The SM running the calling warpgroup (PTX ``%smid``), an int32 scalar: a slot
+    of ``gmem_state``'s scratch that no other CTA of the launch can hold at the same
+    time (one CTA an SM: :meth:`_Forward.__init__` checks it)."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+
+    @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=splat))
+    def smid(_):
+        return mgpu.FragmentedArray.splat(mgpu.utils.smid(), (),
+                                          layout=mgpu.WGSplatFragLayout(shape=()),
+                                          is_signed=False)
+
+    return smid()
 
 
 def _smem_transforms(cols: int, itemsize: int):
@@ -1087,6 +1113,10 @@ class _Forward:
         #: MosaicConfig.gmem_state where it applies (smem_state's domain; it replaces
         #: the SMEM state): the running state in the kernel's last output.
         self.gmem_state = cfg.gmem_state and applies
+        self.smem_state = self.rows_in_ring = False
+        if (self.gmem_state and interpret is None
+                and smem_bytes(self.scratch(())) <= GMEM_STATE_MIN_SMEM):
+            self.gmem_state = False  # two CTAs could share an SM, and its scratch slot
         self.smem_state = bool(cfg.smem_state) and applies and not self.gmem_state
         self.rows_in_ring = self.smem_state and self.nwg == 1 and interpret is None
         need = smem_bytes(self.scratch(())) if self.smem_state and interpret is None else 0
@@ -1674,6 +1704,16 @@ class _Forward:
         end = lax.min(lo + self.per_split, it.hi)
         return lo, lax.max(lax.min(it.full, end), lo), end
 
+    def state_slot(self):
+        """``gmem_state``: the CTA's slot of the scratch: its SM's (:func:`sm_id`) on the
+        GPU, its own in the interpreter (whose CTAs may run at once on one host)."""
+        if self.interpret is None:
+            return sm_id()
+        idx = jnp.int32(0)
+        for name, n in zip(self.grid_names, self.grid, strict=True):
+            idx = idx * n + lax.axis_index(name)
+        return idx
+
     def n_splits(self, it: _Item):
         """The SPLITs of the item's blocks ``[0, hi)``."""
         return lax.div(it.hi + (self.per_split - 1), jnp.int32(self.per_split))
@@ -1881,9 +1921,8 @@ class _Forward:
                 it.q_s.at[:, pl.ds(j * cols, cols)][...] = o.astype(self.dtype)
 
             out = None
-            lse = self.fold_in_gmem(it, n_steps, n_splits,
-                                    self.dyn["gstate"].at[bi, h, pl.ds(it.q0, self.bm)],
-                                    sink)
+            st = self.dyn["gstate"].at[self.state_slot(), pl.ds(w * self.bm, self.bm)]
+            lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink)
         elif self.smem_state:
             st = smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
@@ -2221,8 +2260,12 @@ class _Forward:
                                              else (b, hq, sq, d),
                                              jnp.float32 if self.state_out else self.dtype),
                         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
-        if self.gmem_state:  # the running states' scratch (the call drops it)
-            out_type = (*out_type, jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32))
+        if self.gmem_state:  # the running states' scratch (the call drops it): a slot
+            # of the CTA's rows per SM (interpret: per CTA, as its CTAs may run at once)
+            slots = math.prod(grid) if self.interpret is not None else GMEM_STATE_SLOTS
+            out_type = (*out_type, jax.ShapeDtypeStruct((slots, self.nwg * self.bm, d),
+                                                        jnp.float32))
+        self.grid, self.grid_names = grid, grid_names  # (state_slot)
         call = launch(
             self.kernel,
             pdl=cfg.split_launch_pdl if self.split_out else cfg.pdl,
@@ -2563,6 +2606,12 @@ SMEM_LIMIT_STATE = 227 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
 #: the runtime keeps 1 KiB a CTA; 512 bytes for the barriers, and the reduction
 #: scratch where it cannot be dropped (:data:`NO_REDUCTION_SCRATCH`).
 SMEM_LIMIT_TWO_CTAS = 113 * 1024 - 512 - (0 if NO_REDUCTION_SCRATCH else 2048)
+
+
+#: ``MosaicConfig.gmem_state`` applies on the GPU where its buffers' SMEM exceeds this:
+#: then no second CTA fits on the SM (228 KiB, of which the runtime keeps 1 KiB a CTA),
+#: so the SM's slot of the scratch (:func:`sm_id`) is the CTA's alone.
+GMEM_STATE_MIN_SMEM = 113 * 1024
 
 
 def split_decode_stages(cfg: MosaicConfig) -> int:
