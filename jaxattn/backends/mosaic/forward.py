@@ -1113,7 +1113,7 @@ class _Forward:
         #: MosaicConfig.gmem_state where it applies (smem_state's domain; it replaces
         #: the SMEM state): the running state in the kernel's last output.
         self.gmem_state = cfg.gmem_state and applies
-        self.smem_state = self.rows_in_ring = False
+        self.smem_state = self.rows_in_ring = False  # (as scratch() reads them here)
         if (self.gmem_state and interpret is None
                 and smem_bytes(self.scratch(())) <= GMEM_STATE_MIN_SMEM):
             self.gmem_state = False  # two CTAs could share an SM, and its scratch slot
