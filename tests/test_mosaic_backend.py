@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ON_GPU, np_attention, ragged_cache, rand_qkv, rel_err
+from jax import lax
 from mosaic_support import (
     dropped_nan,
     missing_api,
@@ -327,6 +328,39 @@ def test_gmem_state_keeps_bits_on_gpu():
     _prefill_configs_agree_in_bits(configs, (
         (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
         (2100, 2100, False)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_sm_ids_fit_gmem_state_slots_on_gpu():
+    """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
+    ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes
+    no more values than the GPU has SMs, and is one value across the warpgroup's
+    threads (each CTA writes it from every thread's lanes)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from jaxattn.backends.mosaic import forward as mf
+    n = 8192
+
+    def body(o_ref):
+        def scoped(buf):
+            buf[...] = jnp.broadcast_to(mf.sm_id(), (128,))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf, o_ref.at[lax.axis_index("x")])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((128,), jnp.int32))
+
+    ids = np.asarray(jax.jit(plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n, 128), jnp.int32), grid=(n,),
+        grid_names=("x",), compiler_params=plgpu.CompilerParams()))())
+    np.testing.assert_array_equal(ids, np.broadcast_to(ids[:, :1], ids.shape))
+    seen = np.unique(ids[:, 0])
+    sms = jax.devices()[0].core_count
+    assert seen.min() >= 0 and seen.max() < mf.GMEM_STATE_SLOTS, seen
+    assert 8 <= len(seen) <= sms, (len(seen), sms)
 
 
 @pytest.mark.gpu
