@@ -228,11 +228,11 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     warpgroup's rows merged 64 columns at a time from and to the registers
     (``gmem_state``), gives the registers' bits with two compute warpgroups: causal
     chunks of 128 rows over two SPLITs (the first merged into constant zeros and
-    stored, the last kept in registers) and three (a middle SPLIT read from and written
-    back to the scratch) with a partial last key block (the second warpgroup's rows
-    see one more block), and Sq > Skv (a tile that sees no key: SPLIT 0 on an empty
-    range; a tile of one SPLIT, never stored). (Fails when a merge skips a column
-    chunk.)"""
+    stored, the last written straight into the epilogue's tile) and three (a middle
+    SPLIT read from and written back to the scratch) with a partial last key block
+    (the second warpgroup's rows see one more block), and Sq > Skv (a tile that sees
+    no key: SPLIT 0 on an empty range; a tile of one SPLIT, never stored). (Fails
+    when a merge skips a column chunk.)"""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
     for sq, skv in ((128, 1100), (128, 2200), (192, 100)):
         seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
