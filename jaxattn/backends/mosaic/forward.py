@@ -1765,26 +1765,24 @@ class _Forward:
         def one(si, lse_s):
             return self.merge_split(it, n_steps, si, lse_s,
                                     lambda j: self.load(chunks[j], plgpu.Layout.WGMMA),
-                                    store)[1]
+                                    store)
 
         return lax.fori_loop(0, n_splits, one, self.rows_init(NEG_INF))
 
-    def merge_split(self, it: _Item, n_steps, si, lse_s, left, store=None):
+    def merge_split(self, it: _Item, n_steps, si, lse_s, left, store):
         """SPLIT ``si`` (:meth:`split`) merged into the running state of lse ``lse_s``
-        whose output's column chunk ``j`` is ``left(j)`` (read as the merge needs it):
-        the merged output's column chunks (registers; ``store(j, o)``: each written
-        back as soon as it is merged) and its lse."""
+        whose output's column chunk ``j`` is ``left(j)`` (read as the merge needs it),
+        each merged chunk handed to ``store(j, o)`` as soon as it is merged: the merged
+        lse."""
         bm, cols = self.bm, SMEM_STATE_COLS
         o_p, lse_p = self.split(it, n_steps, si, None)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
-        outs, lse = [], lse_s
+        lse = lse_s
         for j in range(self.d // cols):
             o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
                                  weights, pin_fma=True)
-            if store is not None:
-                store(j, o)
-            outs.append(o)
-        return outs, lse
+            store(j, o)
+        return lse
 
     def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink):
         """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
@@ -1811,11 +1809,11 @@ class _Forward:
             chunks[j][...] = o
 
         def one(si, lse_s):
-            return self.merge_split(it, n_steps, si, lse_s, left(si), store)[1]
+            return self.merge_split(it, n_steps, si, lse_s, left(si), store)
 
         lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
         last = lax.max(n_splits - 1, 0)
-        return self.merge_split(it, n_steps, last, lse, left(last), sink)[1]
+        return self.merge_split(it, n_steps, last, lse, left(last), sink)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
