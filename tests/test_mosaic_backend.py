@@ -297,15 +297,16 @@ def test_late_rowsum_keeps_bits_on_gpu():
 def test_smem_state_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(compute_wgs=1, smem_state=True) (the state folded across
     SPLITs in SMEM, merged 64 columns at a time; the lse rows in the ring's SMEM) and
-    the default (``smem_state=None``: that launch at D=256 past one SPLIT) give the
-    bits of two compute warpgroups with the state in registers, out and lse, no NaN:
+    ``smem_state``'s default (with ``gmem_state=False``: that launch at D=256 past one
+    SPLIT) give the bits of two compute warpgroups with the state in registers and of
+    the default, out and lse, no NaN:
     D=256 causal prefills of one and three SPLITs, a chunk with a partial last block,
     non-causal with a partial last block (the key mask); D=128 causal."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False),
                # (persistent=0: at D=128 S=2100 the default is persistent)
                mf.MosaicConfig(compute_wgs=1, smem_state=True, persistent=0),
-               mf.MosaicConfig()]
+               mf.MosaicConfig(gmem_state=False), mf.MosaicConfig()]
     _prefill_configs_agree_in_bits(configs, ((1000, 1000, True), (2900, 2900, True),
                                              (300, 2900, True), (2100, 2100, False)))
 
@@ -316,15 +317,14 @@ def test_smem_state_keeps_bits_on_gpu():
 def test_gmem_state_keeps_bits_on_gpu():
     """On sm90, MosaicConfig(gmem_state=True) (two compute warpgroups, the state folded
     across SPLITs in a global scratch, merged 64 columns at a time from and to the
-    registers), with and without the K/V multicast, gives the bits of two compute
-    warpgroups with the state in registers and of the default (the SMEM state at
-    D=256 past one SPLIT), out and lse, no NaN: D=256 causal prefills of one and three
-    SPLITs, a chunk, Sq > Skv, non-causal with a partial last block (the key mask);
-    D=128 causal."""
+    registers), with and without the K/V multicast (the default at D=256 past one
+    SPLIT: both), gives the bits of two compute warpgroups with the state in registers
+    and of the SMEM state (``gmem_state=False``'s one warpgroup), out and lse, no NaN:
+    D=256 causal prefills of one and three SPLITs, a chunk, Sq > Skv, non-causal with a
+    partial last block (the key mask); D=128 causal."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(),
-               mf.MosaicConfig(gmem_state=True),
-               mf.MosaicConfig(gmem_state=True, kv_multicast=True)]
+    configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(gmem_state=False),
+               mf.MosaicConfig(gmem_state=True), mf.MosaicConfig()]
     _prefill_configs_agree_in_bits(configs, (
         (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
         (2100, 2100, False)))

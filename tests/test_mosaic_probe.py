@@ -364,7 +364,8 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     decode step's stacked rows; D=64, whose SMEM would let two CTAs share an SM and its
     slot) the modules are the ones without it. A bad value is named."""
     cfg = mosaic_fwd.MosaicConfig
-    (t0, b0), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2)
+    (t0, b0), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2,
+                                 config=cfg(gmem_state=False))
     (t1, b1), = _prefill_lowered(mosaic_launches, mosaic_fwd, 2048, 256, True, hq=2,
                                  config=cfg(gmem_state=True))
     assert (t0, t1) == (256, 384) and b1 < b0, (t0, b0, t1, b1)
@@ -389,8 +390,8 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     out = jax.eval_shape(functools.partial(mosaic_fwd.forward, causal=True,
                                            config=cfg(gmem_state=True)), q, k, k)
     assert [x.shape for x in out] == [(1, 2, 2048, 256), (1, 2, 2048)]
-    with pytest.raises(ValueError, match="gmem_state must be True or False, got None"):
-        cfg(gmem_state=None)
+    with pytest.raises(ValueError, match="gmem_state must be None, True or False, got 1"):
+        cfg(gmem_state=1)
 
 
 @needs_api
@@ -414,18 +415,34 @@ def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
 
 
 @needs_api
-def test_default_takes_the_smem_state_at_d256_past_one_split(mosaic_fwd):
-    """``smem_state=None`` (the default) lowers D=256 prefills whose keys span more
-    than one SPLIT as one compute warpgroup (256 threads: it and the producer) with
-    the state's 64 KiB in SMEM, and those of one SPLIT, D=128 and the explicit
-    ``smem_state=False`` as before (384 threads: two and the producer)."""
+def test_default_folds_the_state_out_of_registers_at_d256_past_one_split(mosaic_fwd):
+    """The default (``gmem_state=None``, ``smem_state=None``) lowers D=256 prefills
+    whose keys span more than one SPLIT as ``gmem_state=True, kv_multicast=True`` (two
+    compute warpgroups, the state in the per-SM scratch); with ``gmem_state=False``
+    (or ``compute_wgs=1``) as one compute warpgroup (256 threads: it and the producer)
+    with the state's 64 KiB in SMEM; those of one SPLIT, D=128 and the explicit
+    ``smem_state=False`` as before (384 threads: two and the producer, no scratch)."""
     def lower(sq, skv, d, causal=True, **kw):
         return _prefill_lowered(mosaic_launches, mosaic_fwd, sq, d, causal, skv=skv, **kw)
 
-    auto = mosaic_fwd.MosaicConfig()
-    assert auto.smem_state is None
+    def module(s, causal=True, **kw):
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, 256, causal, hq=4,
+                                config=mosaic_fwd.MosaicConfig(**kw))
+
+    default = mosaic_fwd.MosaicConfig()
+    assert default.smem_state is None and default.gmem_state is None
+    for s, causal in ((2048, True), (2100, False)):
+        gm = module(s, causal, gmem_state=True, kv_multicast=True)
+        assert module(s, causal) == gm and "%smid" in gm[0], (s, causal)
+        assert module(s, causal, gmem_state=False) != gm
+    assert module(1024) == module(1024, gmem_state=False)  # one SPLIT: no fold
+    [(threads, _)] = lower(2048, 2048, 256, config=default)
+    assert threads == 384
+    auto = mosaic_fwd.MosaicConfig(gmem_state=False)
     [(threads, smem)] = lower(2048, 2048, 256, config=auto)
     assert threads == 256 and smem > 224 * 1024, (threads, smem)
+    assert lower(2048, 2048, 256, config=mosaic_fwd.MosaicConfig(compute_wgs=1)) == [
+        (threads, smem)]
     [(threads, _)] = lower(2100, 2100, 256, causal=False, config=auto)
     assert threads == 256
     [(threads, smem)] = lower(1024, 1024, 256, config=auto)
@@ -439,6 +456,12 @@ def test_default_takes_the_smem_state_at_d256_past_one_split(mosaic_fwd):
     assert not mosaic_fwd.auto_smem_state(128, 4096, gpu=True)
     assert not mosaic_fwd.auto_smem_state(256, 1024, gpu=True)
     assert mosaic_fwd.auto_smem_state(256, 1088, gpu=True)
+    assert mosaic_fwd.auto_gmem_state(default, 256, 1088, gpu=True)
+    for cfg in (mosaic_fwd.MosaicConfig(compute_wgs=1),
+                mosaic_fwd.MosaicConfig(smem_state=True),
+                mosaic_fwd.MosaicConfig(smem_state=False)):
+        assert not mosaic_fwd.auto_gmem_state(cfg, 256, 4096, gpu=True), cfg
+    assert not mosaic_fwd.auto_gmem_state(default, 256, 4096, gpu=False)
     with pytest.raises(ValueError, match="smem_state must be None, True or False, got 'on'"):
         mosaic_fwd.MosaicConfig(smem_state="on")
 

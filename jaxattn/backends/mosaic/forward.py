@@ -219,10 +219,13 @@ class MosaicConfig:
     #: softmax (the one-warpgroup SMEM state's loop waits on its own wgmmas in 39% of
     #: its samples, H100, 2026-12-06). Where ``smem_state`` applies (a prefill on a grid
     #: of one CTA per tile, not a state's kernel), which it replaces; ignored elsewhere.
-    #: Off: on the H100 (2026-12-06, docs/mosaic.md) with ``kv_multicast=True`` 1.13x
-    #: the default at S=2048 but 1.00 to 1.02x from S=8192 on (with a scratch the size
-    #: of the state, before the per-SM slots; those not yet run on a GPU).
-    gmem_state: bool = False
+    #: None (the default): by shape (:func:`auto_gmem_state`): where ``smem_state``'s
+    #: default would take the one-warpgroup SMEM state (D=256 on the GPU, keys past one
+    #: SPLIT) and ``compute_wgs`` is 2, with ``kv_multicast``'s default on: on the H100
+    #: (2026-12-06, the per-SM slots, docs/mosaic.md) 1.03 to 1.12x that launch causal
+    #: (S 2048 to 16384, B * S = 32k), 1.00 to 1.09x non-causal, bits equal. False:
+    #: never (then ``smem_state``'s default as before).
+    gmem_state: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
@@ -431,8 +434,9 @@ class MosaicConfig:
         if not (self.pv_split is None or isinstance(self.pv_split, bool)):
             raise ValueError(f"pv_split must be None, True or False, got "
                              f"{self.pv_split!r}")
-        if self.gmem_state not in (True, False):
-            raise ValueError(f"gmem_state must be True or False, got {self.gmem_state!r}")
+        if not (self.gmem_state is None or isinstance(self.gmem_state, bool)):
+            raise ValueError(f"gmem_state must be None, True or False, got "
+                             f"{self.gmem_state!r}")
         if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
             raise ValueError(f"kv_multicast must be None, True or False, got "
                              f"{self.kv_multicast!r}")
@@ -1112,7 +1116,7 @@ class _Forward:
             or bool(finish_rows))
         #: MosaicConfig.gmem_state where it applies (smem_state's domain; it replaces
         #: the SMEM state): the running state in the kernel's last output.
-        self.gmem_state = cfg.gmem_state and applies
+        self.gmem_state = bool(cfg.gmem_state) and applies
         self.smem_state = self.rows_in_ring = False  # (as scratch() reads them here)
         if (self.gmem_state and interpret is None
                 and smem_bytes(self.scratch(())) <= GMEM_STATE_MIN_SMEM):
@@ -2693,6 +2697,18 @@ def auto_smem_state(d: int, skv: int, *, gpu: bool) -> bool:
     return gpu and d == 256 and -(-skv // schedule.BLOCK_N) > schedule.BLOCKS_PER_SPLIT
 
 
+def auto_gmem_state(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
+    """``MosaicConfig(gmem_state=None)``'s choice for a prefill on a grid of one CTA
+    per tile (the caller's conditions): the state in the per-SM global scratch with
+    two compute warpgroups where :func:`auto_smem_state` would take the SMEM state with
+    one (D=256 on the GPU, keys past one SPLIT), unless the config chose that state
+    (``smem_state`` not None) or another warpgroup count (``compute_wgs`` not 2). On
+    the H100 (2026-12-06, with the K/V multicast) 1.03 to 1.12x the SMEM state causal,
+    1.00 to 1.09x non-causal (S 2048 to 16384). A launch choice: the same bits."""
+    return (cfg.smem_state is None and cfg.compute_wgs == 2
+            and auto_smem_state(d, skv, gpu=gpu))
+
+
 def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
     """The launch plan of a kernel that loads or stores a folded state (``state_in``
     / ``state_out``: CP's key ranges, a window's unfinished rows): at D > 128 on the
@@ -2707,11 +2723,13 @@ def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
 
 def auto_kv_multicast(d: int, *, smem_state: bool) -> bool:
     """``MosaicConfig(kv_multicast=None)``'s choice for a prefill on a grid of one CTA
-    per tile (the caller's conditions): the K/V multicast where the prefill takes the
-    SMEM state at D > 128 (one compute warpgroup on a 64-row tile), where the H100
-    measured it 1.00 to 1.12x (2026-12-06); not with two compute warpgroups (one
-    SPLIT at D=256: 0.95 to 1.03x) nor at D <= 128 (0.87 to 1.10x, 0.93 to 0.99x at
-    D=64). A launch choice: the same bits."""
+    per tile (the caller's conditions): the K/V multicast where the prefill folds its
+    state out of registers at D > 128 (``smem_state``: the SMEM state, one compute
+    warpgroup on a 64-row tile, where the H100 measured it 1.00 to 1.12x, 2026-12-06;
+    or ``gmem_state``'s scratch with two, 1.01 to 1.14x beside ``gmem_state`` alone at
+    S=2048 to 16384); not with two compute warpgroups holding the state in registers
+    (one SPLIT at D=256: 0.95 to 1.03x) nor at D <= 128 (0.87 to 1.10x, 0.93 to 0.99x
+    at D=64). A launch choice: the same bits."""
     return smem_state and d > 128
 
 
@@ -3011,17 +3029,21 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
+        folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
+            decode=False, persistent=bool(cfg.persistent),
+            states=partials or raw or carry is not None or state is not None
+            or state_out)
+        if cfg.gmem_state is None:
+            cfg = dataclasses.replace(cfg, gmem_state=folds and auto_gmem_state(
+                cfg, d, skv_kernel, gpu=interpret is None))
         smem_state = False if cfg.gmem_state else cfg.smem_state  # (gmem replaces it)
         if smem_state is None:
-            smem_state = (smem_state_applies(
-                decode=False, persistent=bool(cfg.persistent),
-                states=partials or raw or carry is not None or state is not None
-                or state_out) and auto_smem_state(d, skv_kernel, gpu=interpret is None))
+            smem_state = folds and auto_smem_state(d, skv_kernel, gpu=interpret is None)
             cfg = dataclasses.replace(cfg, smem_state=smem_state,
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
-        if cfg.kv_multicast is None:  # (by the SMEM state's choice, before pv_split's)
+        if cfg.kv_multicast is None:  # (by the state's choice, before pv_split's)
             cfg = dataclasses.replace(cfg, kv_multicast=auto_kv_multicast(
-                d, smem_state=bool(smem_state)))
+                d, smem_state=bool(smem_state) or (folds and cfg.gmem_state)))
         # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
         # warpgroups of two roles (built from the one-warpgroup plan)
         pv = bool(cfg.pv_split) and cfg.block_m == 64 and pv_split_applies(
