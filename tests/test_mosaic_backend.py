@@ -333,6 +333,26 @@ def test_gmem_state_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_merge_arrive_keeps_bits_on_gpu():
+    """On sm90, the ping-pong arrival of a SPLIT's first S made before the previous
+    SPLIT's merge (``merge_arrive``: the default with ``gmem_state``, D=256 past one
+    SPLIT) gives the bits of the arrival in place, with the state in the global scratch
+    and in registers (two compute warpgroups; at D=128 on the persistent grid), out and
+    lse, no NaN: D=256 causal one and three SPLITs (the second warpgroup's rows see one
+    SPLIT more at Skv=2900: one warpgroup's fold ends where the other's goes on), a
+    chunk, Sq > Skv, non-causal with a partial last block; D=128 causal."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(smem_state=False),
+               mf.MosaicConfig(smem_state=False, merge_arrive=True),
+               mf.MosaicConfig(merge_arrive=False), mf.MosaicConfig()]
+    _prefill_configs_agree_in_bits(configs, (
+        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
+        (2100, 2100, False)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

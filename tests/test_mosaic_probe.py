@@ -220,7 +220,7 @@ def test_interpret_smem_state_keeps_bits(mosaic_fwd):
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}, D={d}")
 
 
-@pytest.mark.slow  # CI time: an option off by default (its lowering test runs in CI)
+@pytest.mark.slow  # CI time: not the interpreter's default (lowering tests run in CI)
 @needs_threads
 @needs_interpret
 def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
@@ -232,17 +232,23 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     SPLIT read from and written back to the scratch) with a partial last key block
     (the second warpgroup's rows see one more block), and Sq > Skv (a tile that sees
     no key: SPLIT 0 on an empty range; a tile of one SPLIT, never stored). (Fails
-    when a merge skips a column chunk.)"""
+    when a merge skips a column chunk.) The ping-pong's arrival before each merge
+    (``merge_arrive``, on with it; and on the registers' fold, three SPLITs) keeps
+    the bits and the barrier's phases (a miscounted arrival hangs the interpreter)."""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
     for sq, skv in ((128, 1100), (128, 2200), (192, 100)):
         seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
-        base, other = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                          config=dataclasses.replace(cfg, gmem_state=g))
-                       for g in (False, True))
-        for x, y in zip(base, other, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any()
-            np.testing.assert_array_equal(bits(x), bits(y),
-                                          err_msg=f"seed {seed}, Sq={sq} Skv={skv}")
+        configs = [dataclasses.replace(cfg, gmem_state=False),
+                   dataclasses.replace(cfg, gmem_state=True)]
+        if skv == 2200:
+            configs.append(dataclasses.replace(cfg, gmem_state=False, merge_arrive=True))
+        base, *others = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+                                            config=c) for c in configs)
+        for other in others:
+            for x, y in zip(base, other, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any()
+                np.testing.assert_array_equal(bits(x), bits(y),
+                                              err_msg=f"seed {seed}, Sq={sq} Skv={skv}")
 
 
 def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=None,
@@ -392,6 +398,29 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     assert [x.shape for x in out] == [(1, 2, 2048, 256), (1, 2, 2048)]
     with pytest.raises(ValueError, match="gmem_state must be None, True or False, got 1"):
         cfg(gmem_state=1)
+
+
+@needs_api
+def test_merge_arrive_lowers_where_the_pingpong_folds(mosaic_fwd):
+    """``merge_arrive`` (None: on with ``gmem_state``) changes the D=256 default past
+    one SPLIT (the arrival moved: another module, the same launch) and, where asked,
+    the registers' fold of two warpgroups; it leaves alone a fold without the ping-pong
+    (one compute warpgroup: the SMEM state) and, by default, the registers' fold (the
+    D=256 kernel of one SPLIT). A bad value is named."""
+    def module(s=2048, d=256, **kw):
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, hq=4,
+                                config=mosaic_fwd.MosaicConfig(**kw))
+
+    assert mosaic_fwd.MosaicConfig().merge_arrive is None
+    default = module()
+    assert default == module(merge_arrive=True) != module(merge_arrive=False)
+    assert (module(smem_state=False, merge_arrive=True)
+            != module(smem_state=False) == module(smem_state=False, merge_arrive=False))
+    assert module(gmem_state=False, merge_arrive=True) == module(gmem_state=False)
+    assert module(1024) == module(1024, merge_arrive=False)  # one SPLIT: the registers
+    assert module(4096, 128, merge_arrive=True) != module(4096, 128)
+    with pytest.raises(ValueError, match="merge_arrive must be None, True or False, got 1"):
+        mosaic_fwd.MosaicConfig(merge_arrive=1)
 
 
 @needs_api

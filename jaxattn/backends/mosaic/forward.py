@@ -229,6 +229,18 @@ class MosaicConfig:
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
     #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
     pingpong: bool = True
+    #: With the ping-pong, at the end of each SPLIT followed by another of the item: the
+    #: arrival that the next SPLIT's first S = Q K^T would make once issued is made
+    #: before the SPLIT's finalise and merge instead (its wait stays after the issue).
+    #: The ping-pong's barrier is a rendezvous: the other warpgroup waits for that
+    #: arrival before its P V, so a merge between the two held both warpgroups (about
+    #: twice the merge of idle tensor cores a SPLIT, notes "Open after 2026-12-06
+    #: (fifteenth)"). Each warpgroup's arrivals and waits keep their count and order
+    #: (an arrival moved earlier, after the wait before it): only the products' order
+    #: between the warpgroups changes, not an operation on a value (the same bits). None
+    #: (the default): on with ``gmem_state``, whose merges read and write the global
+    #: scratch; off for the registers' fold. Ignored without the ping-pong.
+    merge_arrive: bool | None = None
     #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
     #: None to leave the allocation alone.
     registers: tuple[int, int] | None = (232, 40)
@@ -437,6 +449,9 @@ class MosaicConfig:
         if not (self.gmem_state is None or isinstance(self.gmem_state, bool)):
             raise ValueError(f"gmem_state must be None, True or False, got "
                              f"{self.gmem_state!r}")
+        if not (self.merge_arrive is None or isinstance(self.merge_arrive, bool)):
+            raise ValueError(f"merge_arrive must be None, True or False, got "
+                             f"{self.merge_arrive!r}")
         if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
             raise ValueError(f"kv_multicast must be None, True or False, got "
                              f"{self.kv_multicast!r}")
@@ -911,6 +926,11 @@ class _Item:
     hi: object = None  #: key blocks [0, hi) visited
     full: object = None  #: blocks [0, full) unmasked for every row
     tile_indices: object = None
+    #: ``merge_arrive``, while a SPLIT's blocks run: its first block (``lo``) and
+    #: whether its first S makes no ping-pong arrival (``arrived``: the previous
+    #: SPLIT made it before its merge); None elsewhere
+    lo: object = None
+    arrived: object = None
 
 
 class _Forward:
@@ -1133,6 +1153,9 @@ class _Forward:
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg == 2
+        #: MosaicConfig.merge_arrive where the ping-pong runs (None: with gmem_state)
+        self.merge_arrive = self.pingpong and (
+            self.gmem_state if cfg.merge_arrive is None else cfg.merge_arrive)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1271,10 +1294,15 @@ class _Forward:
         """The ring slot of the item's step ``j``."""
         return lax.rem(it.base + j, jnp.int32(self.stages))
 
-    def sync(self, it: _Item):
-        """Ping-pong: one arrival and one wait on the shared scheduling barrier."""
+    def sync(self, it: _Item, arrive=True):
+        """Ping-pong: one arrival and one wait on the shared scheduling barrier; the
+        arrival only where ``arrive`` (a traced bool: False where ``merge_arrive`` made
+        it before the SPLIT's merge, :meth:`split`)."""
         sched = it.bars[6]
-        plgpu.barrier_arrive(sched.at[0])
+        if arrive is True:
+            plgpu.barrier_arrive(sched.at[0])
+        else:
+            pl.when(arrive)(lambda: plgpu.barrier_arrive(sched.at[0]))
         plgpu.barrier_wait(sched.at[0])
 
     def wait_keep(self, it: _Item, t):
@@ -1570,7 +1598,9 @@ class _Forward:
         nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
                if self.inline_loads else None)
         self.wait_keep(it, t)
-        s = self.scores(it, slot)
+        # merge_arrive: the SPLIT's first block's arrival made before the last merge
+        s = self.scores(it, slot, arrive=(True if it.arrived is None
+                                          else jnp.logical_not(it.arrived & (t == it.lo))))
         self.release(it, n_steps, nxt, slot, "k")
         keep = keep_s.at[slot] if self.key_mask else None
         p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
@@ -1640,10 +1670,11 @@ class _Forward:
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
 
-    def scores(self, it: _Item, slot, issued=None):
+    def scores(self, it: _Item, slot, issued=None, arrive=True):
         """S = Q K^T of the K ring's ``slot`` on wgmma (fp32 ``[bm, bn]``); with
-        ping-pong, the scheduling barrier's sync once the product is issued;
-        ``issued()``, if given, runs then too (before the product is awaited)."""
+        ping-pong, the scheduling barrier's sync once the product is issued (its
+        arrival where ``arrive``: :meth:`sync`); ``issued()``, if given, runs then too
+        (before the product is awaited)."""
         k_s = it.smem[1]
 
         def qk(acc_ref):
@@ -1656,7 +1687,7 @@ class _Forward:
             else:  # K^T's slot
                 plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
             if self.pingpong:
-                self.sync(it)
+                self.sync(it, arrive)
             if issued is not None:
                 issued()
             return acc_ref[...]
@@ -1731,18 +1762,31 @@ class _Forward:
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
 
-    def split(self, it: _Item, n_steps, si, state, init=None):
+    def split(self, it: _Item, n_steps, si, state, init=None, more=None):
         """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (or from
         ``init``, the running state of the split's earlier keys: ``carry_in``; those
         from ``mid`` on take the masked path), finalised (:func:`kernel_finalize`) and
         merged into the running ``state`` (:func:`kernel_merge`; None: the first split);
-        with ``raw_out`` the running ``(acc, m, l)`` itself."""
+        with ``raw_out`` the running ``(acc, m, l)`` itself. ``more`` (a fold's SPLIT,
+        with ``merge_arrive``): whether another SPLIT of the item follows; then the
+        ping-pong arrival of that SPLIT's first S is made once this one's blocks are
+        issued, before its finalise and merge, and (si > 0) this SPLIT's first S makes
+        none (the previous SPLIT made it)."""
         lo, mid, end = self.split_bounds(it, si)
         if init is None:
             init = (self.tile_zeros(self.d), self.rows_init(NEG_INF), self.rows_init(0.0))
+        early = more is not None and self.merge_arrive
+        it.lo, it.arrived = (lo, si > 0) if early else (None, None)
         step = functools.partial(self.block_step, it, n_steps)
         carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
         acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
+        it.lo = it.arrived = None
+        if early:  # (after the wait before P V: the arrival is the next phase's)
+            sched = it.bars[6]
+            if more is True:
+                plgpu.barrier_arrive(sched.at[0])
+            elif more is not False:
+                pl.when(more)(lambda: plgpu.barrier_arrive(sched.at[0]))
         if self.raw_out:
             return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
@@ -1773,13 +1817,13 @@ class _Forward:
 
         return lax.fori_loop(0, n_splits, one, self.rows_init(NEG_INF))
 
-    def merge_split(self, it: _Item, n_steps, si, lse_s, left, store):
-        """SPLIT ``si`` (:meth:`split`) merged into the running state of lse ``lse_s``
-        whose output's column chunk ``j`` is ``left(j)`` (read as the merge needs it),
-        each merged chunk handed to ``store(j, o)`` as soon as it is merged: the merged
-        lse."""
+    def merge_split(self, it: _Item, n_steps, si, lse_s, left, store, more=None):
+        """SPLIT ``si`` (:meth:`split`, with ``more``) merged into the running state of
+        lse ``lse_s`` whose output's column chunk ``j`` is ``left(j)`` (read as the
+        merge needs it), each merged chunk handed to ``store(j, o)`` as soon as it is
+        merged: the merged lse."""
         bm, cols = self.bm, SMEM_STATE_COLS
-        o_p, lse_p = self.split(it, n_steps, si, None)
+        o_p, lse_p = self.split(it, n_steps, si, None, more=more)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
         lse = lse_s
         for j in range(self.d // cols):
@@ -1813,11 +1857,11 @@ class _Forward:
             chunks[j][...] = o
 
         def one(si, lse_s):
-            return self.merge_split(it, n_steps, si, lse_s, left(si), store)
+            return self.merge_split(it, n_steps, si, lse_s, left(si), store, more=True)
 
         lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
         last = lax.max(n_splits - 1, 0)
-        return self.merge_split(it, n_steps, last, lse, left(last), sink)
+        return self.merge_split(it, n_steps, last, lse, left(last), sink, more=False)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
@@ -1930,8 +1974,10 @@ class _Forward:
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
             out = self.load(st, plgpu.Layout.WGMMA)
         else:
-            out, lse = lax.fori_loop(0, n_splits,
-                                     functools.partial(self.split, it, n_steps), init)
+            def fold(si, state):
+                return self.split(it, n_steps, si, state, more=si < n_splits - 1)
+
+            out, lse = lax.fori_loop(0, n_splits, fold, init)
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
