@@ -340,11 +340,13 @@ def test_merge_arrive_keeps_bits_on_gpu():
     and in registers (two compute warpgroups; at D=128 on the persistent grid), out and
     lse, no NaN: D=256 causal one and three SPLITs (the second warpgroup's rows see one
     SPLIT more at Skv=2900: one warpgroup's fold ends where the other's goes on), a
-    chunk, Sq > Skv, non-causal with a partial last block; D=128 causal."""
+    chunk, Sq > Skv, non-causal with a partial last block; D=128 causal. The same for
+    ``last_merge_arrive`` (warpgroup 0's last merge too)."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False),
                mf.MosaicConfig(smem_state=False, merge_arrive=True),
-               mf.MosaicConfig(merge_arrive=False), mf.MosaicConfig()]
+               mf.MosaicConfig(merge_arrive=False), mf.MosaicConfig(),
+               mf.MosaicConfig(last_merge_arrive=True)]
     _prefill_configs_agree_in_bits(configs, (
         (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
         (2100, 2100, False)))

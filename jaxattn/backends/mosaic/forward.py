@@ -241,6 +241,13 @@ class MosaicConfig:
     #: (the default): on with ``gmem_state``, whose merges read and write the global
     #: scratch; off for the registers' fold. Ignored without the ping-pong.
     merge_arrive: bool | None = None
+    #: With ``merge_arrive`` and ``gmem_state``: warpgroup 0's last SPLIT too. Its next
+    #: ping-pong arrival (the first of the blocks only warpgroup 1 visits, or the
+    #: item's closing sync) is made before its last merge, which otherwise held
+    #: warpgroup 1's last P V (warpgroup 1, a phase behind, makes no arrival after its
+    #: last merge: nothing to move). The same bits (as ``merge_arrive``). Off: not yet
+    #: measured on a GPU (notes "Open after 2026-12-06 (sixteenth)").
+    last_merge_arrive: bool = False
     #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
     #: None to leave the allocation alone.
     registers: tuple[int, int] | None = (232, 40)
@@ -452,6 +459,9 @@ class MosaicConfig:
         if not (self.merge_arrive is None or isinstance(self.merge_arrive, bool)):
             raise ValueError(f"merge_arrive must be None, True or False, got "
                              f"{self.merge_arrive!r}")
+        if self.last_merge_arrive not in (True, False):
+            raise ValueError(f"last_merge_arrive must be True or False, got "
+                             f"{self.last_merge_arrive!r}")
         if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
             raise ValueError(f"kv_multicast must be None, True or False, got "
                              f"{self.kv_multicast!r}")
@@ -1832,7 +1842,7 @@ class _Forward:
             store(j, o)
         return lse
 
-    def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink):
+    def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink, last_more=False):
         """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
         warpgroup's rows ``st`` of the global scratch (read with ``optimized=False``)
         only between SPLITs: the first SPLIT merged into the empty state's constant
@@ -1843,7 +1853,9 @@ class _Forward:
         same values as the SMEM state's fold (a merge with the empty state selects the
         SPLIT's own output and lse, whatever the zeros' origin): a launch choice. An
         item of no key blocks runs SPLIT 0 on an empty range (output 0, lse -inf: the
-        empty state). Returns the lse."""
+        empty state). ``last_more``: the last SPLIT's ``more`` (:meth:`split`; with
+        ``last_merge_arrive``, the warpgroup's next arrival is made before its last
+        merge). Returns the lse."""
         cols = SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
 
@@ -1861,7 +1873,7 @@ class _Forward:
 
         lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
         last = lax.max(n_splits - 1, 0)
-        return self.merge_split(it, n_steps, last, lse, left(last), sink, more=False)
+        return self.merge_split(it, n_steps, last, lse, left(last), sink, more=last_more)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
@@ -1961,6 +1973,7 @@ class _Forward:
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
+        early_last = self.gmem_state and self.merge_arrive and self.cfg.last_merge_arrive
         if self.gmem_state:  # the output straight into the Q tile's SMEM (Q is done)
             def sink(j, o):
                 cols = o.shape[1]
@@ -1968,7 +1981,10 @@ class _Forward:
 
             out = None
             st = self.dyn["gstate"].at[self.state_slot(), pl.ds(w * self.bm, self.bm)]
-            lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink)
+            if early_last:
+                lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink, last_more=w == 0)
+            else:
+                lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink)
         elif self.smem_state:
             st = smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
@@ -1981,6 +1997,8 @@ class _Forward:
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
+        # (last_merge_arrive: warpgroup 0's first arrival after its last merge was made
+        # before it.)
         def skip(t, _):
             k_bar, v_bar, k_free, v_free = bars[:4]
             slot = self.slot_of(it, t)
@@ -1990,14 +2008,16 @@ class _Forward:
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             if self.pingpong:
-                self.sync(it)
+                self.sync(it, True if not early_last
+                          else jnp.logical_not((w == 0) & (t == it.hi)))
                 self.sync(it)
             return None
 
         if self.nwg > 1:
             lax.fori_loop(it.hi, hi_cta, skip, None)
         if self.pingpong:
-            pl.when(w == 0)(lambda: self.sync(it))
+            pl.when(w == 0)(lambda: self.sync(
+                it, True if not early_last else hi_cta > it.hi))
         self.epilogue(it, o_ref, lse_ref, out, lse)
 
     def steps(self, it: _Item):
