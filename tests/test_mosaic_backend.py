@@ -324,7 +324,7 @@ def test_gmem_state_keeps_bits_on_gpu():
     partial last block (the key mask); D=128 causal."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(gmem_state=False),
-               mf.MosaicConfig(gmem_state=True), mf.MosaicConfig()]
+               mf.MosaicConfig(gmem_state=True, kv_multicast=False), mf.MosaicConfig()]
     _prefill_configs_agree_in_bits(configs, (
         (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
         (2100, 2100, False)))

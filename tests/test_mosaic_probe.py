@@ -356,8 +356,8 @@ def test_kv_multicast_lowers_as_a_cluster(mosaic_fwd):
     assert module(4, 1, 256, s=1024) == module(4, 1, 256, s=1024, kv_multicast=False)
     assert (module(4, 1, 128, persistent=0)
             == module(4, 1, 128, persistent=0, kv_multicast=False))
-    assert not mosaic_fwd.auto_kv_multicast(128, smem_state=True)
-    assert not mosaic_fwd.auto_kv_multicast(256, smem_state=False)
+    assert not mosaic_fwd.auto_kv_multicast(128, state_in_memory=True)
+    assert not mosaic_fwd.auto_kv_multicast(256, state_in_memory=False)
     with pytest.raises(ValueError, match="kv_multicast must be None, True or False, got 1"):
         mosaic_fwd.MosaicConfig(kv_multicast=1)
 

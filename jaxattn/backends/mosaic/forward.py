@@ -198,9 +198,10 @@ class MosaicConfig:
     #: K and V halve. The same blocks in the same SMEM bytes: a launch choice. For a
     #: prefill on a grid of one CTA per tile with a producer warpgroup, an even GQA
     #: group, without pages or ``kv_boxes`` (ignored elsewhere, and in interpret mode).
-    #: None (the default): on where the prefill takes the SMEM state (``smem_state``'s
-    #: default: D=256 past one SPLIT; there ``pv_split=True`` keeps it too: 1.0 to 1.07x
-    #: ``pv_split`` alone), :func:`auto_kv_multicast`. H100, 2026-12-06
+    #: None (the default): on where the prefill folds its state in SMEM or the global
+    #: scratch (``gmem_state``'s and ``smem_state``'s defaults: D=256 past one SPLIT;
+    #: with ``gmem_state`` 1.01 to 1.14x it alone; ``pv_split=True`` keeps it too: 1.0
+    #: to 1.07x ``pv_split`` alone), :func:`auto_kv_multicast`. H100, 2026-12-06
     #: (notes "thirteenth stop"): there 1.00 to 1.12x at B * S = 32k, S 2048 to
     #: 32768, causal and not (bits equal); at one SPLIT (two warpgroups) 0.95 to
     #: 1.03x, at D=128 0.87 to 1.10x, at D=64 0.93 to 0.99x: off there.
@@ -2787,16 +2788,16 @@ def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
     return cfg
 
 
-def auto_kv_multicast(d: int, *, smem_state: bool) -> bool:
+def auto_kv_multicast(d: int, *, state_in_memory: bool) -> bool:
     """``MosaicConfig(kv_multicast=None)``'s choice for a prefill on a grid of one CTA
     per tile (the caller's conditions): the K/V multicast where the prefill folds its
-    state out of registers at D > 128 (``smem_state``: the SMEM state, one compute
-    warpgroup on a 64-row tile, where the H100 measured it 1.00 to 1.12x, 2026-12-06;
-    or ``gmem_state``'s scratch with two, 1.01 to 1.14x beside ``gmem_state`` alone at
-    S=2048 to 16384); not with two compute warpgroups holding the state in registers
-    (one SPLIT at D=256: 0.95 to 1.03x) nor at D <= 128 (0.87 to 1.10x, 0.93 to 0.99x
-    at D=64). A launch choice: the same bits."""
-    return smem_state and d > 128
+    state out of registers (``state_in_memory``) at D > 128: ``smem_state``'s SMEM
+    state, one compute warpgroup on a 64-row tile, where the H100 measured it 1.00 to
+    1.12x (2026-12-06), or ``gmem_state``'s scratch with two, 1.01 to 1.14x beside
+    ``gmem_state`` alone (S=2048 to 16384); not with two compute warpgroups holding the
+    state in registers (one SPLIT at D=256: 0.95 to 1.03x) nor at D <= 128 (0.87 to
+    1.10x, 0.93 to 0.99x at D=64). A launch choice: the same bits."""
+    return state_in_memory and d > 128
 
 
 def sm_count() -> int:
@@ -3109,7 +3110,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                                       compute_wgs=1 if smem_state else cfg.compute_wgs)
         if cfg.kv_multicast is None:  # (by the state's choice, before pv_split's)
             cfg = dataclasses.replace(cfg, kv_multicast=auto_kv_multicast(
-                d, smem_state=bool(smem_state) or (folds and cfg.gmem_state)))
+                d, state_in_memory=bool(smem_state) or (folds and cfg.gmem_state)))
         # MosaicConfig.pv_split: where it applies, one 64-row tile a CTA on two
         # warpgroups of two roles (built from the one-warpgroup plan)
         pv = bool(cfg.pv_split) and cfg.block_m == 64 and pv_split_applies(
