@@ -182,6 +182,13 @@ def _prefill_configs_agree_in_bits(configs, cases, d128=True):
         _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
 
 
+#: ``(Sq, Skv, causal)`` of the D=256 prefill bits tests of the SPLIT fold's launches:
+#: causal one and three SPLITs, a chunk, Sq > Skv (tiles that see no key), non-causal
+#: with a partial last block (the key mask).
+_FOLD_CASES = ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
+               (1000, 300, True), (2100, 2100, False))
+
+
 def _backward_configs_agree_in_bits(configs, d, cases):
     """The mosaic backward's gradients under each ``BwdConfig`` of ``configs`` equal the
     first's in bits, no NaN, on fresh inputs (B=2, Hq=8, Hkv=2, head dim ``d``) for each
@@ -325,9 +332,7 @@ def test_gmem_state_keeps_bits_on_gpu():
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(gmem_state=False),
                mf.MosaicConfig(gmem_state=True, kv_multicast=False), mf.MosaicConfig()]
-    _prefill_configs_agree_in_bits(configs, (
-        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
-        (2100, 2100, False)))
+    _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
 
 
 @pytest.mark.gpu
@@ -347,9 +352,7 @@ def test_merge_arrive_keeps_bits_on_gpu():
                mf.MosaicConfig(smem_state=False, merge_arrive=True),
                mf.MosaicConfig(merge_arrive=False), mf.MosaicConfig(),
                mf.MosaicConfig(last_merge_arrive=True)]
-    _prefill_configs_agree_in_bits(configs, (
-        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
-        (2100, 2100, False)))
+    _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
 
 
 @pytest.mark.gpu
@@ -419,9 +422,7 @@ def test_kv_multicast_keeps_bits_on_gpu():
     configs = [mf.MosaicConfig(kv_multicast=False), mf.MosaicConfig(),
                mf.MosaicConfig(kv_multicast=True),
                mf.MosaicConfig(kv_multicast=True, pv_split=True)]
-    _prefill_configs_agree_in_bits(configs, (
-        (1000, 1000, True), (2900, 2900, True), (300, 2900, True), (1000, 300, True),
-        (2100, 2100, False)), d128=False)
+    _prefill_configs_agree_in_bits(configs, _FOLD_CASES, d128=False)
     for hkv in (4, 2):
         qd, kd, vd = rand_qkv(2, 8, hkv, 2100, 2100, 128, jnp.bfloat16)
         for extra in ({"persistent": 0}, {}):

@@ -448,26 +448,15 @@ class MosaicConfig:
                              f"{self.fold_cols}")
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
-        if not (self.smem_state is None or isinstance(self.smem_state, bool)):
-            raise ValueError(f"smem_state must be None, True or False, got "
-                             f"{self.smem_state!r}")
-        if not (self.pv_split is None or isinstance(self.pv_split, bool)):
-            raise ValueError(f"pv_split must be None, True or False, got "
-                             f"{self.pv_split!r}")
-        if not (self.gmem_state is None or isinstance(self.gmem_state, bool)):
-            raise ValueError(f"gmem_state must be None, True or False, got "
-                             f"{self.gmem_state!r}")
-        if not (self.merge_arrive is None or isinstance(self.merge_arrive, bool)):
-            raise ValueError(f"merge_arrive must be None, True or False, got "
-                             f"{self.merge_arrive!r}")
-        if self.last_merge_arrive not in (True, False):
-            raise ValueError(f"last_merge_arrive must be True or False, got "
-                             f"{self.last_merge_arrive!r}")
-        if not (self.kv_multicast is None or isinstance(self.kv_multicast, bool)):
-            raise ValueError(f"kv_multicast must be None, True or False, got "
-                             f"{self.kv_multicast!r}")
-        if self.kv_boxes not in (True, False):
-            raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
+        for name in ("smem_state", "pv_split", "gmem_state", "merge_arrive",
+                     "kv_multicast"):  # None: by shape
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, bool)):
+                raise ValueError(f"{name} must be None, True or False, got {value!r}")
+        for name in ("last_merge_arrive", "kv_boxes"):
+            value = getattr(self, name)
+            if value not in (True, False):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -1307,14 +1296,21 @@ class _Forward:
 
     def sync(self, it: _Item, arrive=True):
         """Ping-pong: one arrival and one wait on the shared scheduling barrier; the
-        arrival only where ``arrive`` (a traced bool: False where ``merge_arrive`` made
-        it before the SPLIT's merge, :meth:`split`)."""
-        sched = it.bars[6]
-        if arrive is True:
-            plgpu.barrier_arrive(sched.at[0])
+        arrival only where ``arrive`` (:meth:`sched_arrive`: False where
+        ``merge_arrive`` made it before the SPLIT's merge, :meth:`split`)."""
+        self.sched_arrive(it, arrive)
+        plgpu.barrier_wait(it.bars[6].at[0])
+
+    def sched_arrive(self, it: _Item, when=True):
+        """One arrival on the ping-pong's scheduling barrier where ``when`` (a Python
+        bool, or a traced one: then under ``pl.when``)."""
+        if when is False:
+            return
+        arrive = functools.partial(plgpu.barrier_arrive, it.bars[6].at[0])
+        if when is True:
+            arrive()
         else:
-            pl.when(arrive)(lambda: plgpu.barrier_arrive(sched.at[0]))
-        plgpu.barrier_wait(sched.at[0])
+            pl.when(when)(arrive)
 
     def wait_keep(self, it: _Item, t):
         if self.key_mask:  # every step's, to keep the barrier's phase
@@ -1793,11 +1789,7 @@ class _Forward:
         acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
         it.lo = it.arrived = None
         if early:  # (after the wait before P V: the arrival is the next phase's)
-            sched = it.bars[6]
-            if more is True:
-                plgpu.barrier_arrive(sched.at[0])
-            elif more is not False:
-                pl.when(more)(lambda: plgpu.barrier_arrive(sched.at[0]))
+            self.sched_arrive(it, more)
         if self.raw_out:
             return acc, m, l
         # m is in the softmax's base (log2 units when base2): the kernel's state stays
@@ -1982,10 +1974,8 @@ class _Forward:
 
             out = None
             st = self.dyn["gstate"].at[self.state_slot(), pl.ds(w * self.bm, self.bm)]
-            if early_last:
-                lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink, last_more=w == 0)
-            else:
-                lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink)
+            lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink,
+                                    last_more=(w == 0) if early_last else False)
         elif self.smem_state:
             st = smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
