@@ -346,12 +346,14 @@ def test_merge_arrive_keeps_bits_on_gpu():
     lse, no NaN: D=256 causal one and three SPLITs (the second warpgroup's rows see one
     SPLIT more at Skv=2900: one warpgroup's fold ends where the other's goes on), a
     chunk, Sq > Skv, non-causal with a partial last block; D=128 causal. The same for
-    ``last_merge_arrive`` (warpgroup 0's last merge too)."""
+    ``last_merge_arrive`` (warpgroup 0's last merge too) on and off (its default: on
+    non-causal)."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False),
                mf.MosaicConfig(smem_state=False, merge_arrive=True),
                mf.MosaicConfig(merge_arrive=False), mf.MosaicConfig(),
-               mf.MosaicConfig(last_merge_arrive=True)]
+               mf.MosaicConfig(last_merge_arrive=True),
+               mf.MosaicConfig(last_merge_arrive=False)]
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
 
 

@@ -235,23 +235,26 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     when a merge skips a column chunk.) The ping-pong's arrival before each merge
     (``merge_arrive``, on with it; and on the registers' fold, three SPLITs), and
     warpgroup 0's before its last merge too (``last_merge_arrive``: its next arrival
-    that of the blocks only warpgroup 1 sees, or the closing sync), keep the bits and
-    the barrier's phases (a miscounted arrival hangs the interpreter)."""
+    that of the blocks only warpgroup 1 sees, or the closing sync; on by default
+    non-causal, also run), keep the bits and the barrier's phases (a miscounted arrival
+    hangs the interpreter)."""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
-    for sq, skv in ((128, 1100), (128, 2200), (192, 100)):
+    for sq, skv, causal in ((128, 1100, True), (128, 2200, True), (192, 100, True),
+                            (128, 1100, False)):
         seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
+        # (last_merge_arrive's default: off causal, on non-causal)
         configs = [dataclasses.replace(cfg, gmem_state=False),
                    dataclasses.replace(cfg, gmem_state=True),
-                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=True)]
+                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal)]
         if skv == 2200:
             configs.append(dataclasses.replace(cfg, gmem_state=False, merge_arrive=True))
-        base, *others = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
+        base, *others = (mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                             config=c) for c in configs)
         for other in others:
             for x, y in zip(base, other, strict=True):
                 assert not np.isnan(np.asarray(y, np.float32)).any()
-                np.testing.assert_array_equal(bits(x), bits(y),
-                                              err_msg=f"seed {seed}, Sq={sq} Skv={skv}")
+                np.testing.assert_array_equal(
+                    bits(x), bits(y), err_msg=f"seed {seed}, Sq={sq} Skv={skv} {causal=}")
 
 
 def _prefill_lowered(probe, mosaic_fwd, sq, d, causal=True, hq=4, hkv=1, skv=None,
@@ -409,10 +412,11 @@ def test_merge_arrive_lowers_where_the_pingpong_folds(mosaic_fwd):
     one SPLIT (the arrival moved: another module, the same launch) and, where asked,
     the registers' fold of two warpgroups; it leaves alone a fold without the ping-pong
     (one compute warpgroup: the SMEM state) and, by default, the registers' fold (the
-    D=256 kernel of one SPLIT). ``last_merge_arrive`` changes the default's module and
-    no module without ``gmem_state`` and ``merge_arrive``. Bad values are named."""
-    def module(s=2048, d=256, **kw):
-        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, hq=4,
+    D=256 kernel of one SPLIT). ``last_merge_arrive`` (None: on non-causal) changes the
+    causal default's module and no module without ``gmem_state`` and ``merge_arrive``;
+    the non-causal default's module is its. Bad values are named."""
+    def module(s=2048, d=256, causal=True, **kw):
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, causal, hq=4,
                                 config=mosaic_fwd.MosaicConfig(**kw))
 
     assert mosaic_fwd.MosaicConfig().merge_arrive is None
@@ -425,12 +429,18 @@ def test_merge_arrive_lowers_where_the_pingpong_folds(mosaic_fwd):
     assert module(4096, 128, merge_arrive=True) != module(4096, 128)
     with pytest.raises(ValueError, match="merge_arrive must be None, True or False, got 1"):
         mosaic_fwd.MosaicConfig(merge_arrive=1)
-    # last_merge_arrive: warpgroup 0's last merge too, with gmem_state only
-    assert module(last_merge_arrive=True) != default
+    # last_merge_arrive: warpgroup 0's last merge too, with gmem_state only; by
+    # default on non-causal
+    assert mosaic_fwd.MosaicConfig().last_merge_arrive is None
+    assert module(last_merge_arrive=True) != default == module(last_merge_arrive=False)
     assert module(gmem_state=False, last_merge_arrive=True) == module(gmem_state=False)
     assert module(merge_arrive=False, last_merge_arrive=True) == module(merge_arrive=False)
-    with pytest.raises(ValueError, match="last_merge_arrive must be True or False, got None"):
-        mosaic_fwd.MosaicConfig(last_merge_arrive=None)
+    non_causal = module(causal=False)
+    assert non_causal == module(causal=False, last_merge_arrive=True)
+    assert non_causal != module(causal=False, last_merge_arrive=False)
+    with pytest.raises(ValueError, match="last_merge_arrive must be None, True or False, "
+                                         "got 'yes'"):
+        mosaic_fwd.MosaicConfig(last_merge_arrive="yes")
 
 
 @needs_api
