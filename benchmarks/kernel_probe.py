@@ -34,7 +34,8 @@ flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
 flags.DEFINE_string("peer", None, "Instead of jaxattn: a peer system of benchmarks/systems.py "
                     "(e.g. torch_cudnn, cudnn), forward or decode, for the same profiler "
                     "sections beside jaxattn's kernels.")
-flags.DEFINE_string("mosaic_config", None, "With --backend=mosaic: call the Mosaic forward "
+flags.DEFINE_string("mosaic_config", None, "With the mosaic backend (--backend=mosaic or the "
+                    "registry's default on sm90): call the Mosaic forward "
                     "with these MosaicConfig fields, key=value[:key=value...] (e.g. "
                     "split_decode_stages=2), instead of the registry's op.")
 
@@ -60,9 +61,10 @@ def main(argv):
         return
     op = jaxattn.get_op("attention", backend=FLAGS.backend)
     if FLAGS.mosaic_config is not None:
-        if FLAGS.backend != "mosaic" or FLAGS.mode not in ("fwd", "decode"):
-            raise app.UsageError("--mosaic_config is for --backend=mosaic, forward or "
-                                 "decode")
+        # (the registry's default backend counts: mosaic on sm90)
+        if op.backend != "mosaic" or FLAGS.mode not in ("fwd", "decode"):
+            raise app.UsageError(f"--mosaic_config is for the mosaic backend, forward or "
+                                 f"decode; got backend {op.backend!r}, mode {FLAGS.mode!r}")
         from benchmarks.report import config_fields
         from jaxattn.backends.mosaic import forward as mf
         cfg = mf.MosaicConfig(**config_fields(FLAGS.mosaic_config))
