@@ -360,27 +360,6 @@ def test_merge_arrive_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_q_in_registers_keeps_bits_on_gpu():
-    """On sm90, Q as S = Q K^T's wgmma A operand from registers (``q_in_registers``)
-    gives the bits of Q from SMEM, out and lse, no NaN: D=64 and 128, causal and not,
-    a partial last key block, a chunk of a partial tile, the persistent grid (D <= 128
-    short tiles) and a CTA a tile; D=256 causal past one SPLIT (the default's
-    ``gmem_state``) and of one (the registers' fold)."""
-    from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(), mf.MosaicConfig(q_in_registers=True),
-               mf.MosaicConfig(q_in_registers=True, persistent=0)]
-    for d in (64, 128):
-        q, k, v = rand_qkv(2, 8, 2, 2100, 2100, d, jnp.bfloat16)
-        for sq, causal in ((2100, True), (2100, False), (300, True)):
-            _configs_agree_in_bits(mf.forward, configs, (d, sq, causal),
-                                   q[:, :, 2100 - sq:], k, v, causal=causal)
-    _prefill_configs_agree_in_bits(configs[:2], ((2900, 2900, True), (1000, 1000, True)),
-                                   d128=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
-                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

@@ -444,20 +444,6 @@ def test_merge_arrive_lowers_where_the_pingpong_folds(mosaic_fwd):
 
 
 @needs_api
-def test_q_in_registers_lowers_for_cuda(mosaic_fwd):
-    """``q_in_registers`` (Q as S's wgmma A operand from registers) lowers for CUDA at
-    D=64 and changes the module (off by default); bad values are named."""
-    def module(**kw):
-        return _prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 64, hq=4,
-                                config=mosaic_fwd.MosaicConfig(**kw))
-
-    assert mosaic_fwd.MosaicConfig().q_in_registers is False
-    assert module(q_in_registers=True) != module() == module(q_in_registers=False)
-    with pytest.raises(ValueError, match="q_in_registers must be True or False, got None"):
-        mosaic_fwd.MosaicConfig(q_in_registers=None)
-
-
-@needs_api
 def test_smem_state_lowers_for_cuda_where_it_fits(mosaic_fwd):
     """``smem_state`` at D=256 lowers for CUDA with one compute warpgroup (the state
     tile beside Q and the ring, the lse rows in the ring's SMEM, no reduction scratch:

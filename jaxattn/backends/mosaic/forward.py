@@ -124,15 +124,6 @@ class MosaicConfig:
     stages: int = 2
     #: None: the Hopper operand path unless interpreting (see the module docstring).
     gpu_operands: bool | None = None
-    #: On the GPU operand path: each compute warpgroup's Q tile loaded into registers
-    #: once per item (after its copy lands) and given to S = Q K^T's wgmma as its A
-    #: operand from registers, instead of from SMEM. At BLOCK_N = 64 a wgmma with both
-    #: operands in SMEM reads as many SMEM bytes a tensor-core cycle as SMEM delivers
-    #: (Q's 64x16 and K's 64x16 bf16 tiles, 4 KB a 32-cycle k-step); from registers it
-    #: reads K's half. The same products in the same order (the operand's source is
-    #: not arithmetic): the same bits. Costs ``D / 2`` registers a thread. Ignored
-    #: without ``gpu_operands``. Off: not yet measured on a GPU.
-    q_in_registers: bool = False
     #: Mosaic GPU lowering semantics, pinned: "lane" (the default of JAX 0.10.x) or
     #: "warpgroup" (the default from JAX 0.11.0). Both lower on 0.10.2; the interpreter
     #: ignores it.
@@ -465,10 +456,8 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_in_registers"):
-            value = getattr(self, name)
-            if value not in (True, False):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if self.kv_boxes not in (True, False):
+            raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -943,8 +932,6 @@ class _Item:
     #: SPLIT made it before its merge); None elsewhere
     lo: object = None
     arrived: object = None
-    #: ``q_in_registers``: the Q tile in registers (S's A operand), else None
-    q_regs: object = None
 
 
 class _Forward:
@@ -1703,12 +1690,8 @@ class _Forward:
                 # kv_boxes: one product per column tile of K, accumulated in column
                 # order (the whole tile's product issues the same k-steps in that order)
                 for c, k_t in self.kv_slot(k_s, slot):
-                    q = it.q_s if it.q_regs is None else it.q_regs
-                    if c is not None and it.q_regs is None:
-                        q = q.at[:, pl.ds(c, self.box_cols)]
-                    elif c is not None:
-                        q = q[:, c:c + self.box_cols]
-                    plgpu.wgmma(acc_ref, q, k_t.transpose((1, 0)))
+                    q_t = it.q_s if c is None else it.q_s.at[:, pl.ds(c, self.box_cols)]
+                    plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
             else:  # K^T's slot
                 plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
             if self.pingpong:
@@ -1947,8 +1930,6 @@ class _Forward:
             if self.defer_v:  # the last slot's first V (the copy waits for every warp)
                 pl.when(last < n_steps)(lambda: self.load_inline(
                     it, last, self.block_parts(bi, last), self.slot_of(it, last), "v"))
-        if self.cfg.q_in_registers and self.gpu_operands:  # S's A operand, once an item
-            it.q_regs = self.load(q_s, plgpu.Layout.WGMMA)
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
