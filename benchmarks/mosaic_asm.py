@@ -1,6 +1,7 @@
 """The Mosaic GPU modules of jaxattn's kernels as lowered for CUDA, on any machine.
 
     python -m benchmarks.mosaic_asm --out_dir=/tmp/asm [--config=ctas_per_sm=1]
+        [--shapes=decode-32x8192,prefill-2x4096]
 
 Lowers the Mosaic forward for CUDA (no GPU needed) at a set of shapes (decode split and
 not, off the 8-row grid, a key mask, pages of 16 keys, prefills) and writes each kernel's
@@ -24,6 +25,7 @@ from benchmarks.lowered import launch_of, modules, shapes
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "One file per shape, and launches.txt, go here.")
 flags.DEFINE_string("config", "", "MosaicConfig fields (key=value[:key=value...]).")
+flags.DEFINE_list("shapes", [], "benchmarks.lowered's shape names (default: all).")
 
 
 def main(argv):
@@ -33,7 +35,13 @@ def main(argv):
     cfg = mf.MosaicConfig(**report.config_fields(FLAGS.config))
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     summary = []
-    for name, lower in shapes().items():
+    known = shapes()
+    unknown = sorted(set(FLAGS.shapes) - set(known))
+    if unknown:
+        raise app.UsageError(f"--shapes: unknown {unknown}; known: {sorted(known)}")
+    for name, lower in known.items():
+        if FLAGS.shapes and name not in FLAGS.shapes:
+            continue
         texts = modules(lambda lower=lower: lower(cfg))
         if texts is None:
             raise SystemExit("this JAX's Mosaic GPU has no core._run_serde_pass to watch")

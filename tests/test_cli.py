@@ -195,16 +195,19 @@ def test_mosaic_asm_writes_the_kernels_modules(tmp_path):
     process lowering one of its shapes gets the same bytes (what a diff of two trees
     relies on), and a config field (ctas_per_sm=1: a producer warpgroup, against the
     default's two CTAs an SM) changes the decode kernels' launches and nothing else
-    (not the fold's or the prefills')."""
+    (not the fold's or a prefill's). (CI time: the decode shapes and one prefill of
+    D=128 and of D=256; the rest lower in tests/test_mosaic_probe.py.)"""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from benchmarks import lowered
     from jaxattn.backends.mosaic import forward as mf
     runs = {}
+    some = ("--shapes=decode-split-8x8192,decode-split-8x8193,decode-mask-8x8192,"
+            "decode-32x8192,decode-paged16,prefill-2x4096,prefill-d256-2x1024")
     for name, extra in (("a", []), ("one", ["--config=ctas_per_sm=1"])):
         out = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_asm",
-                               f"--out_dir={out}", *extra], capture_output=True, text=True,
-                              timeout=300)
+                               f"--out_dir={out}", some, *extra], capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = {p.name: p.read_text() for p in out.iterdir()}
     here = lowered.modules(lambda: lowered.shapes()["decode-split-8x8193"](
