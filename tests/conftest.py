@@ -86,6 +86,21 @@ def _names_case(entry: str, name: str, callspec) -> bool:
     return not part or (callspec is not None and part.rstrip("]") in callspec.id.split("-"))
 
 
+@pytest.fixture
+def small_split():
+    """SPLIT = 128 keys (two key blocks), so that interpret-mode shapes cross SPLITs at a
+    few blocks' cost (CI time). The properties under test (CP's aligned cuts, a split
+    decode's or fold's bits against the one-launch fold) hold for any SPLIT; on the GPU
+    the tests of the same properties run at the real SPLIT."""
+    from jaxattn import schedule
+    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
+    jax.clear_caches()
+    yield
+    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
+    jax.clear_caches()
+
+
 def cpu_env(**extra: str) -> dict:
     """The environment of a child process that must run JAX on the CPU also on a GPU host
     (CPU smoke modes, virtual CPU devices), plus ``extra``."""

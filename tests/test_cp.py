@@ -16,24 +16,12 @@ from conftest import cpu_env, np_attention, rand, rand_qkv, rel_err, with_xla_fl
 from mosaic_support import missing_interpret, needs_threads
 
 import jaxattn
-from jaxattn import cp, schedule
+from jaxattn import cp
 from jaxattn.backends.mosaic import backend as mosaic_backend
 from jaxattn.invariance import bits_equal
 
 _why_interp = missing_interpret(("load", "Layout"))
 needs_mosaic_interpret = pytest.mark.skipif(_why_interp is not None, reason=str(_why_interp))
-
-
-@pytest.fixture
-def small_split():
-    """SPLIT = 128 keys, so SPLIT-aligned shards fit interpret-mode shapes. The property
-    under test (aligned CP == no CP, in bits) holds for any SPLIT."""
-    old = (schedule.SPLIT, schedule.BLOCKS_PER_SPLIT)
-    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = 128, 128 // schedule.BLOCK_N
-    jax.clear_caches()
-    yield
-    schedule.SPLIT, schedule.BLOCKS_PER_SPLIT = old
-    jax.clear_caches()
 
 
 def _states(n=5, shape=(1, 2, 3, 8)):

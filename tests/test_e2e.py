@@ -29,6 +29,8 @@ def test_rollout_and_training_logprobs_equal_in_bits():
     assert roll.dtype == train.dtype == np.float32
 
 
+@pytest.mark.slow  # CI time (50 s): the parity test above at the example's rows; chunk
+# sizes' invariance is the matrix's chunked-prefill row (tests/test_backends.py)
 def test_parity_holds_for_another_chunk_size(monkeypatch):
     """Any ROWS works as long as rollout and training share it (the example's --rows)."""
     monkeypatch.setattr(demo, "ROWS", 40)

@@ -203,13 +203,14 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_smem_state_keeps_bits(mosaic_fwd):
+def test_interpret_smem_state_keeps_bits(mosaic_fwd, small_split):
     """The running state folded across SPLITs kept in SMEM and merged 64 columns at a
     time (``smem_state``) gives the registers' bits: two SPLITs, a causal chunk with a
     partial last key block (the SPLIT merge of the default path starts from the empty
     state as the SMEM one does); D=256 non-causal, one compute warpgroup, as the GPU
     runs it."""
-    for sq, skv, d, causal in ((64, 1100, 64, True), (64, 1100, 256, False)):
+    skv = schedule.SPLIT + 76  # (two SPLITs of small_split's 128 keys)
+    for sq, d, causal in ((64, 64, True), (64, 256, False)):
         seed, q, k, v = _inputs(1, 2, 1, sq, skv, d)
         cfg = mosaic_fwd.MosaicConfig(compute_wgs=1)
         base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True, config=cfg)
@@ -663,7 +664,7 @@ def test_interpret_stacked_queries_before_any_key(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_split_decode_keeps_bits(mosaic_fwd):
+def test_interpret_split_decode_keeps_bits(mosaic_fwd, small_split):
     """Split-parallel decode (one CTA per SPLIT, the partial states folded outside)
     gives the bits of the in-kernel fold (a producer warpgroup, ``ctas_per_sm=1``)
     past one SPLIT, and with a key padding mask and per-sequence offsets (the second
@@ -708,7 +709,7 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
+def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd, small_split):
     """MosaicConfig(splits_per_cta=2) at D=128 from pages of 16 keys (a shuffled pool,
     NaN past the ragged lengths): a CTA of the split decode takes two consecutive SPLITs
     of three (the last CTA one; the short sequence's last split empty), its ring running
@@ -717,7 +718,7 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
     key mask and offsets that empty a split: test_interpret_split_decode_keeps_bits.)"""
     s = 2 * schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 4, 1, 1, s, 128)
-    lens = jnp.asarray([s, s - 1100], jnp.int32)
+    lens = jnp.asarray([s, schedule.SPLIT + 24], jnp.int32)
     kp, vp, table = ragged_cache("HND", 16, np.asarray(lens), k, v, seed=seed)
     want, got = (mosaic_fwd.paged_forward(q, kp, vp, table, lens, interpret=True,
                                           config=mosaic_fwd.MosaicConfig(
@@ -730,7 +731,7 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd):
+def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd, small_split):
     """MosaicConfig(flat_q=True) reads the stacked decode rows from [B, Hq * Sq, D] (the
     next group's queries, or zeros, past the group; no padded copy), and flat_out=True
     has the split decode's fold store the group's rows cast in place: the padded call's
@@ -763,7 +764,7 @@ def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
-def test_interpret_key_mask_reads_kv_in_place(mosaic_fwd):
+def test_interpret_key_mask_reads_kv_in_place(mosaic_fwd, small_split):
     """With a key padding mask the kernel zeroes V's dropped rows in SMEM (blocks that
     drop a key) instead of XLA zeroing K and V in a copy: NaN in dropped K and inf in
     dropped V give the bits of the call on zeroed K and V, no NaN. A non-causal prefill
