@@ -243,7 +243,8 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     for sq, skv, causal in ((128, 1100, True), (128, 2200, True), (192, 100, True),
                             (128, 1100, False)):
         seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
-        # (last_merge_arrive's default: off causal, on non-causal)
+        # (the third: last_merge_arrive the other way than its default, off causal and
+        # on non-causal)
         configs = [dataclasses.replace(cfg, gmem_state=False),
                    dataclasses.replace(cfg, gmem_state=True),
                    dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal)]
@@ -415,7 +416,7 @@ def test_merge_arrive_lowers_where_the_pingpong_folds(mosaic_fwd):
     (one compute warpgroup: the SMEM state) and, by default, the registers' fold (the
     D=256 kernel of one SPLIT). ``last_merge_arrive`` (None: on non-causal) changes the
     causal default's module and no module without ``gmem_state`` and ``merge_arrive``;
-    the non-causal default's module is its. Bad values are named."""
+    the non-causal default's module is not the one without it. Bad values are named."""
     def module(s=2048, d=256, causal=True, **kw):
         return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, causal, hq=4,
                                 config=mosaic_fwd.MosaicConfig(**kw))
