@@ -1157,6 +1157,10 @@ class _Forward:
         #: MosaicConfig.merge_arrive where the ping-pong runs (None: with gmem_state)
         self.merge_arrive = self.pingpong and (
             self.gmem_state if cfg.merge_arrive is None else cfg.merge_arrive)
+        #: MosaicConfig.last_merge_arrive with merge_arrive and gmem_state (None: for a
+        #: non-causal forward)
+        self.last_merge_arrive = self.merge_arrive and self.gmem_state and (
+            not causal if cfg.last_merge_arrive is None else cfg.last_merge_arrive)
         if self.inplace and interpret is not None:
             raise ValueError("accumulate='inplace' needs the GPU: the Mosaic GPU "
                              "interpreter cannot accumulate into a live wgmma accumulator")
@@ -1967,9 +1971,6 @@ class _Forward:
             return
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
-        early_last = self.gmem_state and self.merge_arrive and (
-            not self.causal if self.cfg.last_merge_arrive is None
-            else self.cfg.last_merge_arrive)
         if self.gmem_state:  # the output straight into the Q tile's SMEM (Q is done)
             def sink(j, o):
                 cols = o.shape[1]
@@ -1978,7 +1979,7 @@ class _Forward:
             out = None
             st = self.dyn["gstate"].at[self.state_slot(), pl.ds(w * self.bm, self.bm)]
             lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink,
-                                    last_more=(w == 0) if early_last else False)
+                                    last_more=(w == 0) if self.last_merge_arrive else False)
         elif self.smem_state:
             st = smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
@@ -2002,7 +2003,7 @@ class _Forward:
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             if self.pingpong:
-                self.sync(it, True if not early_last
+                self.sync(it, True if not self.last_merge_arrive
                           else jnp.logical_not((w == 0) & (t == it.hi)))
                 self.sync(it)
             return None
@@ -2011,7 +2012,7 @@ class _Forward:
             lax.fori_loop(it.hi, hi_cta, skip, None)
         if self.pingpong:
             pl.when(w == 0)(lambda: self.sync(
-                it, True if not early_last else hi_cta > it.hi))
+                it, True if not self.last_merge_arrive else hi_cta > it.hi))
         self.epilogue(it, o_ref, lse_ref, out, lse)
 
     def steps(self, it: _Item):
