@@ -137,6 +137,8 @@ LAUNCH_VARIANTS = {
     # heads 2i and 2i + 1 in a cluster of two, K/V multicast (the plain grid).
     "pv-split": dict(pv_split=True),
     "kv-multicast": dict(kv_multicast=True, persistent=0),
+    # Three compute warpgroups (192-row tiles), the ping-pong as a ring of turns.
+    "3wg": dict(compute_wgs=3),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

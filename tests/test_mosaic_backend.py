@@ -362,6 +362,40 @@ def test_merge_arrive_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_three_warpgroups_keep_bits_on_gpu():
+    """On sm90, three compute warpgroups (``compute_wgs=3``: 192-row tiles, the
+    ping-pong as a ring of turns, ``registers3``), on the persistent grid and on one
+    CTA a tile, give the default's bits, out and lse, no NaN, with no hang: at D=64
+    (B=2, Hq=8, Hkv=2) each of the SPLIT fold's cases (causal one and three SPLITs, a
+    chunk, Sq > Skv, non-causal with a partial last block and with whole blocks), a
+    key padding mask over NaN in the dropped keys' K and V, and JAX's ``[B, S, H, D]``
+    layout; at D=128 causal three SPLITs and non-causal whole blocks."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(), mf.MosaicConfig(compute_wgs=3),
+               mf.MosaicConfig(compute_wgs=3, persistent=0)]
+    rng = np.random.default_rng()
+    for d, cases in ((64, _FOLD_CASES), (128, ((2900, 2900, True), (2048, 2048, False)))):
+        q, k, v = rand_qkv(2, 8, 2, 2900, 2900, d, jnp.bfloat16)
+        for sq, skv, causal in cases:
+            lo = max(skv - sq, 0)
+            _configs_agree_in_bits(mf.forward, configs, (d, sq, skv, causal),
+                                   q[:, :, lo:lo + sq], k[:, :, :skv], v[:, :, :skv],
+                                   causal=causal)
+        if d != 64:
+            continue
+        keep = jnp.asarray(rng.random((2, 2100)) < 0.8)
+        nan_k = jnp.where(keep[:, None, :, None], k[:, :, :2100], jnp.nan)
+        nan_v = jnp.where(keep[:, None, :, None], v[:, :, :2100], jnp.nan)
+        _configs_agree_in_bits(mf.forward, configs, (d, "mask"), q[:, :, :2100], nan_k,
+                               nan_v, causal=False, key_padding_mask=keep)
+        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        _configs_agree_in_bits(mf.forward, configs, (d, "btnh"), t(q[:, :, :2100]),
+                               t(k[:, :, :2100]), t(v[:, :, :2100]), causal=True, btnh=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

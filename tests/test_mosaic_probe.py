@@ -204,6 +204,30 @@ def test_interpret_launch_options_keep_bits(mosaic_fwd):
 
 @needs_threads
 @needs_interpret
+def test_interpret_three_warpgroups_keep_bits(mosaic_fwd, small_split):
+    """Three compute warpgroups (``compute_wgs=3``: 192-row CTA tiles, the ping-pong as
+    a ring of turns) compute each 64-row tile as two do: the default's bits, out and
+    lse, no NaN, and no deadlock in the ring (each warpgroup's turns, the blocks it
+    skips included, must pair with the next one's). Two heads (two CTAs), a causal
+    chunk whose three warpgroup tiles visit 4, 5 and 6 key blocks across three SPLITs
+    (small_split: 128 keys, so the registers' SPLIT merges run inside the turns), and
+    a non-causal prefill with a partial last key block; the ring without the
+    ping-pong's order (``pingpong=False``) too."""
+    for sq, skv, causal in ((192, 384, True), (100, 330, False)):
+        seed, q, k, v = _inputs(1, 2, 1, sq, skv, 64)
+        base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                  config=mosaic_fwd.MosaicConfig())
+        for kw in (dict(compute_wgs=3), dict(compute_wgs=3, pingpong=False)):
+            other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
+                                       config=mosaic_fwd.MosaicConfig(**kw))
+            for x, y in zip(base, other, strict=True):
+                assert not np.isnan(np.asarray(y, np.float32)).any()
+                np.testing.assert_array_equal(bits(x), bits(y),
+                                              err_msg=f"{kw} {sq, skv, causal} seed {seed}")
+
+
+@needs_threads
+@needs_interpret
 def test_interpret_smem_state_keeps_bits(mosaic_fwd, small_split):
     """The running state folded across SPLITs kept in SMEM and merged 64 columns at a
     time (``smem_state``) gives the registers' bits: two SPLITs, a causal chunk with a
@@ -1511,6 +1535,28 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
 
 
 @needs_api
+def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
+    """``compute_wgs=3`` lowers as FlashAttention-3's launch at D=64: 512 threads (three
+    compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
+    the register file's 65536 for 512 threads), where two launch 384 threads with
+    ``registers``' 232 and 40. (Equal bits: the interpreter's test here, and
+    test_three_warpgroups_keep_bits_on_gpu.)"""
+    from benchmarks import lowered
+    S = jax.ShapeDtypeStruct
+    q, k = S((2, 8, 1024, 64), jnp.bfloat16), S((2, 2, 1024, 64), jnp.bfloat16)
+    for cfg, threads, regs in ((mosaic_fwd.MosaicConfig(compute_wgs=3), 512, (160, 24)),
+                               (mosaic_fwd.MosaicConfig(), 384, (232, 40))):
+        texts = lowered.modules(lambda c=cfg: mosaic_fwd.lower_for_cuda(
+            q, k, k, causal=True, config=c))
+        if texts is None:
+            pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+        (text,) = texts
+        assert lowered.launch_of(text)[0] == threads
+        assert f"setmaxregister increase {regs[0]}" in text
+        assert f"setmaxregister decrease {regs[1]}" in text
+
+
+@needs_api
 @pytest.mark.parametrize("kw", [
     {"compute_wgs": 1},
     {"accumulate": "inplace"},
@@ -1631,7 +1677,9 @@ def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
 
 @needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
-    for kw in ({"compute_wgs": 3}, {"accumulate": "fma"}, {"rowsum": "tree"},
+    for kw in ({"compute_wgs": 4}, {"accumulate": "fma"}, {"rowsum": "tree"},
+               {"registers": (232, 44)}, {"registers": (240, 40)},
+               {"registers3": (168, 24)}, {"registers3": (160,)},
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
                {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0},
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},

@@ -117,8 +117,10 @@ class MosaicConfig:
 
     #: Query rows per compute warpgroup (the wgmma M: 64 or 128).
     block_m: int = 64
-    #: Compute warpgroups per CTA (1 or 2); they share the K/V stream, so a CTA covers
-    #: ``block_m * compute_wgs`` query rows of one head. A further warpgroup loads K/V.
+    #: Compute warpgroups per CTA (1, 2 or 3); they share the K/V stream, so a CTA
+    #: covers ``block_m * compute_wgs`` query rows of one head. A further warpgroup
+    #: loads K/V. Three (FlashAttention-3's launch at D=64) take the ping-pong as a
+    #: ring of turns (``pingpong``) and ``registers3``.
     compute_wgs: int = 2
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
@@ -228,7 +230,11 @@ class MosaicConfig:
     #: never (then ``smem_state``'s default as before).
     gmem_state: bool | None = None
     #: With two compute warpgroups: a shared barrier staggers them so that one's softmax
-    #: overlaps the other's matrix products (FlashAttention-3's ping-pong).
+    #: overlaps the other's matrix products (FlashAttention-3's ping-pong). With three:
+    #: a ring of turns, one barrier a warpgroup: a warpgroup issues its products (block
+    #: j's P V, then block j + 1's S) only in its turn, passed on once they are issued,
+    #: so the three issue in a fixed rotation and each one's softmax overlaps the other
+    #: two's products (FlashAttention-3's scheduler barriers for three MMA warpgroups).
     pingpong: bool = True
     #: With the ping-pong, at the end of each SPLIT followed by another of the item: the
     #: arrival that the next SPLIT's first S = Q K^T would make once issued is made
@@ -255,6 +261,9 @@ class MosaicConfig:
     #: ``setmaxnreg`` for (compute, producer) warpgroups with two compute warpgroups, or
     #: None to leave the allocation alone.
     registers: tuple[int, int] | None = (232, 40)
+    #: ``setmaxnreg`` for (compute, producer) warpgroups with three compute warpgroups
+    #: (512 threads: at most 65536 registers in all), or None to leave the launch's 128.
+    registers3: tuple[int, int] | None = (160, 24)
     #: "descending": the CTAs of the last (longest causal) query tiles start first.
     q_order: str = "descending"
     #: Decode and up to ``64 / group`` queries per head (speculative verification):
@@ -413,8 +422,17 @@ class MosaicConfig:
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
+        if self.compute_wgs not in (1, 2, 3):
+            raise ValueError(f"compute_wgs must be 1, 2 or 3, got {self.compute_wgs}")
+        for name, n in (("registers", 2), ("registers3", 3)):
+            regs = getattr(self, name)
+            if regs is not None and (
+                    len(regs) != 2 or any(r % 8 or not 24 <= r <= 256 for r in regs)
+                    or 128 * (n * regs[0] + regs[1]) > 65536):
+                raise ValueError(
+                    f"{name} must be None or (compute, producer) registers, multiples of "
+                    f"8 in [24, 256], {n} x 128 x compute + 128 x producer <= 65536, "
+                    f"got {regs!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.semantics not in ("lane", "warpgroup"):
@@ -1153,9 +1171,12 @@ class _Forward:
                 f"fit (D=256 needs compute_wgs=1)")
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
-        self.pingpong = cfg.pingpong and self.nwg == 2
-        #: MosaicConfig.merge_arrive where the ping-pong runs (None: with gmem_state)
-        self.merge_arrive = self.pingpong and (
+        self.pingpong = cfg.pingpong and self.nwg > 1
+        #: three compute warpgroups' ping-pong: a ring of turns (MosaicConfig.pingpong)
+        self.ring = self.pingpong and self.nwg == 3
+        #: MosaicConfig.merge_arrive where the two-warpgroup ping-pong runs (None: with
+        #: gmem_state)
+        self.merge_arrive = self.pingpong and not self.ring and (
             self.gmem_state if cfg.merge_arrive is None else cfg.merge_arrive)
         #: MosaicConfig.last_merge_arrive with merge_arrive and gmem_state (None: for a
         #: non-causal forward)
@@ -1176,8 +1197,10 @@ class _Forward:
                              "grid")
         self.wgmma_layout = plgpu.Layout.WGMMA if self.layout_hints else None
         self.row_layout = plgpu.Layout.WGMMA.reduce(1)
-        self.set_regs = (cfg.registers is not None and self.nwg == 2
-                         and interpret is None)
+        #: setmaxnreg's (compute, producer) registers, or None
+        self.regs = ({2: cfg.registers, 3: cfg.registers3}.get(self.nwg)
+                     if interpret is None else None)
+        self.set_regs = self.regs is not None
         self.greedy = bool(cfg.persistent)
         #: MosaicConfig.kv_multicast where it applies: heads 2i and 2i + 1 in a cluster
         #: of two CTAs ("hc"), each K/V block's copy multicast into both.
@@ -1312,6 +1335,26 @@ class _Forward:
         if when is False:
             return
         arrive = functools.partial(plgpu.barrier_arrive, it.bars[6].at[0])
+        if when is True:
+            arrive()
+        else:
+            pl.when(when)(arrive)
+
+    def turn_wait(self, it: _Item):
+        """Ring (three compute warpgroups' ping-pong): wait for this warpgroup's turn
+        (its barrier's next phase: the previous warpgroup passed it on)."""
+        plgpu.barrier_wait(it.bars[6].at[it.w])
+
+    def turn_pass(self, it: _Item, when=True):
+        """Ring: pass the turn on to the next warpgroup (one arrival on its barrier)
+        where ``when`` (a Python bool, or a traced one: then under ``pl.when``). Each
+        warpgroup alternates :meth:`turn_wait` and this, ``hi_cta + 1`` of each an item
+        (:meth:`consumer`), so one turn goes round and no barrier is ever two phases
+        ahead of its waiter."""
+        if when is False:
+            return
+        arrive = functools.partial(plgpu.barrier_arrive,
+                                   it.bars[6].at[lax.rem(it.w + 1, jnp.int32(self.nwg))])
         if when is True:
             arrive()
         else:
@@ -1635,10 +1678,12 @@ class _Forward:
         acc = acc * _rows(alpha, acc.shape)
         if self.cfg.fence and self.gpu_operands:  # (P in SMEM is a ref: nothing to fence)
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
-        if self.pingpong:
+        if self.pingpong and not self.ring:
             plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
         plgpu.barrier_wait(v_bar.at[slot])
-        if self.pingpong:
+        if self.ring:  # this warpgroup's turn: P V now, then the next block's S
+            self.turn_wait(it)
+        elif self.pingpong:
             plgpu.barrier_wait(sched.at[0])  # the other's products are issued
         v_parts = self.kv_slot(v_s, slot)
         if self.page_size is not None:
@@ -1648,6 +1693,8 @@ class _Forward:
 
         def pv_parts(acc_ref):
             self.pv_parts(acc_ref, p_op, v_parts)
+            if self.ring:  # the item's last product: the turn goes on now
+                self.turn_pass(it, t == it.hi - 1)
 
         def next_k():
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
@@ -1698,7 +1745,9 @@ class _Forward:
                     plgpu.wgmma(acc_ref, q_t, k_t.transpose((1, 0)))
             else:  # K^T's slot
                 plgpu.wgmma(acc_ref, it.q_s, k_s.at[slot])
-            if self.pingpong:
+            if self.ring:  # the turn's products are issued: the next warpgroup's turn
+                self.turn_pass(it)
+            elif self.pingpong:
                 self.sync(it, arrive)
             if issued is not None:
                 issued()
@@ -1937,7 +1986,9 @@ class _Forward:
         if after_q is not None:
             after_q()
         it.tile_indices = None if self.cfg.masks_in_loop else self.indices()
-        if self.pingpong:
+        if self.ring:  # the item's first turn: its first S
+            self.turn_wait(it)
+        elif self.pingpong:
             pl.when(w == 1)(lambda: self.sync(it))
 
         first_step, n_steps = self.steps(it)
@@ -2002,15 +2053,20 @@ class _Forward:
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            if self.pingpong:
+            if self.ring:  # an empty turn
+                self.turn_wait(it)
+                self.turn_pass(it)
+            elif self.pingpong:
                 self.sync(it, True if not self.last_merge_arrive
                           else jnp.logical_not((w == 0) & (t == it.hi)))
                 self.sync(it)
             return None
 
+        if self.ring:  # no block: the turn of the last product goes on here
+            self.turn_pass(it, it.hi == 0)
         if self.nwg > 1:
             lax.fori_loop(it.hi, hi_cta, skip, None)
-        if self.pingpong:
+        if self.pingpong and not self.ring:
             pl.when(w == 0)(lambda: self.sync(
                 it, True if not self.last_merge_arrive else hi_cta > it.hi))
         self.epilogue(it, o_ref, lse_ref, out, lse)
@@ -2181,7 +2237,9 @@ class _Forward:
             # Q tile loaded, per compute warpgroup (and Q buffer)
             plgpu.Barrier(num_barriers=nwg * (2 if cfg.prefetch_q else 1)),
             plgpu.Barrier(num_barriers=1),  # ones tile loaded
-            plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None,
+            # the ping-pong's: a rendezvous of two, or the ring's turn a warpgroup
+            (plgpu.Barrier(num_arrivals=1, num_barriers=nwg) if self.ring else
+             plgpu.Barrier(num_arrivals=2, num_barriers=1) if self.pingpong else None),
             plgpu.Barrier(num_barriers=stages) if self.key_mask else None,  # keep loaded
             plgpu.Barrier(num_barriers=1) if self.carry_in else None,  # carry loaded
             # state_in: per compute warpgroup, its state's output and lse loaded
@@ -2207,7 +2265,10 @@ class _Forward:
             @pl.when(wg < nwg)
             def _():
                 if self.set_regs:
-                    plgpu.set_max_registers(cfg.registers[0], action="increase")
+                    plgpu.set_max_registers(self.regs[0], action="increase")
+                if self.ring:  # the first turn is warpgroup 0's
+                    pl.when(wg == nwg - 1)(
+                        lambda: plgpu.barrier_arrive(bars[6].at[0]))
                 if self.use_mma_rowsum:
                     if self.inline_loads:
                         plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
@@ -2243,6 +2304,8 @@ class _Forward:
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, -self.split_lo())
+                if self.ring:  # the last turn, passed back to warpgroup 0, taken
+                    pl.when(wg == 0)(lambda: plgpu.barrier_wait(bars[6].at[0]))
 
             if self.inline_loads:  # no producer warpgroup
                 return
@@ -2250,7 +2313,7 @@ class _Forward:
             @pl.when(wg == nwg)
             def _():
                 if self.set_regs:
-                    plgpu.set_max_registers(cfg.registers[1], action="decrease")
+                    plgpu.set_max_registers(self.regs[1], action="decrease")
                 if self.use_mma_rowsum:
                     plgpu.copy_gmem_to_smem(ones_ref, smem[4], bars[5].at[0])
 
