@@ -1550,8 +1550,11 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
             pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
         (text,) = texts
         assert lowered.launch_of(text)[0] == threads
-        assert f"setmaxregister increase {regs[0]}" in text
-        assert f"setmaxregister decrease {regs[1]}" in text
+        # (JAX 0.10 prints ``nvvm.setmaxregister increase 160``; 0.11 as it may)
+        lines = [x.strip() for x in text.splitlines() if "setmaxregister" in x]
+        found = {(m[0], int(m[1])) for x in lines
+                 for m in re.findall(r"(increase|decrease)\D*?(\d+)", x)}
+        assert found == {("increase", regs[0]), ("decrease", regs[1])}, lines
 
 
 @needs_api
