@@ -423,8 +423,8 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
     the first to the second through SMEM, dS back, each summing half of dQ's columns)
     gives the one-warpgroup kernel's bits: D=128, causal with offset 64 over three key
     blocks (masked and unmasked), GQA, a key mask over NaN in dropped K and V; with
-    per-sequence offsets (``backward_over_ranges`` over one range); and with query
-    tiles that see no key."""
+    per-sequence offsets (``backward_over_ranges`` over one range). (Query tiles that
+    see no key: the next test, ``-m slow``.)"""
     _masked_configs_agree_in_bits(mosaic_bwd, dict(dq_pair=False), dict(dq_pair=True))
     # Per-sequence offsets read in the kernel (one key range: the finished dQ from zero,
     # dq_pair's case), two sequences.
@@ -439,9 +439,16 @@ def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
         assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
         np.testing.assert_array_equal(bits(a), bits(b),
                                       err_msg=f"d{name}, offsets (seed {seed})")
-    # Query tiles that see no key (Sq > Skv, causal): no P passes between the
-    # warpgroups, so only the epilogue's own wait orders Q's copy before dQ's staging in
-    # its SMEM (without it the interpreter's dQ held Q's values in every run).
+
+
+@pytest.mark.slow  # CI time (about 20 s a worker): on the GPU, test_dq_pair_keeps_bits_on_gpu
+@needs_threads
+@needs_interpret
+def test_interpret_dq_pair_without_keys_keeps_bits(mosaic_bwd):
+    """BwdConfig(dq_pair=True) with query tiles that see no key (Sq > Skv, causal): no P
+    passes between the warpgroups, so only the epilogue's own wait orders Q's copy
+    before dQ's staging in its SMEM (without it the interpreter's dQ held Q's values in
+    every run); dQ of those rows zero and the one-warpgroup kernel's bits."""
     seed, q, k, v, do = _inputs(1, 2, 1, 320, 64, 128)
     out, lse = reference.forward_with_lse(q, k, v, causal=True)
     dq = [_mosaic(mosaic_bwd, q, k, v, out, lse, do, True,
