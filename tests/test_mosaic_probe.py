@@ -1538,23 +1538,28 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     """``compute_wgs=3`` lowers as FlashAttention-3's launch at D=64: 512 threads (three
     compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
     the register file's 65536 for 512 threads), where two launch 384 threads with
-    ``registers``' 232 and 40. (Equal bits: the interpreter's test here, and
-    test_three_warpgroups_keep_bits_on_gpu.)"""
+    ``registers``' 232 and 40. The default (``compute_wgs=None``) takes three for a
+    D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys), two
+    on the persistent grid (4096 keys), at D=128, and where two are asked. (Equal bits:
+    the interpreter's test here, and test_three_warpgroups_keep_bits_on_gpu.)"""
     from benchmarks import lowered
-    S = jax.ShapeDtypeStruct
-    q, k = S((2, 8, 1024, 64), jnp.bfloat16), S((2, 2, 1024, 64), jnp.bfloat16)
-    for cfg, threads, regs in ((mosaic_fwd.MosaicConfig(compute_wgs=3), 512, (160, 24)),
-                               (mosaic_fwd.MosaicConfig(), 384, (232, 40))):
-        texts = lowered.modules(lambda c=cfg: mosaic_fwd.lower_for_cuda(
+    S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
+    cases = ((64, 1024, cfg(compute_wgs=3), 512), (64, 1024, cfg(), 384),
+             (64, 4160, cfg(), 512), (64, 4096, cfg(), 384),
+             (128, 4160, cfg(), 384), (64, 4160, cfg(compute_wgs=2), 384))
+    for d, s, c, threads in cases:
+        q, k = S((1, 4, s, d), jnp.bfloat16), S((1, 1, s, d), jnp.bfloat16)
+        texts = lowered.modules(lambda q=q, k=k, c=c: mosaic_fwd.lower_for_cuda(
             q, k, k, causal=True, config=c))
         if texts is None:
             pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
         (text,) = texts
-        assert lowered.launch_of(text)[0] == threads
+        assert lowered.launch_of(text)[0] == threads, (d, s, c)
         # (JAX 0.10 prints ``nvvm.setmaxregister increase 160``; 0.11 as it may)
         lines = [x.strip() for x in text.splitlines() if "setmaxregister" in x]
         found = {(m[0], int(m[1])) for x in lines
                  for m in re.findall(r"(increase|decrease)\D*?(\d+)", x)}
+        regs = (160, 24) if threads == 512 else (232, 40)
         assert found == {("increase", regs[0]), ("decrease", regs[1])}, lines
 
 

@@ -120,8 +120,11 @@ class MosaicConfig:
     #: Compute warpgroups per CTA (1, 2 or 3); they share the K/V stream, so a CTA
     #: covers ``block_m * compute_wgs`` query rows of one head. A further warpgroup
     #: loads K/V. Three (FlashAttention-3's launch at D=64) take the ping-pong as a
-    #: ring of turns (``pingpong``) and ``registers3``.
-    compute_wgs: int = 2
+    #: ring of turns (``pingpong``) and ``registers3``. None (the default): three for
+    #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent:
+    #: :func:`auto_compute_wgs`), else two (decode rows and split states take one). A
+    #: launch choice: the same bits.
+    compute_wgs: int | None = None
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
     #: None: the Hopper operand path unless interpreting (see the module docstring).
@@ -422,8 +425,9 @@ class MosaicConfig:
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
-        if self.compute_wgs not in (1, 2, 3):
-            raise ValueError(f"compute_wgs must be 1, 2 or 3, got {self.compute_wgs}")
+        if self.compute_wgs not in (None, 1, 2, 3):
+            raise ValueError(f"compute_wgs must be None, 1, 2 or 3, got "
+                             f"{self.compute_wgs}")
         for name, n in (("registers", 2), ("registers3", 3)):
             regs = getattr(self, name)
             if regs is not None and (
@@ -482,8 +486,9 @@ class MosaicConfig:
 
     @property
     def rows(self) -> int:
-        """Query rows per CTA."""
-        return self.block_m * self.compute_wgs
+        """Query rows per CTA (``compute_wgs=None``: two warpgroups' where the call has
+        not resolved it: every path but a plain prefill's, :func:`auto_compute_wgs`)."""
+        return self.block_m * (self.compute_wgs or 2)
 
     @property
     def fold_launch_pdl(self) -> str:
@@ -1055,7 +1060,7 @@ class _Forward:
         self.causal, self.offset, self.position = causal, offset, position
         self.key_mask, self.dyn_offsets, self.split_out = key_mask, dyn_offsets, split_out
         self.gpu_operands, self.interpret = gpu_operands, interpret
-        self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs
+        self.bm, self.stages, self.nwg = cfg.block_m, cfg.stages, cfg.compute_wgs or 2
         if split_out and d > 128:
             # The split's fp32 output tile (64 KiB at D=256) beside a ring of two K/V
             # slots exceeds the SMEM: one slot (a launch parameter: the same operations).
@@ -2829,8 +2834,26 @@ def auto_gmem_state(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
     (``smem_state`` not None) or another warpgroup count (``compute_wgs`` not 2). On
     the H100 (2026-12-06, with the K/V multicast) 1.03 to 1.12x the SMEM state causal,
     1.00 to 1.09x non-causal (S 2048 to 16384). A launch choice: the same bits."""
-    return (cfg.smem_state is None and cfg.compute_wgs == 2
+    return (cfg.smem_state is None and cfg.compute_wgs in (None, 2)
             and auto_smem_state(d, skv, gpu=gpu))
+
+
+def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
+                     states: bool) -> int:
+    """``MosaicConfig(compute_wgs=None)``'s choice for a plain prefill (not decode rows,
+    split or CP states, a carried or raw state: ``states``), with ``skv`` keys padded to
+    whole blocks: three compute warpgroups at D=64 on the GPU where the grid is one CTA
+    a tile (``persistent=0``, or None where a tile's blocks can pass
+    :data:`PERSISTENT_MAX_BLOCKS`: :func:`auto_persistent`'s other side), else two. On
+    the H100 (2026-12-06, notes "eighteenth stop") three were 1.00 to 1.06x two at
+    S=8192 and 32768, causal and not, and 0.86 to 0.97x on the persistent grid at
+    S=2048; at D=128 0.48 to 0.85x (their registers spill). A launch choice: the same
+    bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
+    if cfg.compute_wgs is not None:
+        return cfg.compute_wgs
+    persistent = (cfg.persistent if cfg.persistent is not None
+                  else -(-skv // schedule.BLOCK_N) <= PERSISTENT_MAX_BLOCKS)
+    return 3 if gpu and d == 64 and not states and not persistent else 2
 
 
 def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
@@ -3153,6 +3176,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
+        cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
+            cfg, d, skv_kernel, gpu=interpret is None,
+            states=partials or raw or carry is not None or state is not None
+            or state_out))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
             decode=False, persistent=bool(cfg.persistent),
             states=partials or raw or carry is not None or state is not None
