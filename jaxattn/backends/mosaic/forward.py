@@ -108,7 +108,7 @@ class MosaicConfig:
     """Launch parameters and the arithmetic choices of the kernel.
 
     Launch parameters (``block_m``, ``compute_wgs``, ``stages``, ``gpu_operands``,
-    ``semantics``, ``pingpong``, ``registers``, ``q_order``, ``persistent``,
+    ``semantics``, ``pingpong``, ``registers``, ``registers3``, ``q_order``, ``persistent``,
     ``prefetch_q``, ``masks_in_loop``, ``fence``, ...) must not
     change the bits of a row; ``benchmarks/mosaic_gpu_check.py`` checks that on the GPU.
     ``accumulate``, ``rowsum``, ``normalize`` and ``approx_math`` change the
