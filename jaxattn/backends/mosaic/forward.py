@@ -26,7 +26,9 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   row sum (``rowsum``), and P V on wgmma, accumulated in place into ``acc * alpha`` or
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
-  that one's softmax overlaps the other's matrix products (``pingpong``);
+  that one's softmax overlaps the other's matrix products (``pingpong``); three (a
+  D=64 prefill on one CTA a tile: :func:`auto_compute_wgs`) pass a turn round, one
+  barrier each, so that each one's softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
   :func:`kernel_finalize` / :func:`kernel_merge`: :func:`jaxattn.merge.finalize` /
