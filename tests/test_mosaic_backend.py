@@ -399,6 +399,36 @@ def test_three_warpgroups_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_q_boxes_keep_bits_on_gpu():
+    """On sm90, ``MosaicConfig(q_boxes=True)`` (Q, O and the lse at Sq rows, the last
+    tile's rows past Sq TMA's zeros and clipped stores) gives the padded copy's bits,
+    out and lse, no NaN, and nothing written past Sq (the outputs have Sq rows): D=64
+    with three warpgroups (4200 rows: 192-row tiles) causal and not, JAX's layout, a
+    key padding mask over NaN in dropped K and V; D=128 (two warpgroups, 5000 rows)
+    causal; a chunk with a causal lead (the copy either way)."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(), mf.MosaicConfig(q_boxes=True)]
+    rng = np.random.default_rng()
+    q, k, v = rand_qkv(2, 8, 2, 5000, 5000, 64, jnp.bfloat16)
+    for sq, skv, causal in ((4200, 4200, True), (4200, 4200, False), (4000, 4160, True)):
+        lo = skv - sq
+        _configs_agree_in_bits(mf.forward, configs, (64, sq, skv, causal),
+                               q[:, :, lo:skv], k[:, :, :skv], v[:, :, :skv], causal=causal)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    _configs_agree_in_bits(mf.forward, configs, "btnh", t(q[:, :, :4200]),
+                           t(k[:, :, :4200]), t(v[:, :, :4200]), causal=True, btnh=True)
+    keep = jnp.asarray(rng.random((2, 4200)) < 0.8)
+    nan_k = jnp.where(keep[:, None, :, None], k[:, :, :4200], jnp.nan)
+    nan_v = jnp.where(keep[:, None, :, None], v[:, :, :4200], jnp.nan)
+    _configs_agree_in_bits(mf.forward, configs, "mask", q[:, :, :4200], nan_k, nan_v,
+                           causal=False, key_padding_mask=keep)
+    qd, kd, vd = rand_qkv(2, 8, 2, 5000, 5000, 128, jnp.bfloat16)
+    _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

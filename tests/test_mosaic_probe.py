@@ -1566,6 +1566,38 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
 
 
 @needs_api
+def test_q_boxes_lower_without_a_copy(mosaic_fwd):
+    """``MosaicConfig(q_boxes=True)``: a prefill whose rows need padding only at their
+    end (three warpgroups' 192-row tiles at 4160 rows; two warpgroups' 128 at 5000
+    non-causal, JAX's layout) lowers with Q, O and the lse at Sq rows (no pad of Q, no
+    slice of the output), where the default pads Q to the tiles' rows and slices the
+    output back; a causal chunk with a lead (4000 queries against 4160 keys: 32 rows)
+    keeps the copy. (Equal bits: test_q_boxes_keep_bits_on_gpu.)"""
+    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    for sq, skv, d, causal, btnh in ((4160, 4160, 64, True, False),
+                                     (5000, 5000, 128, False, True),
+                                     (4000, 4160, 64, True, False)):
+        q, k = ((S((1, sq, 4, d), bf16), S((1, skv, 1, d), bf16)) if btnh
+                else (S((1, 4, sq, d), bf16), S((1, 1, skv, d), bf16)))
+        rows = {}
+        for flag in (False, True):
+            text = mosaic_fwd.lower_for_cuda(
+                q, k, k, causal=causal, btnh=btnh,
+                config=mosaic_fwd.MosaicConfig(q_boxes=flag)).as_text()
+            # the query rows of every [1, 4, S, D] (or [1, S, 4, D]) array of the program
+            rows[flag] = {int(x) for x in re.findall(
+                rf"tensor<1x(?:4x)?(\d+)x(?:4x)?{d}xbf16>", text)}, text
+        (padded, texts_false), (in_place, text_true) = rows[False], rows[True]
+        lead = (skv - sq) % 64 if causal else 0
+        if lead:
+            assert in_place == padded and max(padded) > sq, (sq, skv, padded)
+            continue
+        assert max(padded) > sq and "stablehlo.pad" in texts_false, (sq, padded)
+        assert in_place <= {sq, skv}, (sq, in_place)
+        assert "stablehlo.slice" not in text_true
+
+
+@needs_api
 @pytest.mark.parametrize("kw", [
     {"compute_wgs": 1},
     {"accumulate": "inplace"},
@@ -1692,7 +1724,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
                {"prefetch_q": True}, {"normalize": "round"}, {"split_decode_stages": 0},
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
-               {"fold_cols": 8}):
+               {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

@@ -386,6 +386,15 @@ class MosaicConfig:
     #: to 1.026 ms.) A launch choice (the same keys in the same SMEM bytes; equal bits:
     #: ``test_kv_boxes_keep_bits_on_gpu``).
     kv_boxes: bool = True
+    #: A plain prefill whose query rows are padded only at their end (a partial last
+    #: CTA tile, with no causal lead: ``(Skv - Sq) mod BLOCK_N == 0`` or not causal):
+    #: Q read and O and the lse written in place, the last tile's rows past Sq TMA's
+    #: zeros on the load and clipped on the stores, instead of a copy of Q padded to the
+    #: CTA's rows and the output sliced back (three warpgroups' 192-row tiles pad most
+    #: S: 258 MB at B=2 S=16384 D=64). The same rows computed on the same values (the
+    #: padding rows are zeros either way). GPU only (the interpreter keeps the copy).
+    #: Built 2026-12-06 (eighteenth stop), not yet run on a GPU: off.
+    q_boxes: bool = False
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -480,8 +489,10 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        if self.kv_boxes not in (True, False):
-            raise ValueError(f"kv_boxes must be True or False, got {self.kv_boxes!r}")
+        for name in ("kv_boxes", "q_boxes"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         if self.q_order not in ("ascending", "descending"):
             raise ValueError(f"q_order must be 'ascending' or 'descending', got "
                              f"{self.q_order!r}")
@@ -846,7 +857,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0,
            q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False,
-           per_cta: int = 1):
+           per_cta: int = 1, sq_rows: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -915,7 +926,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     not be a multiple of 8; past it, TMA's zeros); the GPU operand path, not with
     pages. ``per_cta`` (``split_out`` without ``carry_in`` or ``raw_out``): each
     CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
-    each split's state (:attr:`MosaicConfig.splits_per_cta`).
+    each split's state (:attr:`MosaicConfig.splits_per_cta`). ``sq_rows`` (a plain
+    prefill on the GPU, :attr:`MosaicConfig.q_boxes`): Q, O and the lse hold that many
+    rows (``sq`` rounded down past its last partial CTA tile), read and written in
+    place by TMA (zeros past them on the load, the stores clipped); None: ``sq``.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`
     (of :class:`_PvSplitForward` with ``cfg.pv_split``)."""
@@ -927,7 +941,7 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 raw_out=raw_out, state_rows=state_rows, page_size=page_size, state_in=state_in,
                 state_out=state_out, stack_sq=stack_sq, q_row0=q_row0, k_row0=k_row0,
                 finish_rows=finish_rows, q_rows=q_rows, rows_out=rows_out,
-                kv_boxes=kv_boxes, per_cta=per_cta).call()
+                kv_boxes=kv_boxes, per_cta=per_cta, sq_rows=sq_rows).call()
 
 
 @dataclasses.dataclass
@@ -984,8 +998,10 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 q_rows=None, rows_out=False, kv_boxes=False, per_cta=1):
+                 q_rows=None, rows_out=False, kv_boxes=False, per_cta=1, sq_rows=None):
         bn = self.bn = schedule.BLOCK_N
+        #: the rows of Q, O and the lse (``sq_rows``: fewer than the tiles' ``sq``)
+        self.sq_rows = sq if sq_rows is None else sq_rows
         if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
             raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
                              f"carry_in or raw_out, got {per_cta}")
@@ -2389,10 +2405,11 @@ class _Forward:
             out_type = (jax.ShapeDtypeStruct((b, hq * self.q_rows, d), self.dtype),
                         jax.ShapeDtypeStruct((b, hq * self.q_rows), jnp.float32))
         else:
-            out_type = (jax.ShapeDtypeStruct((b, sq, hq, d) if self.q_btnh
-                                             else (b, hq, sq, d),
+            rows = self.sq_rows
+            out_type = (jax.ShapeDtypeStruct((b, rows, hq, d) if self.q_btnh
+                                             else (b, hq, rows, d),
                                              jnp.float32 if self.state_out else self.dtype),
-                        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+                        jax.ShapeDtypeStruct((b, hq, rows), jnp.float32))
         if self.gmem_state:  # the running states' scratch (the call drops it): a slot
             # of the CTA's rows per SM (interpret: per CTA, as its CTAs may run at once)
             slots = math.prod(grid) if self.interpret is not None else GMEM_STATE_SLOTS
@@ -3209,14 +3226,19 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             if pv else {}))
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
+        # MosaicConfig.q_boxes: rows padded only at the end, read and written in place
+        q_boxes = (cfg.q_boxes and interpret is None and lead == 0 and sq_pad != sq
+                   and not (partials or raw or carry is not None or state is not None
+                            or state_out))
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                       offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
                       scale=scale, cfg=cfg, gpu_operands=gpu_operands,
                       interpret=interpret, key_mask=key_mask, split_out=partials,
                       q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
                       raw_out=raw, state_in=state is not None,
-                      state_out=state_out, kv_boxes=kv_boxes)
-        if (lead, sq_pad) != (0, sq):
+                      state_out=state_out, kv_boxes=kv_boxes,
+                      sq_rows=sq if q_boxes else None)
+        if (lead, sq_pad) != (0, sq) and not q_boxes:
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
         def place(x, fill):  # [n, B, Hq, Sq, ...] -> [B, Hq, n, sq_pad, ...] at lead
@@ -3228,7 +3250,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
                 return (jnp.moveaxis(out[:, :, :, lead:lead + sq], 2, 0),
                         jnp.moveaxis(lse[:, :, :, lead:lead + sq], 2, 0))
-            if (lead, sq_pad) == (0, sq):
+            if (lead, sq_pad) == (0, sq) or q_boxes:  # (q_boxes: sq rows already)
                 return out, lse
             return (lax.slice_in_dim(out, lead, lead + sq, axis=sa),
                     lse[:, :, lead:lead + sq])
@@ -3735,16 +3757,17 @@ def fold_tiles(outs, lses, *, interpret=False, config: MosaicConfig | None = Non
 
 def lower_for_cuda(q, k, v, *, causal: bool = False, scale: float | None = None,
                    config: MosaicConfig | None = None, key_padding_mask=None,
-                   causal_offsets=None):
+                   causal_offsets=None, btnh: bool = False):
     """Lower (not compile) the GPU kernel for CUDA; works on a machine without a GPU.
 
     Runs the Pallas -> Mosaic GPU lowering (layouts, wgmma operand constraints, the
-    SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``.
+    SMEM plan), not ptxas. Returns the ``jax.stages.Lowered``. ``btnh``: as
+    :func:`forward`'s.
     """
     def f(q, k, v, mask, offs):
         call, args, unpad = _prepare(q, k, v, causal=causal, scale=scale, interpret=False,
                                      config=config, key_padding_mask=mask,
-                                     causal_offsets=offs)
+                                     causal_offsets=offs, btnh=btnh)
         return unpad(*call(*args))
 
     return jax.jit(f).trace(q, k, v, key_padding_mask, causal_offsets).lower(
