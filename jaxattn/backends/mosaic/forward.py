@@ -928,8 +928,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
     each split's state (:attr:`MosaicConfig.splits_per_cta`). ``sq_rows`` (a plain
     prefill on the GPU, :attr:`MosaicConfig.q_boxes`): Q, O and the lse hold that many
-    rows (``sq`` rounded down past its last partial CTA tile), read and written in
-    place by TMA (zeros past them on the load, the stores clipped); None: ``sq``.
+    rows (the call's Sq, fewer than the tiles' ``sq``), read and written in place by
+    TMA (zeros past them on the load, the stores clipped); None: ``sq``.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`
     (of :class:`_PvSplitForward` with ``cfg.pv_split``)."""
