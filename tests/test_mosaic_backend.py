@@ -165,6 +165,22 @@ def _configs_agree_in_bits(f, configs, tag, *args, **kw):
             assert bits_equal(x, y), (tag, config)
 
 
+def _mask_and_layout_agree(configs, rng, q, k, v, s):
+    """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
+    the first ``s`` rows and keys of ``q``, ``k``, ``v`` (``[B, H, S, D]``): non-causal
+    with a random key padding mask over NaN in the dropped keys' K and V, and causal in
+    JAX's ``[B, S, H, D]`` layout."""
+    from jaxattn.backends.mosaic import forward as mf
+    q, k, v = q[:, :, :s], k[:, :, :s], v[:, :, :s]
+    keep = jnp.asarray(rng.random((q.shape[0], s)) < 0.8)
+    nan_k, nan_v = (jnp.where(keep[:, None, :, None], x, jnp.nan) for x in (k, v))
+    _configs_agree_in_bits(mf.forward, configs, ("mask", s), q, nan_k, nan_v,
+                           causal=False, key_padding_mask=keep)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    _configs_agree_in_bits(mf.forward, configs, ("btnh", s), t(q), t(k), t(v),
+                           causal=True, btnh=True)
+
+
 def _prefill_configs_agree_in_bits(configs, cases, d128=True):
     """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
     fresh D=256 inputs (B=2, Hq=8, Hkv=2) for each case ``(Sq, Skv, causal)`` (the
@@ -384,16 +400,8 @@ def test_three_warpgroups_keep_bits_on_gpu():
             _configs_agree_in_bits(mf.forward, configs, (d, sq, skv, causal),
                                    q[:, :, lo:lo + sq], k[:, :, :skv], v[:, :, :skv],
                                    causal=causal)
-        if d != 64:
-            continue
-        keep = jnp.asarray(rng.random((2, 2100)) < 0.8)
-        nan_k = jnp.where(keep[:, None, :, None], k[:, :, :2100], jnp.nan)
-        nan_v = jnp.where(keep[:, None, :, None], v[:, :, :2100], jnp.nan)
-        _configs_agree_in_bits(mf.forward, configs, (d, "mask"), q[:, :, :2100], nan_k,
-                               nan_v, causal=False, key_padding_mask=keep)
-        t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-        _configs_agree_in_bits(mf.forward, configs, (d, "btnh"), t(q[:, :, :2100]),
-                               t(k[:, :, :2100]), t(v[:, :, :2100]), causal=True, btnh=True)
+        if d == 64:
+            _mask_and_layout_agree(configs, rng, q, k, v, 2100)
 
 
 @pytest.mark.gpu
@@ -414,14 +422,7 @@ def test_q_boxes_keep_bits_on_gpu():
         lo = skv - sq
         _configs_agree_in_bits(mf.forward, configs, (64, sq, skv, causal),
                                q[:, :, lo:skv], k[:, :, :skv], v[:, :, :skv], causal=causal)
-    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    _configs_agree_in_bits(mf.forward, configs, "btnh", t(q[:, :, :4200]),
-                           t(k[:, :, :4200]), t(v[:, :, :4200]), causal=True, btnh=True)
-    keep = jnp.asarray(rng.random((2, 4200)) < 0.8)
-    nan_k = jnp.where(keep[:, None, :, None], k[:, :, :4200], jnp.nan)
-    nan_v = jnp.where(keep[:, None, :, None], v[:, :, :4200], jnp.nan)
-    _configs_agree_in_bits(mf.forward, configs, "mask", q[:, :, :4200], nan_k, nan_v,
-                           causal=False, key_padding_mask=keep)
+    _mask_and_layout_agree(configs, rng, q, k, v, 4200)
     qd, kd, vd = rand_qkv(2, 8, 2, 5000, 5000, 128, jnp.bfloat16)
     _configs_agree_in_bits(mf.forward, configs, 128, qd, kd, vd, causal=True)
 

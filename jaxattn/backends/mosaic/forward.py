@@ -85,6 +85,15 @@ except ImportError:  # pragma: no cover - a JAX without them: K and V padded in 
     TransformedRef = UntilingTransform = None
 
 
+def arrive_where(barrier, when=True) -> None:
+    """One arrival on ``barrier`` where ``when``: a Python bool (True: arrive, False:
+    nothing), or a traced one (the arrival under ``pl.when``)."""
+    if when is True:
+        plgpu.barrier_arrive(barrier)
+    elif when is not False:
+        pl.when(when)(lambda: plgpu.barrier_arrive(barrier))
+
+
 def untiled_view(ref, tiling: tuple[int, ...]):
     """``ref`` (an SMEM ref of shape ``[..., M / X, N / Y, X, Y]``) viewed as ``[..., M,
     N]`` tiled by ``tiling = (X, Y)``: ``plgpu.transform_ref(ref,
@@ -1353,15 +1362,9 @@ class _Forward:
         plgpu.barrier_wait(it.bars[6].at[0])
 
     def sched_arrive(self, it: _Item, when=True):
-        """One arrival on the ping-pong's scheduling barrier where ``when`` (a Python
-        bool, or a traced one: then under ``pl.when``)."""
-        if when is False:
-            return
-        arrive = functools.partial(plgpu.barrier_arrive, it.bars[6].at[0])
-        if when is True:
-            arrive()
-        else:
-            pl.when(when)(arrive)
+        """One arrival on the ping-pong's scheduling barrier where ``when``
+        (:func:`arrive_where`)."""
+        arrive_where(it.bars[6].at[0], when)
 
     def turn_wait(self, it: _Item):
         """Ring (three compute warpgroups' ping-pong): wait for this warpgroup's turn
@@ -1370,18 +1373,10 @@ class _Forward:
 
     def turn_pass(self, it: _Item, when=True):
         """Ring: pass the turn on to the next warpgroup (one arrival on its barrier)
-        where ``when`` (a Python bool, or a traced one: then under ``pl.when``). Each
-        warpgroup alternates :meth:`turn_wait` and this, ``hi_cta + 1`` of each an item
-        (:meth:`consumer`), so one turn goes round and no barrier is ever two phases
-        ahead of its waiter."""
-        if when is False:
-            return
-        arrive = functools.partial(plgpu.barrier_arrive,
-                                   it.bars[6].at[lax.rem(it.w + 1, jnp.int32(self.nwg))])
-        if when is True:
-            arrive()
-        else:
-            pl.when(when)(arrive)
+        where ``when`` (:func:`arrive_where`). Each warpgroup alternates
+        :meth:`turn_wait` and this, ``hi_cta + 1`` of each an item (:meth:`consumer`), so
+        one turn goes round and no barrier is ever two phases ahead of its waiter."""
+        arrive_where(it.bars[6].at[lax.rem(it.w + 1, jnp.int32(self.nwg))], when)
 
     def wait_keep(self, it: _Item, t):
         if self.key_mask:  # every step's, to keep the barrier's phase
@@ -2870,8 +2865,9 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
-    persistent = (cfg.persistent if cfg.persistent is not None
-                  else -(-skv // schedule.BLOCK_N) <= PERSISTENT_MAX_BLOCKS)
+    # (the last tile's blocks reach Skv's: the most any tile has)
+    persistent = (cfg.persistent if cfg.persistent is not None else auto_persistent(
+        -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
     return 3 if gpu and d == 64 and not states and not persistent else 2
 
 
@@ -3195,14 +3191,14 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                     jax.vmap(lambda x, at: lax.dynamic_slice(x, (0, at), (hq, sq)))(
                         lse, lead))
     else:
+        # a kernel of states (split or CP states in or out, a carried or raw state),
+        # not a plain prefill's output
+        states = (partials or raw or carry is not None or state is not None
+                  or state_out)
         cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
-            cfg, d, skv_kernel, gpu=interpret is None,
-            states=partials or raw or carry is not None or state is not None
-            or state_out))
+            cfg, d, skv_kernel, gpu=interpret is None, states=states))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
-            decode=False, persistent=bool(cfg.persistent),
-            states=partials or raw or carry is not None or state is not None
-            or state_out)
+            decode=False, persistent=bool(cfg.persistent), states=states)
         if cfg.gmem_state is None:
             cfg = dataclasses.replace(cfg, gmem_state=folds and auto_gmem_state(
                 cfg, d, skv_kernel, gpu=interpret is None))
@@ -3218,8 +3214,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         # warpgroups of two roles (built from the one-warpgroup plan)
         pv = bool(cfg.pv_split) and cfg.block_m == 64 and pv_split_applies(
             decode=False, persistent=bool(cfg.persistent), key_mask=key_mask,
-            states=partials or raw or carry is not None or state is not None
-            or state_out, d=d, rowsum=cfg.rowsum)
+            states=states, d=d, rowsum=cfg.rowsum)
         cfg = dataclasses.replace(cfg, pv_split=pv, **(
             dict(compute_wgs=1, smem_state=False, gmem_state=False, late_rowsum=False,
                  persistent=0)
@@ -3228,8 +3223,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         offset = skv - sq if static_offset is None else static_offset
         # MosaicConfig.q_boxes: rows padded only at the end, read and written in place
         q_boxes = (cfg.q_boxes and interpret is None and lead == 0 and sq_pad != sq
-                   and not (partials or raw or carry is not None or state is not None
-                            or state_out))
+                   and not states)
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                       offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
                       scale=scale, cfg=cfg, gpu_operands=gpu_operands,
