@@ -396,14 +396,20 @@ class MosaicConfig:
     #: ``test_kv_boxes_keep_bits_on_gpu``).
     kv_boxes: bool = True
     #: A plain prefill whose query rows are padded only at their end (a partial last
-    #: CTA tile, with no causal lead: ``(Skv - Sq) mod BLOCK_N == 0`` or not causal):
-    #: Q read and O and the lse written in place, the last tile's rows past Sq TMA's
-    #: zeros on the load and clipped on the stores, instead of a copy of Q padded to the
-    #: CTA's rows and the output sliced back (three warpgroups' 192-row tiles pad most
-    #: S: 258 MB at B=2 S=16384 D=64). The same rows computed on the same values (the
-    #: padding rows are zeros either way). GPU only (the interpreter keeps the copy).
-    #: Built 2026-12-06 (eighteenth stop), not yet run on a GPU: off.
-    q_boxes: bool = False
+    #: CTA tile, with no causal lead: ``(Skv - Sq) mod BLOCK_N == 0`` or not causal) and
+    #: a multiple of 8 (the tiling of Q's SMEM, which Mosaic GPU's TMA asks of GMEM):
+    #: Q read and O written in place, the last tile's rows past Sq TMA's zeros on the
+    #: load and clipped on the store, instead of a copy of Q padded to the CTA's rows
+    #: and the output sliced back (three warpgroups' 192-row tiles pad most S: 258 MB
+    #: at B=2 S=16384 D=64). The lse stays at the tiles' rows and is sliced (4 bytes a
+    #: row): a tile's lse rows are one contiguous run, which Mosaic GPU stores as a
+    #: plain bulk copy clipped only at the array's end (rows past Sq would land on the
+    #: next head's; seen on the H100, 2026-12-06). The same rows computed on the same
+    #: values (the padding rows are zeros either way). GPU only (the interpreter keeps
+    #: the copy). On the H100 (2026-12-06, notes "nineteenth stop"; bits equal):
+    #: B=8 S=4200 1.11x causal and 1.04x non-causal at D=64, 1.14x causal at D=128;
+    #: B=2 S=16384 D=64 1.03x causal, 1.02x non-causal.
+    q_boxes: bool = True
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -936,9 +942,10 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     pages. ``per_cta`` (``split_out`` without ``carry_in`` or ``raw_out``): each
     CTA takes that many consecutive SPLITs (the last CTA of a row the rest), storing
     each split's state (:attr:`MosaicConfig.splits_per_cta`). ``sq_rows`` (a plain
-    prefill on the GPU, :attr:`MosaicConfig.q_boxes`): Q, O and the lse hold that many
-    rows (the call's Sq, fewer than the tiles' ``sq``), read and written in place by
-    TMA (zeros past them on the load, the stores clipped); None: ``sq``.
+    prefill on the GPU, :attr:`MosaicConfig.q_boxes`): Q and O hold that many rows
+    (the call's Sq, fewer than the tiles' ``sq``), read and written in place by TMA
+    (zeros past them on the load, the store clipped), the lse the tiles' ``sq``;
+    None: ``sq``.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`
     (of :class:`_PvSplitForward` with ``cfg.pv_split``)."""
@@ -1009,7 +1016,7 @@ class _Forward:
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
                  q_rows=None, rows_out=False, kv_boxes=False, per_cta=1, sq_rows=None):
         bn = self.bn = schedule.BLOCK_N
-        #: the rows of Q, O and the lse (``sq_rows``: fewer than the tiles' ``sq``)
+        #: the rows of Q and O (``sq_rows``: fewer than the tiles' ``sq``)
         self.sq_rows = sq if sq_rows is None else sq_rows
         if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
             raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
@@ -2400,11 +2407,14 @@ class _Forward:
             out_type = (jax.ShapeDtypeStruct((b, hq * self.q_rows, d), self.dtype),
                         jax.ShapeDtypeStruct((b, hq * self.q_rows), jnp.float32))
         else:
+            # (sq_rows: the output at Sq rows, the lse at the tiles': a tile's lse rows
+            # are one contiguous run, which Mosaic stores as a plain bulk copy clipped at
+            # the array's end only, so rows past Sq would land on the next head's.)
             rows = self.sq_rows
             out_type = (jax.ShapeDtypeStruct((b, rows, hq, d) if self.q_btnh
                                              else (b, hq, rows, d),
                                              jnp.float32 if self.state_out else self.dtype),
-                        jax.ShapeDtypeStruct((b, hq, rows), jnp.float32))
+                        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
         if self.gmem_state:  # the running states' scratch (the call drops it): a slot
             # of the CTA's rows per SM (interpret: per CTA, as its CTAs may run at once)
             slots = math.prod(grid) if self.interpret is not None else GMEM_STATE_SLOTS
@@ -3222,8 +3232,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         lead, sq_pad, skv_pad = padding(sq, skv, causal, cfg.rows, static_offset)
         offset = skv - sq if static_offset is None else static_offset
         # MosaicConfig.q_boxes: rows padded only at the end, read and written in place
+        # (Sq on the 8-row grid of Q's tiled SMEM: Mosaic GPU's TMA transform refuses a
+        # GMEM dimension off its tiling)
         q_boxes = (cfg.q_boxes and interpret is None and lead == 0 and sq_pad != sq
-                   and not states)
+                   and sq % 8 == 0 and not states)
         call = _build(b=b, hq=hq, hkv=hkv, sq=sq_pad, skv=skv_kernel,
                       offset=offset - lead, d=d, dtype=q.dtype, causal=causal,
                       scale=scale, cfg=cfg, gpu_operands=gpu_operands,
@@ -3244,8 +3256,10 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
             if partials:  # [B, Hq, n_splits, rows, ...] -> [n_splits, B, Hq, Sq, ...]
                 return (jnp.moveaxis(out[:, :, :, lead:lead + sq], 2, 0),
                         jnp.moveaxis(lse[:, :, :, lead:lead + sq], 2, 0))
-            if (lead, sq_pad) == (0, sq) or q_boxes:  # (q_boxes: sq rows already)
+            if (lead, sq_pad) == (0, sq):
                 return out, lse
+            if q_boxes:  # out at sq rows already; the lse at the tiles' rows (_build)
+                return out, lse[:, :, :sq]
             return (lax.slice_in_dim(out, lead, lead + sq, axis=sa),
                     lse[:, :, lead:lead + sq])
     if skv_pad != skv and not kv_boxes:
