@@ -46,17 +46,26 @@ class CheckResult:
     checked: bool = True  # False: the case does not apply to this problem (see detail)
 
 
+def normal(seed, shape, dtype=jnp.float32, *, nan_from: int | None = None) -> jax.Array:
+    """Standard-normal values of ``shape`` in ``dtype`` from ``seed`` (an int or a numpy
+    ``Generator``), drawn by numpy in fp32 and rounded to ``dtype`` on the host, and
+    NaN from row ``nan_from`` of the first axis on: no XLA program per shape (on a CPU,
+    jax.random's compiled once per new shape, about 0.25 s each)."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if nan_from is not None:
+        x[nan_from:] = np.nan
+    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+
+
 def random_qkv(p: Problem, *, seq_len: int | None = None, batch: int | None = None,
                seed: int | None = None):
     """Fresh normal q, k, v (never zeros) for a problem."""
     s = p.seq_len if seq_len is None else seq_len
     b = p.batch if batch is None else batch
-    key = jax.random.PRNGKey(p.seed if seed is None else seed)
-    kq, kk, kv = jax.random.split(key, 3)
-    dt = jnp.dtype(p.dtype)
-    q = jax.random.normal(kq, (b, p.num_q_heads, s, p.head_dim), jnp.float32).astype(dt)
-    k = jax.random.normal(kk, (b, p.num_kv_heads, s, p.head_dim), jnp.float32).astype(dt)
-    v = jax.random.normal(kv, (b, p.num_kv_heads, s, p.head_dim), jnp.float32).astype(dt)
+    rng = np.random.default_rng(p.seed if seed is None else seed)
+    q, k, v = (normal(rng, (b, h, s, p.head_dim), p.dtype)
+               for h in (p.num_q_heads, p.num_kv_heads, p.num_kv_heads))
     return q, k, v
 
 
@@ -110,7 +119,7 @@ def check_batch(op, p: Problem) -> list[CheckResult]:
         o1, l1 = fwd(q[i:i + 1], k[i:i + 1], v[i:i + 1])
         pairs += [(o1[0], out[i]), (l1[0], lse[i])]
     res = [_compare("row alone vs in batch", "forward", pairs)]
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do = normal(p.seed + 7, q.shape)
     grads = _grads(op, p.causal)
     g = grads(q, k, v, do, None)
     pairs = []
@@ -129,7 +138,7 @@ def check_rerun(op, p: Problem, repeats: int = 3) -> list[CheckResult]:
     pairs = [(a, b) for _ in range(repeats - 1) for a, b in zip(first, fwd(q, k, v),
                                                                   strict=True)]
     res = [_compare("run to run", "forward", pairs)]
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do = normal(p.seed + 7, q.shape)
     grads = _grads(op, p.causal)
     g0 = grads(q, k, v, do, None)
     pairs = [(a, b) for _ in range(repeats - 1)
@@ -180,7 +189,7 @@ def check_padding(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:
     v_pad = jnp.where(valid[:, None, :, None], v, nan)
     fwd = _fwd(op, p.causal)
     out, lse = fwd(q, k_pad, v_pad, valid)
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do = normal(p.seed + 7, q.shape)
     do_pad = jnp.where(valid[:, None, :, None], do, 0.0)
     grads = _grads(op, p.causal)
     g = grads(q, k_pad, v_pad, do_pad, valid)
@@ -258,7 +267,7 @@ def check_cp(op, p: Problem, degrees: Sequence[int],
                             f"backend {op.backend!r} has no cp_attention path; not checked",
                             checked=False) for kind in ("forward", "backward")]
     q, k, v = random_qkv(p)
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do = normal(p.seed + 7, q.shape)
     bn = schedule.BLOCK_N
     aligned = [d for d in degrees if p.seq_len % (d * bn) == 0]
     if not aligned:
@@ -319,15 +328,13 @@ def check_varlen(op, p: Problem, lengths: Sequence[int]) -> list[CheckResult]:
     lk = list(lengths) + ([p.seq_len] if p.causal else [])
     cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
-    key = jax.random.PRNGKey(p.seed + 11)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    dt = jnp.dtype(p.dtype)
+    rng = np.random.default_rng(p.seed + 11)
     tq, tk = int(cq[-1]) + 3, int(ck[-1]) + 2  # a NaN tail past the last sequence
-    q = jax.random.normal(k1, (tq, p.num_q_heads, p.head_dim), jnp.float32).astype(dt)
-    k = jax.random.normal(k2, (tk, p.num_kv_heads, p.head_dim), jnp.float32).astype(dt)
-    v = jax.random.normal(k3, (tk, p.num_kv_heads, p.head_dim), jnp.float32).astype(dt)
-    q, k, v = q.at[cq[-1]:].set(jnp.nan), k.at[ck[-1]:].set(jnp.nan), v.at[ck[-1]:].set(jnp.nan)
-    do = jax.random.normal(k4, q.shape, jnp.float32).at[cq[-1]:].set(0.0)
+    q = normal(rng, (tq, p.num_q_heads, p.head_dim), p.dtype, nan_from=int(cq[-1]))
+    k, v = (normal(rng, (tk, p.num_kv_heads, p.head_dim), p.dtype, nan_from=int(ck[-1]))
+            for _ in range(2))
+    do = jnp.asarray(np.where(np.arange(tq)[:, None, None] < cq[-1],
+                              rng.standard_normal(q.shape, dtype=np.float32), np.float32(0)))
     cu_q, cu_k = jnp.asarray(cq), jnp.asarray(ck)
 
     @jax.jit
@@ -372,7 +379,7 @@ def check_left_padding(op, p: Problem, pads: Sequence[int]) -> list[CheckResult]
     v_pad = jnp.where(valid[:, None, :, None], v, nan)
     fwd, grads = _fwd(op, p.causal), _grads(op, p.causal)
     out, lse = fwd(q, k_pad, v_pad, valid)
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 7), q.shape, jnp.float32)
+    do = normal(p.seed + 7, q.shape)
     if p.causal:
         do = jnp.where(valid[:, None, :, None], do, 0.0)
     g = grads(q, k_pad, v_pad, do, valid)
@@ -407,7 +414,7 @@ def check_jax_layout(op, p: Problem) -> list[CheckResult]:
     keep = jnp.arange(s)[None, :] < lens[:, None]
     nan = jnp.asarray(jnp.nan, k.dtype)
     k, v = (jnp.where(keep[:, None, :, None], x, nan) for x in (k, v))
-    do = jax.random.normal(jax.random.PRNGKey(p.seed + 11), q.shape, jnp.float32)
+    do = normal(p.seed + 11, q.shape)
 
     def t(x):
         return jnp.swapaxes(x, 1, 2)

@@ -132,13 +132,8 @@ def forward_fp32_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=
     """
     dims = validate_inputs(q, k, v, causal=causal, scale=scale,
                            key_padding_mask=key_padding_mask)
-    vis = visibility(dims.q_len, dims.kv_len, causal=causal, batch=dims.batch,
-                     key_padding_mask=key_padding_mask,
-                     query_positions=query_positions, key_positions=key_positions)
-    f32 = jnp.float32
-    return _attend(q.astype(f32), k.astype(f32), v.astype(f32),
-                   scale=resolve_scale(scale, dims.head_dim), visible=vis,
-                   precision=lax.Precision.HIGHEST, p_dtype=f32)
+    return _forward_jit(q, k, v, key_padding_mask, query_positions, key_positions,
+                        causal=causal, scale=resolve_scale(scale, dims.head_dim), fp32=True)
 
 
 def forward_fp32(q, k, v, *, causal=True, scale=None, key_padding_mask=None):
@@ -157,13 +152,30 @@ def forward_with_lse(q, k, v, *, causal=True, scale=None, key_padding_mask=None,
     """
     dims = validate_inputs(q, k, v, causal=causal, scale=scale,
                            key_padding_mask=key_padding_mask)
-    vis = visibility(dims.q_len, dims.kv_len, causal=causal, batch=dims.batch,
+    return _forward_jit(q, k, v, key_padding_mask, query_positions, key_positions,
+                        causal=causal, scale=resolve_scale(scale, dims.head_dim), fp32=False)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "fp32"))
+def _forward_jit(q, k, v, key_padding_mask, query_positions, key_positions, *, causal,
+                 scale, fp32):
+    """The two forwards' one program: jitted, so that an eager call compiles one
+    computation per shape instead of an XLA computation per operation (four times the
+    compile time on a CPU). Inside a caller's jit it is inlined (the same program as
+    before: XLA inlines the nested call). The ambient matmul precision is part of
+    jit's cache key."""
+    batch, _, q_len, _ = q.shape
+    vis = visibility(q_len, k.shape[2], causal=causal, batch=batch,
                      key_padding_mask=key_padding_mask,
                      query_positions=query_positions, key_positions=key_positions)
+    if fp32:  # upcast; every matmul at HIGHEST whatever the ambient precision
+        f32 = jnp.float32
+        return _attend(q.astype(f32), k.astype(f32), v.astype(f32), scale=scale,
+                       visible=vis, precision=lax.Precision.HIGHEST, p_dtype=f32)
     # fp32 inputs multiply in true fp32 (as the kernels do), not in the GPU's tf32.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    out, lse = _attend(q, k, v, scale=resolve_scale(scale, dims.head_dim), visible=vis,
-                       precision=precision, p_dtype=q.dtype)
+    out, lse = _attend(q, k, v, scale=scale, visible=vis, precision=precision,
+                       p_dtype=q.dtype)
     return out.astype(q.dtype), lse
 
 

@@ -26,12 +26,22 @@ from mosaic_support import (
 import jaxattn
 from jaxattn import reference, registry
 from jaxattn.backends.mosaic import backend as mosaic_backend
-from jaxattn.invariance import bits_equal
+from jaxattn.invariance import bits_equal, normal
 
 needs_api = pytest.mark.skipif(missing_api(("load", "Layout")) is not None,
                                reason=str(missing_api(("load", "Layout"))))
 _why_interp = missing_interpret(("load", "Layout"))
 needs_interpret = pytest.mark.skipif(_why_interp is not None, reason=str(_why_interp))
+
+#: The lowering checks' cases run in CI (tests/conftest.py: the others with -m slow on
+#: the CPU, all of them on the GPU battery): CP with chunks runs CP's kernels, the
+#: causal prefill the non-causal one's, decode the stacked rows', paged HND NHD's.
+CPU_CASES = {
+    "test_every_path_at_d256_lowers_for_cuda": (
+        "causal", "key padding mask", "decode", "chunked prefill", "cp chunks",
+        "paged HND", "varlen"),
+    "test_forward_and_gradient_lower_for_cuda": ("128", "200"),
+}
 
 
 def test_chosen_on_sm90_by_capability():
@@ -105,7 +115,7 @@ def test_large_head_dims_forward_and_gradients(d, causal):
     m = np.ones((2, 300), bool)
     m[0, 250:] = False
     mask = jnp.asarray(m)
-    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+    w = normal(seed, q.shape)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
@@ -408,14 +418,15 @@ def test_three_warpgroups_keep_bits_on_gpu():
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
 def test_q_boxes_keep_bits_on_gpu():
-    """On sm90, ``MosaicConfig(q_boxes=True)`` (Q, O and the lse at Sq rows, the last
-    tile's rows past Sq TMA's zeros and clipped stores) gives the padded copy's bits,
-    out and lse, no NaN, and nothing written past Sq (the outputs have Sq rows): D=64
+    """On sm90, ``MosaicConfig(q_boxes=True)`` (the default: Q and O at Sq rows, the
+    last tile's rows past Sq TMA's zeros and a clipped store; the lse sliced) gives the
+    padded copy's bits, out and lse (an lse store past Sq once landed on the next
+    head's rows), no NaN, and the outputs have Sq rows: D=64
     with three warpgroups (4200 rows: 192-row tiles) causal and not, JAX's layout, a
     key padding mask over NaN in dropped K and V; D=128 (two warpgroups, 5000 rows)
     causal; a chunk with a causal lead (the copy either way)."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(), mf.MosaicConfig(q_boxes=True)]
+    configs = [mf.MosaicConfig(q_boxes=False), mf.MosaicConfig()]  # (the default: True)
     rng = np.random.default_rng()
     q, k, v = rand_qkv(2, 8, 2, 5000, 5000, 64, jnp.bfloat16)
     for sq, skv, causal in ((4200, 4200, True), (4200, 4200, False), (4000, 4160, True)):
@@ -925,7 +936,7 @@ def test_interpret_backend_wrapper():
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_err(out, ref) < 2e-2, f"seed {seed}"
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2)
-    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+    w = normal(seed, q.shape)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
@@ -1018,7 +1029,7 @@ def test_interpret_cp_equals_single_call():
     with _mosaic_at_split_128() as kw:
         seed = int(np.random.default_rng().integers(2**16))
         q, k, v = rand_qkv(1, 1, 1, 256, 256, 64, jnp.bfloat16, seed=seed)
-        w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+        w = normal(seed, q.shape)
         be = mosaic_backend.MosaicBackend(**kw)
 
         def single(q, k, v):
@@ -1101,7 +1112,7 @@ def test_interpret_btnh_backward_equals_bhsd():
     kw = dict(causal=True, scale=0.25, interpret=True,
               fwd_config=mosaic_fwd.MosaicConfig(compute_wgs=1, block_m=64),
               bwd_config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1))
-    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+    w = normal(seed, q.shape)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
 
     def grads(btnh, offsets=None):

@@ -25,6 +25,7 @@ from mosaic_support import (
 
 import jaxattn
 from jaxattn import reference
+from jaxattn.invariance import normal
 
 
 def _missing_api() -> str | None:
@@ -69,15 +70,25 @@ def mosaic_bwd():
             pass
 
 
+#: The lowering checks' cases run in CI (tests/conftest.py: the others with -m slow on
+#: the CPU, all of them on the GPU battery): one of each kernel and launch family.
+CPU_CASES = {
+    "test_lowers_for_cuda_without_gpu": ("64-True-lane", "128-False-warpgroup"),
+    "test_dkdv_options_lower": ("default", "accumulate=inplace-dkdv_wgs=1",
+                                "mask=scores-exp2=False-dq_wgs=2",
+                                "split_dkdv=True-dv_wgs=2-dk_wgs=2"),
+    "test_head_dim_256_lowers_for_cuda": ("False",),
+    "test_dq_pair_lowers_for_cuda": ("256",),
+    "test_tails_and_key_mask_lower": ("True-default", "False-mask=scores-exp2=False"),
+}
+
 def _inputs(b, hq, hkv, sq, skv, d, dtype=jnp.bfloat16):
     seed = int(np.random.SeedSequence().generate_state(1)[0])
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, hq, sq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, hkv, skv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, hkv, skv, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, hq, sq, d), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (normal(rng, (b, h, s, d), dtype)
+                   for h, s in ((hq, sq), (hkv, skv), (hkv, skv), (hq, sq)))
     for x in (q, k, v, do):
-        assert float(jnp.max(jnp.abs(x.astype(jnp.float32)))) > 0.0
+        assert np.abs(np.asarray(x, np.float32)).max() > 0.0
     return seed, q, k, v, do
 
 
@@ -221,7 +232,7 @@ def test_delta_triton_option_and_dlse(mosaic_bwd):
     the same bits in interpret mode, with a cotangent of lse."""
     seed, q, _, _, do = _inputs(1, 2, 1, 128, 64, 64)
     out = q  # any bf16 tile
-    dlse = jax.random.normal(jax.random.key(seed + 1), (1, 2, 128), jnp.float32)
+    dlse = normal(seed + 1, (1, 2, 128))
     a = mosaic_bwd.delta(out, do, dlse, interpret=True)
     b = mosaic_bwd.delta(out, do, dlse, interpret=True,
                          config=mosaic_bwd.BwdConfig(delta="triton"))
@@ -241,7 +252,7 @@ def test_interpret_backward_tails_and_key_mask(mosaic_bwd):
     cotangent on the padding rows) gives the unpadded sequence's gradients in bits."""
     cfg = mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1)
     seed, q, k, v, do = _inputs(1, 2, 1, 100, 150, 64)
-    mask = np.array(jax.random.bernoulli(jax.random.key(seed), 0.7, (1, 150)))
+    mask = np.random.default_rng(seed).uniform(size=(1, 150)) < 0.7
     mask[:, :8] = True
     mask = jnp.asarray(mask)
     out, lse = reference.forward_with_lse(q, k, v, causal=True, key_padding_mask=mask)
@@ -347,6 +358,8 @@ def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+# CI time (31 to 38 s): the D=256 default's option; test_dq_in_smem_keeps_bits_on_gpu
+@pytest.mark.slow
 @needs_threads
 @needs_interpret
 def test_interpret_dq_in_smem_keeps_bits(mosaic_bwd):
@@ -416,6 +429,9 @@ def test_interpret_dkdv_pair_keeps_bits(mosaic_bwd):
                                   dict(split_dkdv=True, dkdv_pair=True))
 
 
+# CI time (56 to 65 s): the D=256 default's option; test_dq_pair_keeps_bits_on_gpu (the
+# D=256 default's dkdv_pair keeps its interpreter test in CI)
+@pytest.mark.slow
 @needs_threads
 @needs_interpret
 def test_interpret_dq_pair_keeps_bits(mosaic_bwd):
@@ -458,6 +474,8 @@ def test_interpret_dq_pair_without_keys_keeps_bits(mosaic_bwd):
     np.testing.assert_array_equal(bits(dq[0]), bits(dq[1]), err_msg=f"dq, Sq > Skv (seed {seed})")
 
 
+# CI time (25 to 30 s): the D=256 default's option; test_d256_backward_options_keep_bits_on_gpu
+@pytest.mark.slow
 @needs_threads
 @needs_interpret
 def test_interpret_dq_split_ring_keeps_bits(mosaic_bwd):

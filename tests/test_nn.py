@@ -13,7 +13,7 @@ import pytest
 from conftest import np_attention, rand_qkv, rel_err
 
 import jaxattn
-from jaxattn.invariance import bits_equal
+from jaxattn.invariance import bits_equal, normal
 
 
 def t(x):
@@ -42,7 +42,7 @@ def test_equals_attention_on_the_transposed_inputs_in_bits(causal):
     lens = jnp.array([70, 45], jnp.int32)
     kt, vt = (_with_nan_past(t(x), lens) for x in (k, v))
     keep = jnp.arange(70)[None, :] < lens[:, None]
-    w = jax.random.normal(jax.random.key(seed), t(q).shape, jnp.float32)
+    w = normal(seed, t(q).shape)
 
     def ours(q, k, v):
         return jaxattn.dot_product_attention(q, k, v, is_causal=causal,
@@ -110,7 +110,7 @@ def test_query_seq_lengths_zero_the_padding_rows_and_their_gradients():
     assert bits_equal(out[:, :30], unpadded[:, :30]) and bits_equal(out[0], unpadded[0])
     jnn = jax.nn.dot_product_attention(q, k, v, **kw)
     assert rel_err(out, jnn) < 1e-5
-    w = jax.random.normal(jax.random.key(seed), q.shape, jnp.float32)
+    w = normal(seed, q.shape)
     dq, dk, dv = _grads(ours, w, qn, kn, vn)
     for name, g in zip("qkv", (dq, dk, dv), strict=True):
         assert not np.isnan(np.asarray(g)).any(), name
@@ -180,7 +180,7 @@ def test_default_backend_equals_attention_in_bits_on_gpu(b, sq, skv, hq, hkv, d,
     lens_a = None if lens is None else jnp.asarray(lens, jnp.int32)
     keep = None if lens is None else jnp.arange(skv)[None, :] < lens_a[:, None]
     kt, vt = ((t(x) if lens is None else _with_nan_past(t(x), lens_a)) for x in (k, v))
-    w = jax.random.normal(jax.random.key(seed), t(q).shape, jnp.float32)
+    w = normal(seed, t(q).shape)
     top_left = causal and sq != skv
 
     def ours(q, k, v):

@@ -334,21 +334,21 @@ def _decode_bucket_case(backend: str, steps: int, d: int):
 
 @pytest.mark.parametrize("backend", [BACKEND] + (["mosaic"] if ON_GPU else []))
 def test_decode_steps_trace_once_per_bucket_and_keep_the_bits(backend):
-    """300 decode steps through the bridge: at most one trace per bucket touched (1, 2,
-    4, ..., 256, 512), and every step equal in raw bits to the unbucketed JAX call: each
-    step against the unbucketed prefill's row (decode rows equal prefill rows, a row of
-    the invariance matrix), and steps at and around every bucket edge against the
-    unbucketed decode call itself."""
-    steps = 300
+    """300 decode steps through the bridge (140 on a CPU): at most one trace per bucket
+    touched (1, 2, 4, ..., 256, 512), and every step equal in raw bits to the
+    unbucketed JAX call: each step against the unbucketed prefill's row (decode rows
+    equal prefill rows, a row of the invariance matrix), and steps at and around every
+    bucket edge against the unbucketed decode call itself."""
+    steps = 300 if ON_GPU else 140  # (CI time: buckets to 256 on the CPU, 512 on a GPU)
     q, k, v, rows, traces = _decode_bucket_case(backend, steps, 16 if not ON_GPU else 128)
     buckets = {jaxattn.schedule.bucket_length(n) for n in range(1, steps + 1)}
-    assert len(buckets) == 10 and 1 <= traces <= len(buckets), traces
+    assert len(buckets) == (10 if ON_GPU else 9) and 1 <= traces <= len(buckets), traces
     jop = jaxattn.get_op("attention", backend=backend)
     full_out, full_lse = jop.forward_with_lse(_j(q), _j(k), _j(v), causal=True)
     for i, (out, lse) in enumerate(rows):
         assert not torch.isnan(out).any()
         assert _same(out, full_out[:, :, i:i + 1]) and _same(lse, full_lse[:, :, i:i + 1]), i
-    for n in (1, 2, 3, 64, 65, 129, 257, steps):
+    for n in sorted({1, 2, 3, 64, 65, 129, min(257, steps), steps}):
         jo, jl = jop.forward_with_lse(_j(q[:, :, n - 1:n]), _j(k[:, :, :n]), _j(v[:, :, :n]))
         assert _same(rows[n - 1][0], jo) and _same(rows[n - 1][1], jl), n
 
