@@ -228,3 +228,22 @@ def warps_stages_config(warps: int, stages: int):
 
     return pt.ForwardConfig(num_warps=warps, num_stages=stages, decode_num_warps=warps,
                             decode_num_stages=stages)
+
+
+if os.environ.get("JAXATTN_TEST_CPU_LOG"):
+    # Opt-in (CI-time work): each test's CPU seconds (this process's threads and its
+    # children's) and wall seconds, appended to that file. Under xdist the durations
+    # pytest prints are wall time shared with the other workers; the CPU is the work.
+    import resource
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        def cpu():
+            return sum(getattr(resource.getrusage(who), f)
+                       for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                       for f in ("ru_utime", "ru_stime"))
+        c0, t0 = cpu(), time.perf_counter()
+        yield
+        with open(os.environ["JAXATTN_TEST_CPU_LOG"], "a") as f:
+            f.write(f"{cpu() - c0:.2f} {time.perf_counter() - t0:.2f} {item.nodeid}\n")

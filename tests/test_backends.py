@@ -356,8 +356,10 @@ def test_chunked_prefill_vs_full(spec):
 def test_decode_steps_vs_prefill(spec):
     if not spec.follows_schedule:
         pytest.skip("not promised by this backend")
-    # The first key, both sides of each block edge, a row inside a block, the last row.
-    steps = [0, 1, 62, 63, 64, 65, 100, 127, 128, 149]
+    # The first key, both sides of each block edge, the last row (CI time: six steps on
+    # the CPU; the bridge's decode test runs 140 against the prefill's rows on pallas).
+    steps = ([0, 1, 62, 63, 64, 65, 100, 127, 128, 149] if ON_GPU
+             else [0, 63, 64, 127, 128, 149])
     _assert_all(invariance.check_decode(_op(spec), PROBLEM, steps))
 
 
@@ -527,7 +529,7 @@ def test_decode_past_one_split_with_padding_mask(spec):
 
 # ------------------------------------------------------------------------- properties
 
-@settings(max_examples=8 if not ON_GPU else 25, deadline=None,
+@settings(max_examples=5 if not ON_GPU else 25, deadline=None,  # (CI time: 5 on the CPU)
           suppress_health_check=[HealthCheck.too_slow])
 @given(b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 4]),
        sq=st.integers(1, 80), extra=st.integers(-20, 90), causal=st.booleans(),

@@ -70,12 +70,13 @@ def test_merge_rejects_gaps_overlaps_and_shape_mismatch():
         cp.merge_partial_states([])
 
 
-# CI time: degree 8 (29 s) with -m slow; the 8-device mesh test runs degree 8. Degree 2
-# without chunks (15 s) with -m slow: tests/test_backends.py's CP row runs degrees 1, 2, 4
-# and 8 in bits on pallas, forward and backward.
+# CI time: degree 8 (29 s) with -m slow; the 8-device mesh test runs degree 8. Degrees 2
+# and 4 without chunks (15 and 10 s) with -m slow: tests/test_backends.py's CP row runs
+# degrees 1, 2, 4 and 8 in bits on pallas, forward and backward.
 @pytest.mark.parametrize("world,chunk", [pytest.param(1, None, marks=pytest.mark.slow),
                                          pytest.param(2, None, marks=pytest.mark.slow),
-                                         (2, 128), (4, None),
+                                         (2, 128),
+                                         pytest.param(4, None, marks=pytest.mark.slow),
                                          pytest.param(8, None, marks=pytest.mark.slow)])
 def test_cp_degrees_equal_single_call_in_bits(small_split, world, chunk):
     # 8 SPLIT-aligned shards need 1024 keys; two shards (and chunks of one SPLIT) 512.

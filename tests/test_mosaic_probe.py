@@ -676,13 +676,14 @@ def test_interpret_causal_offsets(mosaic_fwd):
     """Per-sequence causal offsets (a paged cache's ``seq_lens - Sq``) with the keys
     past each sequence's length dropped: every sequence's rows equal, in bits, those of
     a call of its own whose static offset is that sequence's (its keys cut at its
-    length), for a chunk of 40 rows, for a decode row (the GQA group stacked) and for 3
-    queries per head across a block edge (the group's heads and queries stacked: 6
-    rows; its row r at query 0's position plus r % 3). The dropped keys hold NaN and inf
-    (a paged cache's unused slots): nothing leaks."""
+    length), for a chunk of 40 rows and for 3 queries per head across a block edge
+    (the group's heads and queries stacked: 6 rows; its row r at query 0's position
+    plus r % 3). The dropped keys hold NaN and inf (a paged cache's unused slots):
+    nothing leaks."""
     cfg = mosaic_fwd.MosaicConfig(**_ONE_WG)
     seed, q, k, v = _inputs(2, 2, 1, 40, 150, 64)
-    for sq, lens in ((40, (150, 97)), (1, (130, 70)), (3, (130, 66))):
+    # (CI time: a decode row with offsets: test_interpret_split_decode_keeps_bits)
+    for sq, lens in ((40, (150, 97)), (3, (130, 66))):
         qq = q[:, :, -sq:]
         keep = jnp.arange(150)[None, :] < jnp.asarray(lens)[:, None]
         offs = jnp.asarray(lens, jnp.int32) - sq
@@ -738,8 +739,8 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd, small_split):
     without a producer (the default ``ctas_per_sm=2``: the compute warpgroup loads each
     slot's next block once it has read the slot), also from pages of 16 keys (four
     copies a block), and with both SPLITs in one CTA (``splits_per_cta=2``: its ring
-    running on across them); without the mask, the split kernel with a producer and
-    the unsplit kernel without one too."""
+    running on across them); without the mask, the unsplit kernel without a producer
+    too."""
     s = schedule.SPLIT + 100
     seed, q, k, v = _inputs(2, 2, 1, 1, s, 64)
     keep = jnp.asarray(np.arange(s) % 11 != 3)[None].repeat(2, axis=0)
@@ -748,8 +749,9 @@ def test_interpret_split_decode_keeps_bits(mosaic_fwd, small_split):
     for kw in ({}, {"key_padding_mask": keep, "causal_offsets": offs}):
         configs = (cfg(split_decode=False, ctas_per_sm=1), cfg(split_decode=True),
                    cfg(split_decode=True, splits_per_cta=2))
-        if not kw:  # (the launch choices that do not read the mask: once, CI time)
-            configs += (cfg(split_decode=True, ctas_per_sm=1), cfg(split_decode=False))
+        if not kw:  # (the launch choice that does not read the mask: once, CI time;
+            # the split kernel with a producer: test_two_ctas_an_sm_keeps_bits_on_gpu)
+            configs += (cfg(split_decode=False),)
         outs = [mosaic_fwd.forward(q, k, v, causal=True, interpret=True, config=c, **kw)
                 for c in configs]
         for want, *got in zip(*outs, strict=True):
