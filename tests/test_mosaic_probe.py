@@ -802,6 +802,9 @@ def test_interpret_splits_per_cta_keeps_bits(mosaic_fwd, small_split):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
+# CI time (16 CPU s): the defaults' equality with the padded call; the decode tests here
+# run the defaults, test_flat_q_and_out_keep_bits_on_gpu the comparison
+@pytest.mark.slow
 @needs_threads
 @needs_interpret
 def test_interpret_flat_q_and_out_keep_bits(mosaic_fwd, small_split):
