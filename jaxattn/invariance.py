@@ -46,13 +46,14 @@ class CheckResult:
     checked: bool = True  # False: the case does not apply to this problem (see detail)
 
 
-def normal(seed, shape, dtype=jnp.float32, *, nan_from: int | None = None) -> jax.Array:
-    """Standard-normal values of ``shape`` in ``dtype`` from ``seed`` (an int or a numpy
-    ``Generator``), drawn by numpy in fp32 and rounded to ``dtype`` on the host, and
-    NaN from row ``nan_from`` of the first axis on: no XLA program per shape (on a CPU,
-    jax.random's compiled once per new shape, about 0.25 s each)."""
+def normal(seed, shape, dtype=jnp.float32, *, scale: float = 1.0,
+           nan_from: int | None = None) -> jax.Array:
+    """Normal values (standard, times ``scale``) of ``shape`` in ``dtype`` from ``seed``
+    (an int or a numpy ``Generator``), drawn by numpy in fp32 and rounded to ``dtype``
+    on the host, and NaN from row ``nan_from`` of the first axis on: no XLA program per
+    shape (on a CPU, jax.random's compiled once per new shape, about 0.25 s each)."""
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    x = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
     if nan_from is not None:
         x[nan_from:] = np.nan
     return jnp.asarray(x.astype(jnp.dtype(dtype)))

@@ -126,10 +126,9 @@ _counter = iter(range(10**9))
 
 def rand(shape, dtype=jnp.float32, *, seed: int | None = None, scale: float = 1.0):
     """Fresh normal values (never zeros); a new seed on every call unless given."""
+    from jaxattn.invariance import normal
     seed = next(_counter) + 1000 if seed is None else seed
-    x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(scale)
-    # (numpy, rounded to ``dtype`` on the host: jax.random compiled a program per shape)
-    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+    return normal(seed, shape, dtype, scale=scale)
 
 
 def rand_qkv(b, hq, hkv, sq, skv, d, dtype=jnp.float32, seed: int | None = None):

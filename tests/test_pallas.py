@@ -32,6 +32,16 @@ from jaxattn.registry import get_op as jaxattn_get_op
 
 INTERPRET = not ON_GPU
 
+#: Cases run in CI (tests/conftest.py: the others with -m slow on the CPU, all of them
+#: on the GPU battery; about 30 s of CI): the split path against prefill at each length
+#: once (causal at two, non-causal at one), tile heights 16 and 128 (the smallest and
+#: the default's; 32 and 64 between them on the GPU).
+CPU_CASES = {
+    "test_split_parallel_and_prefill_paths_agree_in_bits": (
+        "True-1-2118", "False-3-1025", "True-40-300"),
+    "test_tile_height_does_not_change_bits": ("16", "128"),
+}
+
 
 def _forward(q, k, v, mask=None, causal=True, **kw):
     return pt.forward(q, k, v, mask, causal=causal, scale=1 / math.sqrt(q.shape[-1]),
@@ -80,16 +90,6 @@ def test_warps_and_stages_do_not_change_bits(warps, stages):
     q, k, v = rand_qkv(2, 32, 8, 600, 2100, 128, jnp.bfloat16, seed=12)
     assert_configs_keep_bits(_forward, q, k, v, [warps_stages_config(warps, stages)])
 
-
-#: Cases run in CI (tests/conftest.py: the others with -m slow on the CPU, all of them
-#: on the GPU battery; about 30 s of CI): the split path against prefill at each length
-#: once (causal at two, non-causal at one), tile heights 16 and 128 (the smallest and
-#: the default's; 32 and 64 between them on the GPU).
-CPU_CASES = {
-    "test_split_parallel_and_prefill_paths_agree_in_bits": (
-        "True-1-2118", "False-3-1025", "True-40-300"),
-    "test_tile_height_does_not_change_bits": ("16", "128"),
-}
 
 def test_whole_block_steps_compute_the_same_values():
     """The unmasked fast path (used on the GPU) in interpret mode: values, not bits."""

@@ -45,6 +45,15 @@ needs_triton = pytest.mark.skipif(UNAVAILABLE is not None,
                                   reason=f"backend 'triton' is unavailable: {UNAVAILABLE}")
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 GRAD_TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2, jnp.float32: 1e-4}
+#: Cases run in CI (tests/conftest.py: the others with -m slow on the CPU, all of them
+#: on the GPU battery; about 40 s of CI): the Triton interpreter runs the 16-bit dtypes'
+#: kernels for bf16 (fp16's accuracy and fp32's bits beside Pallas on the GPU), and the
+#: split path against prefill past one SPLIT causal (the non-causal case on the GPU).
+CPU_CASES = {
+    "test_accurate_against_forward_fp32_and_reference_gradients": ("bfloat16", "float32"),
+    "test_split_parallel_and_prefill_paths_agree_in_bits": ("1-2118-True",),
+    "test_bits_beside_the_pallas_backend": ("bfloat16",),
+}
 
 
 def _scale(q):
@@ -61,16 +70,6 @@ def _verdict(a, b) -> str:
 
 
 # ----------------------------------------------------------- without the optional deps
-#: Cases run in CI (tests/conftest.py: the others with -m slow on the CPU, all of them
-#: on the GPU battery; about 40 s of CI): the Triton interpreter runs the 16-bit dtypes'
-#: kernels for bf16 (fp16's accuracy and fp32's bits beside Pallas on the GPU), and the
-#: split path against prefill past one SPLIT causal (the non-causal case on the GPU).
-CPU_CASES = {
-    "test_accurate_against_forward_fp32_and_reference_gradients": ("bfloat16", "float32"),
-    "test_split_parallel_and_prefill_paths_agree_in_bits": ("1-2118-True",),
-    "test_bits_beside_the_pallas_backend": ("bfloat16",),
-}
-
 
 def test_unavailable_without_triton_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec -> None, import fails
