@@ -178,13 +178,14 @@ def _configs_agree_in_bits(f, configs, tag, *args, **kw):
 def _mask_and_layout_agree(configs, rng, q, k, v, s):
     """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
     the first ``s`` rows and keys of ``q``, ``k``, ``v`` (``[B, H, S, D]``): non-causal
-    with a random key padding mask over NaN in the dropped keys' K and V, and causal in
-    JAX's ``[B, S, H, D]`` layout."""
+    with a random key padding mask over the house's poison in the dropped keys (NaN in
+    K, inf in V: ``mosaic_support.dropped_nan``), and causal in JAX's ``[B, S, H, D]``
+    layout."""
     from jaxattn.backends.mosaic import forward as mf
     q, k, v = q[:, :, :s], k[:, :, :s], v[:, :, :s]
     keep = jnp.asarray(rng.random((q.shape[0], s)) < 0.8)
-    nan_k, nan_v = (jnp.where(keep[:, None, :, None], x, jnp.nan) for x in (k, v))
-    _configs_agree_in_bits(mf.forward, configs, ("mask", s), q, nan_k, nan_v,
+    (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+    _configs_agree_in_bits(mf.forward, configs, ("mask", s), q, k_nan, v_inf,
                            causal=False, key_padding_mask=keep)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     _configs_agree_in_bits(mf.forward, configs, ("btnh", s), t(q), t(k), t(v),
