@@ -442,6 +442,34 @@ def test_q_boxes_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_static_slots_keep_bits_on_gpu():
+    """On sm90, ``MosaicConfig(static_slots=True)`` (the unmasked blocks' loop unrolled
+    by the K/V ring's two slots, branched on the slot of each SPLIT's first block)
+    gives ``static_slots=False``'s bits, out and lse, no NaN: at D=256 each of the
+    SPLIT fold's cases (the default's launches: the state in GMEM, SMEM, registers)
+    and D=128 causal; at D=64 the persistent grid (a CTA's items of odd and even block
+    counts in turn: the ring's slot at an item's first block changes) causal and not,
+    three warpgroups (4200 keys), a chunk with a lead, a key mask over poisoned keys
+    and JAX's layout; decode steps (Sq 1 and 4) and the split decode."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)]
+    _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
+    rng = np.random.default_rng()
+    q, k, v = rand_qkv(2, 8, 2, 4200, 4200, 64, jnp.bfloat16)
+    for sq, skv, causal in ((2100, 2100, True), (2100, 2100, False), (4200, 4200, True),
+                            (4200, 4200, False), (1000, 4160, True), (1, 4200, True),
+                            (4, 3000, True)):
+        lo = skv - sq
+        _configs_agree_in_bits(mf.forward, configs, (64, sq, skv, causal),
+                               q[:, :, lo:skv], k[:, :, :skv], v[:, :, :skv], causal=causal)
+    _mask_and_layout_agree(configs, rng, q, k, v, 2100)
+    qd, kd, vd = rand_qkv(2, 32, 8, 1, 20000, 128, jnp.bfloat16)
+    _configs_agree_in_bits(mf.forward, configs, "split decode", qd, kd, vd, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

@@ -410,6 +410,16 @@ class MosaicConfig:
     #: B=8 S=4200 1.11x causal and 1.04x non-causal at D=64, 1.14x causal at D=128;
     #: B=2 S=16384 D=64 1.03x causal, 1.02x non-causal.
     q_boxes: bool = True
+    #: The softmax consumer's unmasked key blocks in a loop unrolled by the K/V ring's
+    #: two slots, branched once a SPLIT on the slot of its first block, so each step's
+    #: slot, its barriers and their phase bits are constants, instead of ``(base + t)
+    #: mod 2`` and a shift of the barrier array's phase bitfield at every wait (on the
+    #: H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp, a
+    #: dependent chain before the next block's wait: notes "eighteenth stop"). An odd
+    #: count's last block runs after the pairs. Where the ring has two slots and a
+    #: producer warpgroup; None: on the GPU (the interpreter keeps the dynamic slots,
+    #: fewer programs to compile). The same steps in the same order: a launch choice.
+    static_slots: bool | None = False
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -500,7 +510,7 @@ class MosaicConfig:
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
         for name in ("smem_state", "pv_split", "gmem_state", "merge_arrive",
-                     "last_merge_arrive", "kv_multicast"):  # None: by shape
+                     "last_merge_arrive", "kv_multicast", "static_slots"):  # None: by shape
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
@@ -1230,6 +1240,10 @@ class _Forward:
         # hints.
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
+        #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
+        #: None: on the GPU)
+        self.static_slots = (self.stages == 2 and not self.inline_loads and (
+            interpret is None if cfg.static_slots is None else cfg.static_slots))
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
             raise ValueError("split_out needs one compute warpgroup and no persistent "
@@ -1385,9 +1399,9 @@ class _Forward:
         one turn goes round and no barrier is ever two phases ahead of its waiter."""
         arrive_where(it.bars[6].at[lax.rem(it.w + 1, jnp.int32(self.nwg))], when)
 
-    def wait_keep(self, it: _Item, t):
+    def wait_keep(self, it: _Item, t, slot=None):
         if self.key_mask:  # every step's, to keep the barrier's phase
-            plgpu.barrier_wait(it.bars[7].at[self.slot_of(it, t)])
+            plgpu.barrier_wait(it.bars[7].at[self.slot_of(it, t) if slot is None else slot])
 
     def indices(self):
         """(cols, cols - rows) of a (bm, bn) block in the WGMMA layout: key j * bn + c
@@ -1663,21 +1677,26 @@ class _Forward:
                         lambda: self.softmax(it, j, s, m, l, True, keep),
                         lambda: self.softmax(it, j, s, m, l, False, keep))
 
-    def block_step(self, it: _Item, n_steps, t, carry, *, masked):
+    def block_step(self, it: _Item, n_steps, t, carry, *, masked, slot=None):
         """Softmax consumer, key block ``t`` (taking the masked path if ``masked``): S =
         Q K^T on wgmma (K's slot released), the online-softmax step, then P V into the
         accumulator, in place (``acc * alpha`` as the wgmma's initial accumulator) or
-        into a fresh one added after; the next block's K is awaited while P V runs."""
+        into a fresh one added after; the next block's K is awaited while P V runs.
+        ``slot``: the block's ring slot where the caller knows it as a constant
+        (:meth:`unmasked_steps`), else None (:meth:`slot_of`)."""
         acc, m, l = carry
         _, _, v_s, _, ones_s, _, keep_s, *_ = it.smem
         k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
         bm, d = self.bm, self.d
-        slot = self.slot_of(it, t)
+        next_slot = (self.slot_of(it, t + 1) if slot is None
+                     else (slot + 1) % self.stages)
+        if slot is None:
+            slot = self.slot_of(it, t)
         # inline_loads: block t + stages' copies, read before the products (a paged
         # block's table entries are loads from global memory; their use waits for them)
         nxt = ((t + self.stages, self.block_parts(it.bi, t + self.stages))
                if self.inline_loads else None)
-        self.wait_keep(it, t)
+        self.wait_keep(it, t, slot)
         # merge_arrive: the SPLIT's first block's arrival made before the last merge
         s = self.scores(it, slot, arrive=(True if it.arrived is None
                                           else jnp.logical_not(it.arrived & (t == it.lo))))
@@ -1725,7 +1744,7 @@ class _Forward:
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
             @pl.when(t + 1 < n_steps)
             def _():
-                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1)])
+                plgpu.barrier_wait(k_bar.at[next_slot])
 
         if self.inplace and p32 is not None:
             def pv_late(refs):
@@ -1810,6 +1829,29 @@ class _Forward:
 
     # -- the SPLIT fold --------------------------------------------------------------
 
+    def unmasked_steps(self, it: _Item, step, lo, mid, carry):
+        """The unmasked blocks ``[lo, mid)`` of a SPLIT, in key order, from ``carry``
+        (``step``: :meth:`block_step` bound to the item). With ``static_slots``: the loop
+        unrolled by the ring's two slots, branched once on the slot of block ``lo``, so
+        each step's slot (its SMEM, its barriers and their phase bits) is a constant;
+        an odd count's last block after the pairs. The same steps in the same order."""
+        if not self.static_slots:
+            return lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
+
+        def from_slot(first, carry):
+            def pair(i, c):
+                t = lo + 2 * i
+                c = step(t, c, masked=False, slot=first)
+                return step(t + 1, c, masked=False, slot=1 - first)
+
+            carry = lax.fori_loop(0, lax.div(mid - lo, 2), pair, carry)
+            return lax.cond(lax.rem(mid - lo, 2) == 1,
+                            lambda c: step(mid - 1, c, masked=False, slot=first),
+                            lambda c: c, carry)
+
+        return lax.cond(self.slot_of(it, lo) == 0, functools.partial(from_slot, 0),
+                        functools.partial(from_slot, 1), carry)
+
     def rows_init(self, value):
         """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
         return self.layout(jnp.full((self.bm,), value, jnp.float32), self.row_layout)
@@ -1864,7 +1906,7 @@ class _Forward:
         early = more is not None and self.merge_arrive
         it.lo, it.arrived = (lo, si > 0) if early else (None, None)
         step = functools.partial(self.block_step, it, n_steps)
-        carry = lax.fori_loop(lo, mid, functools.partial(step, masked=False), init)
+        carry = self.unmasked_steps(it, step, lo, mid, init)
         acc, m, l = lax.fori_loop(mid, end, functools.partial(step, masked=True), carry)
         it.lo = it.arrived = None
         if early:  # (after the wait before P V: the arrival is the next phase's)
