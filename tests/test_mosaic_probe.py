@@ -240,6 +240,32 @@ def test_interpret_three_warpgroups_keep_bits(mosaic_fwd, small_split):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
+# CI time (a launch choice of the GPU, off in the interpreter by default):
+# test_static_slots_keep_bits_on_gpu
+@pytest.mark.slow
+@needs_threads
+@needs_interpret
+def test_interpret_static_slots_keep_bits(mosaic_fwd, small_split):
+    """``static_slots=True`` (a SPLIT's unmasked blocks unrolled by the ring's two
+    slots, branched on its first block's slot; an odd count's last block after the
+    pairs) gives the dynamic slots' bits, out and lse, no NaN: a causal prefill over
+    three SPLITs (small_split: the unmasked runs of 2 blocks start on either slot as
+    the ring runs on), a non-causal chunk with a partial last block, and a persistent
+    grid of three CTAs whose items of odd and even block counts follow one another."""
+    cfg = mosaic_fwd.MosaicConfig
+    seed, q, k, v = _inputs(1, 2, 1, 300, 450, 64)
+    for sq, skv, causal, kw in ((300, 300, True, {}), (200, 450, False, {}),
+                                (260, 260, True, {"persistent": 3})):
+        qs, ks, vs = q[:, :, :sq], k[:, :, :skv], v[:, :, :skv]
+        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
+                                          config=cfg(static_slots=ss, **kw))
+                       for ss in (False, True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y),
+                                          err_msg=f"{sq, skv, causal, kw} (seed {seed})")
+
+
 # CI time (23 to 33 s): the GPU's D=256 option, off on the CPU; test_smem_state_keeps_bits_on_gpu
 @pytest.mark.slow
 @needs_threads
@@ -1779,7 +1805,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
-               {"last_merge_arrive": "yes"}):
+               {"last_merge_arrive": "yes"}, {"static_slots": 2}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).
