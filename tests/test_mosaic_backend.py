@@ -221,8 +221,8 @@ _FOLD_CASES = ((1000, 1000, True), (2900, 2900, True), (300, 2900, True),
 def _backward_configs_agree_in_bits(configs, d, cases):
     """The mosaic backward's gradients under each ``BwdConfig`` of ``configs`` equal the
     first's in bits, no NaN, on fresh inputs (B=2, Hq=8, Hkv=2, head dim ``d``) for each
-    case ``(Sq, Skv, causal, masked)``; ``masked``: a random key padding mask with NaN
-    in the dropped keys' K and V."""
+    case ``(Sq, Skv, causal, masked)``; ``masked``: a random key padding mask over the
+    house's poison in the dropped keys (NaN in K, inf in V: ``dropped_nan``)."""
     from jaxattn.backends.mosaic import backward as mb
     rng = np.random.default_rng()
     for sq, skv, causal, masked in cases:
@@ -231,8 +231,7 @@ def _backward_configs_agree_in_bits(configs, d, cases):
         keep = None
         if masked:
             keep = jnp.asarray(rng.random((2, skv)) > 0.2).at[:, -1].set(True)
-            k = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-            v = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
+            (k, v), _ = dropped_nan(k, v, keep)
         out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
                                      key_padding_mask=keep, backend="mosaic")
         _configs_agree_in_bits(
@@ -465,6 +464,25 @@ def test_static_slots_keep_bits_on_gpu():
     _mask_and_layout_agree(configs, rng, q, k, v, 2100)
     qd, kd, vd = rand_qkv(2, 32, 8, 1, 20000, 128, jnp.bfloat16)
     _configs_agree_in_bits(mf.forward, configs, "split decode", qd, kd, vd, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("d", [64, 128])
+def test_static_slots_keep_backward_bits_on_gpu(d):
+    """On sm90, ``BwdConfig(static_slots=True)`` (the dK/dV kernel's steps unrolled by
+    the ring's two slots, branched on the slot of each run's first step: a causal
+    head's masked and unmasked runs start on either slot) gives ``static_slots=False``'s
+    gradients in bits, no NaN: causal with a partial last block, non-causal, a key
+    padding mask over poisoned keys, more queries than keys; GQA (four heads' runs a
+    KV block)."""
+    from jaxattn.backends.mosaic import backward as mb
+    configs = [mb.BwdConfig(static_slots=False), mb.BwdConfig(static_slots=True)]
+    _backward_configs_agree_in_bits(configs, d, ((1000, 1000, True, False),
+                                                 (1024, 1024, False, False),
+                                                 (1000, 1000, True, True),
+                                                 (1000, 300, True, False)))
 
 
 @pytest.mark.gpu

@@ -309,6 +309,29 @@ def test_interpret_dkdv_two_warpgroups_keepbits(mosaic_bwd):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"d{name} (seed {seed})")
 
 
+@pytest.mark.slow  # CI time: a launch choice of the GPU, off in the interpreter by default
+# (test_static_slots_keep_backward_bits_on_gpu)
+@needs_threads
+@needs_interpret
+def test_interpret_static_slots_keep_bits(mosaic_bwd):
+    """``BwdConfig(static_slots=True)`` (the dK/dV kernel's steps unrolled by the ring's
+    two slots, branched on each run's first slot) gives the dynamic slots' gradients in
+    bits, no NaN: causal with GQA (two heads' masked and unmasked runs a KV block, on
+    either slot) and non-causal (one run of three steps from slot 0: the odd step
+    after the pair)."""
+    for hq, sq, causal in ((2, 256, True), (1, 192, False)):
+        seed, q, k, v, do = _inputs(1, hq, 1, sq, sq, 64)
+        out, lse = jaxattn.attention(q, k, v, causal=causal, return_lse=True,
+                                     backend="pallas")
+        runs = [mosaic_bwd.backward(q, k, v, out, lse, do, causal=causal, interpret=True,
+                                    config=mosaic_bwd.BwdConfig(static_slots=ss))
+                for ss in (False, True)]
+        for name, a, b in zip("qkv", *runs, strict=True):
+            assert not np.isnan(np.asarray(b, np.float32)).any(), f"d{name} (seed {seed})"
+            np.testing.assert_array_equal(bits(a), bits(b),
+                                          err_msg=f"d{name} {causal} (seed {seed})")
+
+
 @pytest.mark.slow  # CI time: options off by default (dkdv_pair replaces them), also run on the GPU
 @needs_threads
 @needs_interpret
@@ -747,7 +770,7 @@ def test_config_rejects_bad_values(mosaic_bwd):
     # given something else.
     for name, value in (("pair_products", True), ("dq", "fused"), ("dq_add", "atomic"),
                         ("dp_overlap", "yes"), ("dq_in_smem", 1), ("dq_split_ring", 1),
-                        ("dkdv_pair", 1), ("dq_pair", 1)):
+                        ("dkdv_pair", 1), ("dq_pair", 1), ("static_slots", 2)):
         with pytest.raises(TypeError, match=name):
             mosaic_bwd.BwdConfig(**{name: value})
 

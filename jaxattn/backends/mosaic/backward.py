@@ -86,6 +86,7 @@ from jaxattn.backends.mosaic.forward import (
     reset_interpret_state,
     resolve_interpret,
     tile_of,
+    two_slot_loop,
     zero_dropped_keys,
 )
 from jaxattn.backends.pallas import backward as pallas_triton_vjp
@@ -243,6 +244,14 @@ class BwdConfig:
     #: 144.4 -> 127.4 non-causal; at D=128 (one tile a CTA against the default's two)
     #: 6.8 -> 9.2 ms.
     dq_pair: bool | None = None
+    #: The dK/dV kernel's steps (one query block each) in a loop unrolled by the
+    #: ring's two slots, branched once per run of steps on the slot of its first, so
+    #: each step's four barrier waits (Q, dO, lse, delta), its arrival and its slots'
+    #: SMEM take constant slots and phase bits instead of ``t mod 2`` and a dynamic
+    #: shift of each barrier array's phase bitfield (``MosaicConfig.static_slots``,
+    #: the forward's). Where the ring has two slots, not ``dkdv_pair``'s kernel; None:
+    #: on the GPU. The same steps in the same order: a launch choice.
+    static_slots: bool | None = False
 
     def __post_init__(self):
         if self.stages < 1:
@@ -267,7 +276,7 @@ class BwdConfig:
             raise ValueError(f"dv_wgs must be 1 or 2, got {self.dv_wgs}")
         if self.dk_wgs not in (1, 2):
             raise ValueError(f"dk_wgs must be 1 or 2, got {self.dk_wgs}")
-        for name in ("dq_in_smem", "dkdv_pair", "dq_split_ring", "dq_pair"):
+        for name in ("dq_in_smem", "dkdv_pair", "dq_split_ring", "dq_pair", "static_slots"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be None, True or False, got "
                                 f"{getattr(self, name)!r}")
@@ -541,6 +550,9 @@ class _DkdvKernel:
         self.kv_per_cta = 1 if self.parts == "pair" else self.nwg
         if self.parts == "dk" and self.nwg > 1 and self.d > 128:
             self.stages = 1  # K and V of two warpgroups leave SMEM for one slot
+        #: BwdConfig.static_slots where it applies (None: on the GPU)
+        self.static_slots = self.stages == 2 and self.parts != "pair" and (
+            self.interpret is None if cfg.static_slots is None else cfg.static_slots)
         gpu = self.gpu_operands and self.interpret is None
         self.inplace = (cfg.accumulate or ("inplace" if gpu else "fresh")) == "inplace"
         if self.inplace and not gpu:
@@ -584,8 +596,16 @@ class _DkdvKernel:
         key) take the unmasked path."""
         cfg, bq, bkv = self.cfg, BLOCK_Q, BLOCK_KV
         total, first = tile.total, tile.first
+
+        def run(lo, hi, body, carry, first_slot=None):
+            if not self.static_slots:
+                return lax.fori_loop(lo, hi, body, carry)
+            if first_slot is None:  # (the ring's step t is in slot t mod 2)
+                first_slot = lax.rem(lo, jnp.int32(2))
+            return two_slot_loop(lo, hi, body, carry, first_slot)
+
         if cfg.mask == "scores" or not self.causal or self.key_mask:
-            return lax.fori_loop(0, total, body, carry)
+            return run(0, total, body, carry, 0)
         per = lax.div(total, jnp.int32(self.group))  # query blocks per head
         late = lax.max(blk.start + (bkv - 1) - blk.offset, 0)
         n_mask = lax.min(lax.max(lax.div(late + (bq - 1), jnp.int32(bq)) - first, 0),
@@ -593,9 +613,9 @@ class _DkdvKernel:
 
         def head(hh, carry):
             base = hh * per
-            carry = lax.fori_loop(base, base + n_mask, body, carry)
-            return lax.fori_loop(base + n_mask, base + per,
-                                 functools.partial(body, masked=False), carry)
+            carry = run(base, base + n_mask, body, carry)
+            return run(base + n_mask, base + per, functools.partial(body, masked=False),
+                       carry)
 
         return lax.fori_loop(0, self.group, head, carry)
 
@@ -649,17 +669,19 @@ class _DkdvKernel:
         return _DkdvBlock(sm, start, offset, diag, kept)
 
     def step(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
-             masked=True):
+             masked=True, slot=None):
         """Consumer step t (one query block, pallas_triton_vjp._dkdv_kernel.q_body op
         for op): ``s^T = K Q^T`` and ``dp^T = V dO^T``, P recomputed from lse (masked
         unless ``masked`` is False: every key of the block visible to every row),
         ``ds^T = p^T (dp^T - delta)``, then ``dV += p^T dO`` and ``dK += ds^T Q``;
         frees the slot. ``accs``: the (dK, dV) wgmma accumulators to sum into in place
-        (the carry then stays as it is)."""
+        (the carry then stays as it is). ``slot``: the step's ring slot where the caller
+        knows it as a constant (``static_slots``), else None (``t mod stages``)."""
         bq, bkv, d, lay, sm, cfg = BLOCK_Q, BLOCK_KV, self.d, self.lay, blk.sm, self.cfg
         want_dk, want_dv, gpu_operands = self.want_dk, self.want_dv, self.gpu_operands
         dk, dv = carry
-        slot = lax.rem(t, jnp.int32(self.stages))
+        if slot is None:
+            slot = lax.rem(t, jnp.int32(self.stages))
         q0 = (tile.first + lax.rem(t, tile.n)) * bq
         for name in ("lse", "delta", "q", "do", "qt", "dot"):  # (the streamed ones)
             if name in self.names:

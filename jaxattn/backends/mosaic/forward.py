@@ -94,6 +94,28 @@ def arrive_where(barrier, when=True) -> None:
         pl.when(when)(lambda: plgpu.barrier_arrive(barrier))
 
 
+def two_slot_loop(lo, hi, step, carry, first):
+    """``step(t, carry, slot=...)`` for t in ``[lo, hi)`` in order, each with its slot of
+    a two-slot ring as a Python int: the loop unrolled by the two slots and branched
+    once on ``first`` (the slot of step ``lo``: an int, or a traced int32 0 or 1); an
+    odd count's last step after the pairs. The same steps in the same order as
+    ``lax.fori_loop(lo, hi, ...)`` with the slot computed per step (``static_slots``
+    of the forward and the backward)."""
+    def from_slot(f, carry):
+        def pair(i, c):
+            t = lo + 2 * i
+            return step(t + 1, step(t, c, slot=f), slot=1 - f)
+
+        carry = lax.fori_loop(0, lax.div(hi - lo, 2), pair, carry)
+        return lax.cond(lax.rem(hi - lo, 2) == 1, lambda c: step(hi - 1, c, slot=f),
+                        lambda c: c, carry)
+
+    if isinstance(first, int):
+        return from_slot(first, carry)
+    return lax.cond(first == 0, functools.partial(from_slot, 0),
+                    functools.partial(from_slot, 1), carry)
+
+
 def untiled_view(ref, tiling: tuple[int, ...]):
     """``ref`` (an SMEM ref of shape ``[..., M / X, N / Y, X, Y]``) viewed as ``[..., M,
     N]`` tiled by ``tiling = (X, Y)``: ``plgpu.transform_ref(ref,
@@ -1835,22 +1857,10 @@ class _Forward:
         unrolled by the ring's two slots, branched once on the slot of block ``lo``, so
         each step's slot (its SMEM, its barriers and their phase bits) is a constant;
         an odd count's last block after the pairs. The same steps in the same order."""
+        step = functools.partial(step, masked=False)
         if not self.static_slots:
-            return lax.fori_loop(lo, mid, functools.partial(step, masked=False), carry)
-
-        def from_slot(first, carry):
-            def pair(i, c):
-                t = lo + 2 * i
-                c = step(t, c, masked=False, slot=first)
-                return step(t + 1, c, masked=False, slot=1 - first)
-
-            carry = lax.fori_loop(0, lax.div(mid - lo, 2), pair, carry)
-            return lax.cond(lax.rem(mid - lo, 2) == 1,
-                            lambda c: step(mid - 1, c, masked=False, slot=first),
-                            lambda c: c, carry)
-
-        return lax.cond(self.slot_of(it, lo) == 0, functools.partial(from_slot, 0),
-                        functools.partial(from_slot, 1), carry)
+            return lax.fori_loop(lo, mid, step, carry)
+        return two_slot_loop(lo, mid, step, carry, self.slot_of(it, lo))
 
     def rows_init(self, value):
         """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
