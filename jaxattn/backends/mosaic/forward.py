@@ -1710,8 +1710,7 @@ class _Forward:
         _, _, v_s, _, ones_s, _, keep_s, *_ = it.smem
         k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
         bm, d = self.bm, self.d
-        next_slot = (self.slot_of(it, t + 1) if slot is None
-                     else (slot + 1) % self.stages)
+        next_slot = None if slot is None else (slot + 1) % self.stages
         if slot is None:
             slot = self.slot_of(it, t)
         # inline_loads: block t + stages' copies, read before the products (a paged
@@ -1766,7 +1765,8 @@ class _Forward:
             """Wait for block t + 1's K (if the warpgroup has it) while P V runs."""
             @pl.when(t + 1 < n_steps)
             def _():
-                plgpu.barrier_wait(k_bar.at[next_slot])
+                plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1) if next_slot is None
+                                            else next_slot])
 
         if self.inplace and p32 is not None:
             def pv_late(refs):
