@@ -441,6 +441,9 @@ class MosaicConfig:
     #: count's last block runs after the pairs. Where the ring has two slots and a
     #: producer warpgroup; None: on the GPU (the interpreter keeps the dynamic slots,
     #: fewer programs to compile). The same steps in the same order: a launch choice.
+    #: Off until measured on the GPU: ptxas (2026-12-06, CUDA 13) gives D=64's loop 274
+    #: instructions a block against 292 (three warpgroups 253 against 284), no spill;
+    #: D=128's 336 against 332 with spills (docs/mosaic.md's row).
     static_slots: bool | None = False
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
