@@ -229,7 +229,7 @@ def test_seed_names_and_the_non_causal_and_masked_cases():
     and a key padding mask (causal), on every path: chunked prefill equal in bits to the full
     prefill, the paged path too without a mask (and unavailable, with the reason, with
     one), and the full path within tolerance of float64 attention with the same mask
-    (NaN in the dropped keys: nothing leaks)."""
+    (NaN in the dropped keys, inf in their values: nothing leaks)."""
     from conftest import np_attention
     assert cmp.AttentionComparisonInputs is cmp.AttentionInputs
     base = _inputs("float32")
@@ -238,10 +238,10 @@ def test_seed_names_and_the_non_causal_and_masked_cases():
     mask[1, 7:20] = False
     drop = ~mask[:, None, :, None]
     k_nan = jnp.where(drop, jnp.nan, base.k)
-    v_nan = jnp.where(drop, jnp.nan, base.v)
+    v_inf = jnp.where(drop, jnp.inf, base.v)  # the house's poison: NaN in K, inf in V
     for causal, m in ((False, None), (True, mask)):  # (CI time: not both with False)
         inputs = cmp.AttentionComparisonInputs(
-            q=base.q, k=base.k if m is None else k_nan, v=base.v if m is None else v_nan,
+            q=base.q, k=base.k if m is None else k_nan, v=base.v if m is None else v_inf,
             lm_head_weight=base.lm_head_weight, target_ids=base.target_ids,
             causal=causal, key_padding_mask=None if m is None else jnp.asarray(m))
         rep = cmp.compare_single_gpu_attention(inputs, 48, 64, backend="pallas")

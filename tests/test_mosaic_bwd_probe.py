@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mosaic_support import (
     bits,
+    dropped_nan,
     missing_api,
     missing_interpret,
     needs_threads,
@@ -340,12 +341,11 @@ def test_interpret_split_two_warpgroups_keep_bits(mosaic_bwd):
     no delta, and the split dK kernel, each with two KV blocks per CTA sharing one query
     stream) give the bits of the joint dK/dV kernel of one block per CTA: causal (the
     second block's first query blocks fully masked) with GQA, and a key mask over NaN
-    in dropped K and V."""
+    in dropped K and inf in V (``dropped_nan``)."""
     seed, q, k, v, do = _inputs(1, 2, 1, 256, 256, 64)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 256)) > 0.2).at[:, -1].set(True)
-    k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)
-    v_nan = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)
-    for mask, kk, vv in ((None, k, v), (keep, k_nan, v_nan)):
+    (k_nan, v_inf), _ = dropped_nan(k, v, keep)
+    for mask, kk, vv in ((None, k, v), (keep, k_nan, v_inf)):
         out, lse = jaxattn.attention(q, kk, vv, causal=True, key_padding_mask=mask,
                                      return_lse=True, backend="pallas")
         runs = [mosaic_bwd.backward(q, kk, vv, out, lse, do, causal=True, interpret=True,
@@ -363,16 +363,15 @@ def test_interpret_split_two_warpgroups_keep_bits(mosaic_bwd):
 @needs_interpret
 def test_interpret_dp_overlap_keeps_bits(mosaic_bwd):
     """BwdConfig(dp_overlap=True) (the dK/dV kernel's P^T computed while dP^T runs)
-    gives the default's bits: causal with a key mask over NaN in K and V (masked and
+    gives the default's bits: causal with a key mask over NaN in K and inf in V (masked and
     unmasked query blocks, a partial last block; a non-causal call runs the same
     unmasked step, CI time)."""
     seed, q, k, v, do = _inputs(1, 2, 1, 200, 200, 64)
     keep = jnp.asarray(np.random.default_rng(seed).random((1, 200)) > 0.2).at[:, -1].set(True)
-    k_nan = jnp.where(keep[:, None, :, None], k, jnp.nan).astype(k.dtype)  # NaN where
-    v_nan = jnp.where(keep[:, None, :, None], v, jnp.nan).astype(v.dtype)  # dropped
-    out, lse = jaxattn.attention(q, k_nan, v_nan, causal=True, key_padding_mask=keep,
+    (k_nan, v_inf), _ = dropped_nan(k, v, keep)  # the house's poison where dropped
+    out, lse = jaxattn.attention(q, k_nan, v_inf, causal=True, key_padding_mask=keep,
                                  return_lse=True, backend="pallas")
-    runs = [mosaic_bwd.backward(q, k_nan, v_nan, out, lse, do, causal=True, interpret=True,
+    runs = [mosaic_bwd.backward(q, k_nan, v_inf, out, lse, do, causal=True, interpret=True,
                                 key_padding_mask=keep,
                                 config=mosaic_bwd.BwdConfig(dkdv_wgs=1, dq_wgs=1, **kw))
             for kw in ({}, {"dp_overlap": True})]
