@@ -250,9 +250,10 @@ class BwdConfig:
     #: SMEM take constant slots and phase bits instead of ``t mod 2`` and a dynamic
     #: shift of each barrier array's phase bitfield (``MosaicConfig.static_slots``,
     #: the forward's). Where the ring has two slots, not ``dkdv_pair``'s kernel; None:
-    #: on the GPU. The same steps in the same order: a launch choice. Off until
-    #: measured on the GPU: ptxas (2026-12-06) gives D=64's step 350 instructions
-    #: against 390 with a few spills, D=128's heavy spills (docs/mosaic.md's row).
+    #: on the GPU. The same steps in the same order: a launch choice. Off: ptxas
+    #: gives D=64's step 350 instructions against 390 with a few spills (D=128's heavy
+    #: spills), and the H100 ran D=64's backward 0.92 to 0.96x (2026-12-06,
+    #: docs/mosaic.md's row).
     static_slots: bool | None = False
 
     def __post_init__(self):

@@ -439,12 +439,13 @@ class MosaicConfig:
     #: H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp, a
     #: dependent chain before the next block's wait: notes "eighteenth stop"). An odd
     #: count's last block runs after the pairs. Where the ring has two slots and a
-    #: producer warpgroup; None: on the GPU (the interpreter keeps the dynamic slots,
-    #: fewer programs to compile). The same steps in the same order: a launch choice.
-    #: Off until measured on the GPU: ptxas (2026-12-06, CUDA 13) gives D=64's loop 274
+    #: producer warpgroup; None: on the GPU at D=64 (the interpreter keeps the dynamic
+    #: slots, fewer programs to compile). The same steps in the same order: a launch
+    #: choice (``test_static_slots_keep_bits_on_gpu``). ptxas (CUDA 13): D=64's loop 274
     #: instructions a block against 292 (three warpgroups 253 against 284), no spill;
-    #: D=128's 336 against 332 with spills (docs/mosaic.md's row).
-    static_slots: bool | None = False
+    #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
+    #: row) D=64 causal 1.06x at B=8 S=4096 and 1.02x at B=2 S=16384, D=128 0.89 to 0.91x.
+    static_slots: bool | None = None
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -1266,9 +1267,10 @@ class _Forward:
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
         #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
-        #: None: on the GPU)
+        #: None: on the GPU at D=64)
         self.static_slots = (self.stages == 2 and not self.inline_loads and (
-            interpret is None if cfg.static_slots is None else cfg.static_slots))
+            interpret is None and d == 64 if cfg.static_slots is None
+            else cfg.static_slots))
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
             raise ValueError("split_out needs one compute warpgroup and no persistent "
