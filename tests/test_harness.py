@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rand
+from mosaic_support import dropped_nan
 
 from jaxattn import invariance, rope
 from jaxattn.testing import comparison as cmp
@@ -236,9 +237,7 @@ def test_seed_names_and_the_non_causal_and_masked_cases():
     mask = np.ones((2, 130), bool)
     mask[0, 100:] = False
     mask[1, 7:20] = False
-    drop = ~mask[:, None, :, None]
-    k_nan = jnp.where(drop, jnp.nan, base.k)
-    v_inf = jnp.where(drop, jnp.inf, base.v)  # the house's poison: NaN in K, inf in V
+    (k_nan, v_inf), _ = dropped_nan(base.k, base.v, jnp.asarray(mask))  # the house's poison
     for causal, m in ((False, None), (True, mask)):  # (CI time: not both with False)
         inputs = cmp.AttentionComparisonInputs(
             q=base.q, k=base.k if m is None else k_nan, v=base.v if m is None else v_inf,
