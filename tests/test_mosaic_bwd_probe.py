@@ -762,7 +762,7 @@ def test_tails_and_key_mask_lower(mosaic_bwd, kw, causal):
 def test_config_rejects_bad_values(mosaic_bwd):
     for kw in ({"dkdv_wgs": 3}, {"accumulate": "fma"}, {"delta": "xla"}, {"stages": 0},
                {"dq_wgs": 0}, {"dv_wgs": 3}, {"dk_wgs": 0}, {"registers": (240,)},
-               {"registers": (241, 24)}, {"mask": "logits"}):
+               {"registers": (241, 24)}, {"mask": "logits"}, {"store_wait": "none"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_bwd.BwdConfig(**kw)
     # Retired options (docs/mosaic.md, "Configuration options retired"), and a flag

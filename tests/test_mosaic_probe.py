@@ -1632,6 +1632,33 @@ def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
 
 
 @needs_api
+def test_store_wait_read_waits_for_the_reads_only(mosaic_fwd):
+    """``store_wait="read"`` lowers every epilogue's wait on its TMA stores (the
+    forward's, and delta's, dK/dV's and dQ's) as ``cp.async.bulk.wait_group.read``;
+    the default waits for the writes. The same stores: a launch choice."""
+    import re
+
+    from benchmarks import lowered
+    from jaxattn.backends.mosaic import backward as mosaic_bwd
+    q = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1, 256, 64), jnp.bfloat16)
+
+    def waits(lower, config):
+        texts = lowered.modules(lambda: lower(q, k, k, causal=True, config=config))
+        if texts is None:
+            pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+        return [re.findall(r"cp\.async\.bulk\.wait_group \d+( \{read\})?", t)
+                for t in texts]
+
+    for lower, cfg, kernels in ((mosaic_fwd.lower_for_cuda, mosaic_fwd.MosaicConfig, 1),
+                                (mosaic_bwd.lower_for_cuda, mosaic_bwd.BwdConfig, 3)):
+        write, read = waits(lower, cfg()), waits(lower, cfg(store_wait="read"))
+        assert len(write) == len(read) == kernels
+        assert all(w and set(w) == {""} for w in write)
+        assert all(r and set(r) == {" {read}"} for r in read)
+
+
+@needs_api
 def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     """``compute_wgs=3`` lowers as FlashAttention-3's launch at D=64: 512 threads (three
     compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
@@ -1829,7 +1856,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
-               {"last_merge_arrive": "yes"}, {"static_slots": 2}):
+               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

@@ -79,6 +79,7 @@ from jaxattn.backends.mosaic.forward import (
     _smem_transforms,
     check_inputs,
     check_pdl,
+    check_store_wait,
     interpret_params,
     launch,
     load_ref,
@@ -87,6 +88,7 @@ from jaxattn.backends.mosaic.forward import (
     resolve_interpret,
     tile_of,
     two_slot_loop,
+    wait_stores,
     zero_dropped_keys,
 )
 from jaxattn.backends.pallas import backward as pallas_triton_vjp
@@ -255,8 +257,12 @@ class BwdConfig:
     #: spills), and the H100 ran D=64's backward 0.92 to 0.96x (2026-12-06,
     #: docs/mosaic.md's row).
     static_slots: bool | None = False
+    #: How each kernel's CTA awaits its epilogue's TMA stores (delta, dK/dV, dQ), as
+    #: ``MosaicConfig.store_wait``. A launch choice.
+    store_wait: str = "write"
 
     def __post_init__(self):
+        check_store_wait(self.store_wait)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         check_pdl("pdl", self.pdl)
@@ -452,7 +458,7 @@ def _build_delta(*, b, hq, sq, d, dtype, cfg, interpret, btnh=False):
             out_s[...] = jnp.sum(o * do, axis=1) - lay.vec(dl_s, 1)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_s, delta_ref.at[bi, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            wait_stores(cfg.store_wait)
 
         tile = plgpu.SMEM((bm, d), dtype, transforms=_smem_transforms(d, itemsize))
         pl.run_scoped(body, [tile, tile, plgpu.SMEM((bm,), jnp.float32),
@@ -789,7 +795,7 @@ class _DkdvKernel:
         if self.want_dv:
             plgpu.copy_smem_to_gmem(dv_s, tile_of(refs["dv"], tile.bi, tile.kvh, keys,
                                                 self.btnh))
-        plgpu.wait_smem_to_gmem(0)
+        wait_stores(self.cfg.store_wait)
 
     def consume(self, w, refs, sm, bars, tile: _DkdvTile):
         """Compute warpgroup w: its block's prologue, mainloop and epilogue."""
@@ -1005,7 +1011,7 @@ class _DkdvPairKernel(_DkdvKernel):
                 plgpu.copy_smem_to_gmem(sm[name], tile_of(refs[out], tile.bi, tile.kvh,
                                                           pl.ds(tile.start, BLOCK_KV),
                                                           self.btnh))
-                plgpu.wait_smem_to_gmem(0)
+                wait_stores(self.cfg.store_wait)
 
     def smem(self):
         """K and V of the CTA's block, the ring's slots, the P^T tile (fp32), the
@@ -1342,7 +1348,7 @@ class _DqKernel:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(staged, tile_of(refs["acc"], tile.bi, tile.h, rows.rows_sl,
                                                 self.btnh))
-        plgpu.wait_smem_to_gmem(0)
+        wait_stores(self.cfg.store_wait)
 
     def consume(self, w, refs, sm, bars, tile: _DqTile):
         """Compute warpgroup w: its tile's prologue, mainloop and epilogue."""
@@ -1557,7 +1563,7 @@ class _DqPairKernel(_DqKernel):
                     plgpu.barrier_wait(bars["done"].at[0])
                     plgpu.copy_smem_to_gmem(rows.own["q"], tile_of(
                         refs["acc"], tile.bi, tile.h, rows.rows_sl, self.btnh))
-                    plgpu.wait_smem_to_gmem(0)
+                    wait_stores(self.cfg.store_wait)
 
     def smem(self):
         """:class:`_DqKernel`'s SMEM of one tile without its fp32 output tile (dQ stays in

@@ -136,6 +136,24 @@ def check_pdl(name: str, mode, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be one of {PDL_MODES}, got {mode!r}")
 
 
+#: ``store_wait``'s modes (``MosaicConfig``, ``BwdConfig``).
+STORE_WAITS = ("write", "read")
+
+
+def check_store_wait(mode) -> None:
+    """A ValueError unless ``mode`` is one of :data:`STORE_WAITS`."""
+    if mode not in STORE_WAITS:
+        raise ValueError(f"store_wait must be one of {STORE_WAITS}, got {mode!r}")
+
+
+def wait_stores(mode: str) -> None:
+    """The calling thread's TMA stores (SMEM to GMEM) awaited: until written ("write")
+    or until their SMEM has been read ("read", CUTLASS's ``tma_store_wait``): enough to
+    reuse the staging SMEM or to exit, as nothing in the kernel reads what it stored
+    (a dependent grid's ``griddepcontrol.wait`` waits for the writes)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=mode == "read")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch parameters and the arithmetic choices of the kernel.
@@ -483,8 +501,13 @@ class MosaicConfig:
     #: against 275.4 us, B=1 131072 169.2 against 155.7), while the next step's split
     #: kernel started during the fold gained 0 to 2%.
     split_pdl: str | None = None
+    #: How a CTA awaits its epilogue's TMA stores (:func:`wait_stores`): "write" until
+    #: written to GMEM, "read" until their SMEM is read (CUTLASS's wait). The same
+    #: stores: a launch choice.
+    store_wait: str = "write"
 
     def __post_init__(self):
+        check_store_wait(self.store_wait)
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.compute_wgs not in (None, 1, 2, 3):
@@ -2093,7 +2116,7 @@ class _Forward:
 
             lax.fori_loop(0, lax.min(jnp.int32(self.per_cta), self.n_splits_all - s0),
                           one_split, None)
-            plgpu.wait_smem_to_gmem(0)
+            wait_stores(self.cfg.store_wait)
             return
         if self.split_out:
             # This CTA's split only (blocks [lo, min(lo + per_split, hi)), none when lo
@@ -2244,7 +2267,7 @@ class _Forward:
         else:
             self.store_output(it, o_ref, lse_ref, out, lse, rows)
         if not chained:
-            plgpu.wait_smem_to_gmem(0)
+            wait_stores(self.cfg.store_wait)
 
     def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
         """The folded state, fp32, the lse in the kernels' base (``state_out``)."""
@@ -2672,7 +2695,7 @@ class _PvSplitForward(_Forward):
         rows = pl.ds(it.q0, bm)
         plgpu.copy_smem_to_gmem(it.q_s, tile_of(o_ref, it.bi, it.h, rows, self.q_btnh))
         plgpu.copy_smem_to_gmem(it.lse_s, lse_ref.at[it.bi, it.h, rows])
-        plgpu.wait_smem_to_gmem(0)
+        wait_stores(self.cfg.store_wait)
 
     # -- warpgroup 1: P V --------------------------------------------------------------
 
