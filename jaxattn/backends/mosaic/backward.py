@@ -258,8 +258,9 @@ class BwdConfig:
     #: docs/mosaic.md's row).
     static_slots: bool | None = False
     #: How each kernel's CTA awaits its epilogue's TMA stores (delta, dK/dV, dQ), as
-    #: ``MosaicConfig.store_wait``. A launch choice.
-    store_wait: str = "write"
+    #: ``MosaicConfig.store_wait`` ("read": until their SMEM has been read). A launch
+    #: choice.
+    store_wait: str = "read"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
