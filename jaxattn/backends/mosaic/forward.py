@@ -501,13 +501,14 @@ class MosaicConfig:
     #: against 275.4 us, B=1 131072 169.2 against 155.7), while the next step's split
     #: kernel started during the fold gained 0 to 2%.
     split_pdl: str | None = None
-    #: How a CTA awaits its epilogue's TMA stores (:func:`wait_stores`): "read" until
-    #: their SMEM has been read (CUTLASS's wait), "write" until written to GMEM. The
+    #: How a CTA awaits its epilogue's TMA stores (:func:`wait_stores`): "write" until
+    #: written to GMEM, "read" until their SMEM has been read (CUTLASS's wait). The
     #: same stores: a launch choice (bits equal in every row of the H100's run). On
-    #: the H100 (2026-12-07, notes "twenty-second stop") the forward within its
-    #: spread (0.99 to 1.04x), the backward 1.01 to 1.02x at B=2 S=16384, level at
-    #: B=8 S=4096.
-    store_wait: str = "read"
+    #: the H100 (2026-12-07, notes "twenty-second stop") "read" ran the forward
+    #: within its spread (0.99 to 1.04x) and the backward 1.01 to 1.02x at B=2
+    #: S=16384, level at B=8 S=4096; it stays off until the invariance matrix's
+    #: decode, paged, CP and varlen rows have run with it on the GPU.
+    store_wait: str = "write"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
