@@ -141,6 +141,8 @@ LAUNCH_VARIANTS = {
     "3wg": dict(compute_wgs=3),
     # The epilogue's TMA stores awaited until read, not written.
     "store-wait-read": dict(store_wait="read"),
+    # gmem_state's merge under one branch (D=256 past one SPLIT).
+    "merge-loads-together": dict(merge_loads="together"),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

@@ -305,7 +305,9 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     warpgroup 0's before its last merge too (``last_merge_arrive``: its next arrival
     that of the blocks only warpgroup 1 sees, or the closing sync; on by default
     non-causal, also run), keep the bits and the barrier's phases (a miscounted arrival
-    hangs the interpreter)."""
+    hangs the interpreter). The merge's loads under one branch (``merge_loads=
+    "together"``: SPLIT 0 from the constant zeros, never the scratch's stale rows)
+    keep them too."""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
     for sq, skv, causal in ((128, 1100, True), (128, 2200, True), (192, 100, True),
                             (128, 1100, False)):
@@ -314,7 +316,8 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
         # on non-causal)
         configs = [dataclasses.replace(cfg, gmem_state=False),
                    dataclasses.replace(cfg, gmem_state=True),
-                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal)]
+                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal),
+                   dataclasses.replace(cfg, gmem_state=True, merge_loads="together")]
         if skv == 2200:
             configs.append(dataclasses.replace(cfg, gmem_state=False, merge_arrive=True))
         base, *others = (mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
@@ -492,6 +495,23 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     assert [x.shape for x in out] == [(1, 2, 2048, 256), (1, 2, 2048)]
     with pytest.raises(ValueError, match="gmem_state must be None, True or False, got 1"):
         cfg(gmem_state=1)
+
+
+@needs_api
+def test_merge_loads_together_changes_only_the_gmem_merge(mosaic_fwd):
+    """``merge_loads="together"`` changes the D=256 prefill past one SPLIT (the merge
+    of ``gmem_state`` under one branch, lowered as ``scf.index_switch``: one a merge
+    where the default has one a column chunk) and nothing where the state is not in
+    the scratch (D=128)."""
+    cfg = mosaic_fwd.MosaicConfig
+    together = cfg(gmem_state=True, merge_loads="together")
+    (m0,), (m1,) = (_prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 256, True, hq=2,
+                                     config=c) for c in (cfg(gmem_state=True), together))
+    switches = [m.count("scf.index_switch") for m in (m0, m1)]
+    assert switches[0] > switches[1], switches
+    assert (_prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 128, True, hq=2,
+                             config=together)
+            == _prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 128, True, hq=2))
 
 
 # CI time (36 to 39 s): the GPU's D=256 choice (bad values: test_config_rejects_bad_values)
@@ -1857,7 +1877,8 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
-               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"}):
+               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"},
+               {"merge_loads": "all"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

@@ -509,9 +509,20 @@ class MosaicConfig:
     #: S=16384, level at B=8 S=4096; it stays off until the invariance matrix's
     #: decode, paged, CP and varlen rows have run with it on the GPU.
     store_wait: str = "write"
+    #: ``gmem_state``'s merge of a SPLIT into the running state read from the global
+    #: scratch: "per_chunk" (a branch per 64-column chunk on the SPLIT's index: the
+    #: empty state's zeros for SPLIT 0, else the chunk loaded), or "together" (one
+    #: branch around the whole merge, so the four chunks' loads are one block: ptxas
+    #: issues their 64 LD.E.64 as one group, against four groups of 16, each after the
+    #: chunk before it is merged: four round trips to L2 a merge, notes "twenty-second
+    #: stop"). The same operations on the same values: a launch choice. Unmeasured.
+    merge_loads: str = "per_chunk"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
+        if self.merge_loads not in ("per_chunk", "together"):
+            raise ValueError(f"merge_loads must be 'per_chunk' or 'together', got "
+                             f"{self.merge_loads!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.compute_wgs not in (None, 1, 2, 3):
@@ -1987,16 +1998,25 @@ class _Forward:
         """SPLIT ``si`` (:meth:`split`, with ``more``) merged into the running state of
         lse ``lse_s`` whose output's column chunk ``j`` is ``left(j)`` (read as the
         merge needs it), each merged chunk handed to ``store(j, o)`` as soon as it is
-        merged: the merged lse."""
+        merged: the merged lse. ``left`` may be a pair (the empty state's chunks, the
+        loaded ones): then one branch on ``si == 0`` around the whole merge takes the
+        first for SPLIT 0 (``MosaicConfig.merge_loads="together"``)."""
         bm, cols = self.bm, SMEM_STATE_COLS
         o_p, lse_p = self.split(it, n_steps, si, None, more=more)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
-        lse = lse_s
-        for j in range(self.d // cols):
-            o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
-                                 weights, pin_fma=True)
-            store(j, o)
-        return lse
+
+        def merge(left):
+            lse = lse_s
+            for j in range(self.d // cols):
+                o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols],
+                                     lse_p, weights, pin_fma=True)
+                store(j, o)
+            return lse
+
+        if isinstance(left, tuple):  # (the empty state's chunks, the loaded ones)
+            empty, loaded = left
+            return lax.cond(si == 0, lambda: merge(empty), lambda: merge(loaded))
+        return merge(left)
 
     def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink, last_more=False):
         """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
@@ -2015,11 +2035,17 @@ class _Forward:
         cols = SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
 
-        def left(si):
-            def chunk(j):
-                return lax.cond(si == 0, lambda: self.tile_zeros(cols),
-                                lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
-            return chunk
+        if self.cfg.merge_loads == "per_chunk":
+            def left(si):
+                def chunk(j):
+                    return lax.cond(si == 0, lambda: self.tile_zeros(cols),
+                                    lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
+                return chunk
+        else:  # "together": one branch around the merge (:meth:`merge_split`)
+            def left(si):
+                del si
+                return (lambda j: self.tile_zeros(cols),
+                        lambda j: self.load(chunks[j], plgpu.Layout.WGMMA, False))
 
         def store(j, o):
             chunks[j][...] = o
