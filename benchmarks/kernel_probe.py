@@ -32,8 +32,9 @@ flags.DEFINE_bool("causal", True, "Causal.")
 flags.DEFINE_integer("calls", 3, "Calls after the first (compiling) one.")
 flags.DEFINE_string("backend", None, "Backend (default: the registry's).")
 flags.DEFINE_string("peer", None, "Instead of jaxattn: a peer system of benchmarks/systems.py "
-                    "(e.g. torch_cudnn, cudnn), forward or decode, for the same profiler "
-                    "sections beside jaxattn's kernels.")
+                    "(e.g. torch_cudnn, cudnn), forward, forward and backward (its "
+                    "fwdbwd: the gradients of sum(out * dO)) or decode, for the same "
+                    "profiler sections beside jaxattn's kernels.")
 flags.DEFINE_string("mosaic_config", None, "With the mosaic backend (--backend=mosaic or the "
                     "registry's default on sm90): call the Mosaic forward "
                     "with these MosaicConfig fields, key=value[:key=value...] (e.g. "
@@ -50,13 +51,17 @@ def main(argv):
     v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     causal = FLAGS.causal or FLAGS.mode == "decode"
     if FLAGS.peer is not None:
-        if FLAGS.mode not in ("fwd", "decode"):
-            raise app.UsageError("--peer is for forward or decode")
+        if FLAGS.mode == "fold":
+            raise app.UsageError("--peer is for forward, fwdbwd or decode")
         from benchmarks import systems
         system = systems.make(FLAGS.peer)
         args = system.prepare(q, k, v)
+        if FLAGS.mode == "fwdbwd":
+            args = (*args, system.prepare_like_q(
+                jax.random.normal(ks[3], q.shape, jnp.bfloat16)))
+        run = system.fwdbwd if FLAGS.mode == "fwdbwd" else system.forward
         for _ in range(FLAGS.calls + 1):
-            system.sync(system.forward(*args, causal=causal))
+            system.sync(run(*args, causal=causal))
         print(f"kernel_probe: {FLAGS.mode} on {FLAGS.peer}, B={b} Sq={sq} Skv={s} D={d}")
         return
     op = jaxattn.get_op("attention", backend=FLAGS.backend)
