@@ -1999,8 +1999,8 @@ class _Forward:
         lse ``lse_s`` whose output's column chunk ``j`` is ``left(j)`` (read as the
         merge needs it), each merged chunk handed to ``store(j, o)`` as soon as it is
         merged: the merged lse. ``left`` may be a pair (the empty state's chunks, the
-        loaded ones): then one branch on ``si == 0`` around the whole merge takes the
-        first for SPLIT 0 (``MosaicConfig.merge_loads="together"``)."""
+        loaded ones), the first taken for SPLIT 0: by a branch on ``si == 0`` per
+        chunk, or one around the whole merge (``MosaicConfig.merge_loads``)."""
         bm, cols = self.bm, SMEM_STATE_COLS
         o_p, lse_p = self.split(it, n_steps, si, None, more=more)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
@@ -2013,10 +2013,12 @@ class _Forward:
                 store(j, o)
             return lse
 
-        if isinstance(left, tuple):  # (the empty state's chunks, the loaded ones)
-            empty, loaded = left
+        if not isinstance(left, tuple):
+            return merge(left)
+        empty, loaded = left  # (the empty state's chunks, the loaded ones)
+        if self.cfg.merge_loads == "together":
             return lax.cond(si == 0, lambda: merge(empty), lambda: merge(loaded))
-        return merge(left)
+        return merge(lambda j: lax.cond(si == 0, lambda: empty(j), lambda: loaded(j)))
 
     def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink, last_more=False):
         """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
@@ -2035,27 +2037,19 @@ class _Forward:
         cols = SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
 
-        if self.cfg.merge_loads == "per_chunk":
-            def left(si):
-                def chunk(j):
-                    return lax.cond(si == 0, lambda: self.tile_zeros(cols),
-                                    lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
-                return chunk
-        else:  # "together": one branch around the merge (:meth:`merge_split`)
-            def left(si):
-                del si
-                return (lambda j: self.tile_zeros(cols),
-                        lambda j: self.load(chunks[j], plgpu.Layout.WGMMA, False))
+        # SPLIT 0 merges into the empty state's zeros, the others the scratch's chunks
+        left = (lambda j: self.tile_zeros(cols),
+                lambda j: self.load(chunks[j], plgpu.Layout.WGMMA, False))
 
         def store(j, o):
             chunks[j][...] = o
 
         def one(si, lse_s):
-            return self.merge_split(it, n_steps, si, lse_s, left(si), store, more=True)
+            return self.merge_split(it, n_steps, si, lse_s, left, store, more=True)
 
         lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
         last = lax.max(n_splits - 1, 0)
-        return self.merge_split(it, n_steps, last, lse, left(last), sink, more=last_more)
+        return self.merge_split(it, n_steps, last, lse, left, sink, more=last_more)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
