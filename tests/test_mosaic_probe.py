@@ -1633,17 +1633,10 @@ def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
     GPU (the H100 measured it 1.02 to 1.06x there, 2026-12-06) and as ``False`` at
     D=128 (0.89 to 0.91x), and the option changes the D=64 module. (Equal bits:
     test_static_slots_keep_bits_on_gpu.)"""
-    from benchmarks import lowered
-    S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
+    cfg = mosaic_fwd.MosaicConfig
 
     def module(d, c):
-        q = S((1, 4, 4096, d), jnp.bfloat16)
-        k = S((1, 1, 4096, d), jnp.bfloat16)
-        texts = lowered.modules(lambda: mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
-                                                                  config=c))
-        if texts is None:
-            pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
-        return texts
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, 4096, d, config=c)
 
     d64 = module(64, cfg())
     assert d64 == module(64, cfg(static_slots=True))
@@ -1659,13 +1652,12 @@ def test_store_wait_read_waits_for_the_reads_only(mosaic_fwd):
     (bits equal on the H100, 2026-12-07)."""
     import re
 
-    from benchmarks import lowered
     from jaxattn.backends.mosaic import backward as mosaic_bwd
     q = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1, 256, 64), jnp.bfloat16)
 
     def waits(lower, config):
-        texts = lowered.modules(lambda: lower(q, k, k, causal=True, config=config))
+        texts = mosaic_modules(lambda: lower(q, k, k, causal=True, config=config))
         if texts is None:
             pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
         return [re.findall(r"cp\.async\.bulk\.wait_group \d+( \{read\})?", t)
