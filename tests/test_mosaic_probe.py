@@ -1672,6 +1672,27 @@ def test_store_wait_read_waits_for_the_reads_only(mosaic_fwd):
 
 
 @needs_api
+def test_s_zeros_local_makes_each_products_zeros_in_place(mosaic_fwd):
+    """``s_zeros="local"`` starts every S = Q K^T product from zeros made by a PTX
+    ``mov`` of its own (an inline asm with side effects, in the key-block loops: at
+    least one a loop of masked and of unmasked blocks, and two in ``static_slots``'
+    pair); the default (``"hoisted"``) has none. The products, their operands and
+    the rest of the kernel are the same (the bits: the GPU test)."""
+    cfg = mosaic_fwd.MosaicConfig
+    zero = '"mov.b32 $0, 0;"'
+    for d, config in ((64, cfg(static_slots=True)), (128, cfg())):
+        hoisted, = _prefill_lowered(mosaic_modules, mosaic_fwd, 1024, d, True, hq=2,
+                                    config=config)
+        local, = _prefill_lowered(mosaic_modules, mosaic_fwd, 1024, d, True, hq=2,
+                                  config=dataclasses.replace(config, s_zeros="local"))
+        assert zero not in hoisted
+        assert local.count(zero) >= (4 if config.static_slots else 2), local.count(zero)
+        # nothing else moved: the module without those asms has the same operations
+        assert (local.count("nvvm.wgmma.mma_async") + local.count("wgmma.mma_async")
+                == hoisted.count("nvvm.wgmma.mma_async") + hoisted.count("wgmma.mma_async"))
+
+
+@needs_api
 def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     """``compute_wgs=3`` lowers as FlashAttention-3's launch at D=64: 512 threads (three
     compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
@@ -1870,7 +1891,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
                {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"},
-               {"merge_loads": "all"}):
+               {"merge_loads": "all"}, {"s_zeros": "zero"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

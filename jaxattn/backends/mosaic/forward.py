@@ -464,6 +464,16 @@ class MosaicConfig:
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
     #: row) D=64 causal 1.06x at B=8 S=4096 and 1.02x at B=2 S=16384, D=128 0.89 to 0.91x.
     static_slots: bool | None = None
+    #: Where S = Q K^T's accumulator gets its zeros: "hoisted" (Pallas's accumulator:
+    #: one zero constant that LLVM hoists out of the key-block loop and copies into the
+    #: accumulator's registers) or "local" (each product's zeros made in its own step,
+    #: a PTX ``mov`` that LLVM may not move, so ptxas sees them and starts the product
+    #: with the accumulator off, ``HGMMA ... RZ, !UPT``, instead of copying zeros in).
+    #: In ``static_slots``' pair loop at D=64 ptxas folded one step's zeros and copied
+    #: the other's (32 ``IMAD.MOV`` a pair, 16 of the loop's 274 instructions a block).
+    #: The same product of the same operands from zero: a launch choice. GPU only (the
+    #: interpreter takes "hoisted").
+    s_zeros: str = "hoisted"
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -520,6 +530,8 @@ class MosaicConfig:
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
+        if self.s_zeros not in ("hoisted", "local"):
+            raise ValueError(f"s_zeros must be 'hoisted' or 'local', got {self.s_zeros!r}")
         if self.merge_loads not in ("per_chunk", "together"):
             raise ValueError(f"merge_loads must be 'per_chunk' or 'together', got "
                              f"{self.merge_loads!r}")
@@ -698,6 +710,26 @@ def sm_id():
                                           is_signed=False)
 
     return smid()
+
+
+def local_zeros(shape: tuple[int, int]):
+    """fp32 zeros of ``shape`` in the WGMMA layout, every register a copy of one PTX
+    ``mov.b32 %r, 0`` made where this is called: an inline asm with side effects, which
+    LLVM neither hoists out of a loop nor merges with another call's, so ptxas sees
+    the zeros beside the product they start (``MosaicConfig.s_zeros``). GPU only."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def zeros(_):
+        i32 = ir.IntegerType.get_signless(32)
+        zero = llvm.inline_asm(i32, [], "mov.b32 $0, 0;", "=r", has_side_effects=True)
+        return mgpu.FragmentedArray.splat(arith.bitcast(ir.F32Type.get(), zero), shape,
+                                          layout=mgpu.WGMMA_LAYOUT)
+
+    return zeros()
 
 
 def _smem_transforms(cols: int, itemsize: int):
@@ -1306,6 +1338,8 @@ class _Forward:
         self.per_split = schedule.BLOCKS_PER_SPLIT
         #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
         #: None: on the GPU at D=64)
+        #: MosaicConfig.s_zeros (the interpreter's accumulators start from Pallas's)
+        self.local_zeros = cfg.s_zeros == "local" and interpret is None
         self.static_slots = (self.stages == 2 and not self.inline_loads and (
             interpret is None and d == 64 if cfg.static_slots is None
             else cfg.static_slots))
@@ -1845,7 +1879,7 @@ class _Forward:
         (before the product is awaited)."""
         k_s = it.smem[1]
 
-        def qk(acc_ref):
+        def qk(acc_ref, read=True):
             if self.gpu_operands:
                 # kv_boxes: one product per column tile of K, accumulated in column
                 # order (the whole tile's product issues the same k-steps in that order)
@@ -1860,8 +1894,11 @@ class _Forward:
                 self.sync(it, arrive)
             if issued is not None:
                 issued()
-            return acc_ref[...]
+            return acc_ref[...] if read else None
 
+        if self.local_zeros:  # run_state awaits the product and returns it
+            return pl.run_state(functools.partial(qk, read=False))(
+                plgpu.ACC.init(local_zeros((self.bm, self.bn))))
         return pl.run_scoped(qk, plgpu.ACC((self.bm, self.bn), jnp.float32))
 
     def pv_parts(self, acc_ref, p_op, v_parts):
