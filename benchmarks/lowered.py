@@ -35,10 +35,19 @@ def _watch(lower, keep) -> list | None:
     return kept
 
 
+#: The module's dump name, which newer Mosaic GPU (JAX 0.11) numbers per process
+#: (``"body_2"``, ``"body_3"``, ...): not part of the kernel, so two lowerings of one
+#: kernel compare equal without it.
+_DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
+
+
 def modules(lower) -> list[str] | None:
     """The text of each Mosaic GPU module that ``lower()`` lowers, in order, without
-    source locations, as Mosaic GPU serialises it (None: see :func:`_watch`)."""
-    return _watch(lower, lambda module, _: module.operation.get_asm(enable_debug_info=False))
+    source locations and the per-process dump name, as Mosaic GPU serialises it (None:
+    see :func:`_watch`)."""
+    return _watch(lower, lambda module, _: _DUMP_NAME.sub(
+        'mosaic_gpu.dump_basename = "-"',
+        module.operation.get_asm(enable_debug_info=False)))
 
 
 def serialized(lower) -> list[bytes] | None:
