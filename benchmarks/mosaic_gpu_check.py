@@ -139,10 +139,8 @@ LAUNCH_VARIANTS = {
     "kv-multicast": dict(kv_multicast=True, persistent=0),
     # Three compute warpgroups (192-row tiles), the ping-pong as a ring of turns.
     "3wg": dict(compute_wgs=3),
-    # The epilogue's TMA stores awaited until read, not written.
-    "store-wait-read": dict(store_wait="read"),
-    # gmem_state's merge under one branch (D=256 past one SPLIT).
-    "merge-loads-together": dict(merge_loads="together"),
+    # The epilogue's TMA stores awaited until written, not only read (the default).
+    "store-wait-write": dict(store_wait="write"),
 }
 #: The arithmetic choices (accumulate, rowsum): each is its own set of bits.
 FAMILIES = {

@@ -305,9 +305,7 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
     warpgroup 0's before its last merge too (``last_merge_arrive``: its next arrival
     that of the blocks only warpgroup 1 sees, or the closing sync; on by default
     non-causal, also run), keep the bits and the barrier's phases (a miscounted arrival
-    hangs the interpreter). The merge's loads under one branch (``merge_loads=
-    "together"``: SPLIT 0 from the constant zeros, never the scratch's stale rows)
-    keep them too."""
+    hangs the interpreter)."""
     cfg = mosaic_fwd.MosaicConfig(compute_wgs=2)
     for sq, skv, causal in ((128, 1100, True), (128, 2200, True), (192, 100, True),
                             (128, 1100, False)):
@@ -316,8 +314,7 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
         # on non-causal)
         configs = [dataclasses.replace(cfg, gmem_state=False),
                    dataclasses.replace(cfg, gmem_state=True),
-                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal),
-                   dataclasses.replace(cfg, gmem_state=True, merge_loads="together")]
+                   dataclasses.replace(cfg, gmem_state=True, last_merge_arrive=causal)]
         if skv == 2200:
             configs.append(dataclasses.replace(cfg, gmem_state=False, merge_arrive=True))
         base, *others = (mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
@@ -495,23 +492,6 @@ def test_gmem_state_lowers_with_two_warpgroups(mosaic_fwd):
     assert [x.shape for x in out] == [(1, 2, 2048, 256), (1, 2, 2048)]
     with pytest.raises(ValueError, match="gmem_state must be None, True or False, got 1"):
         cfg(gmem_state=1)
-
-
-@needs_api
-def test_merge_loads_together_changes_only_the_gmem_merge(mosaic_fwd):
-    """``merge_loads="together"`` changes the D=256 prefill past one SPLIT (the merge
-    of ``gmem_state`` under one branch, lowered as ``scf.index_switch``: one a merge
-    where the default has one a column chunk) and nothing where the state is not in
-    the scratch (D=128)."""
-    cfg = mosaic_fwd.MosaicConfig
-    together = cfg(gmem_state=True, merge_loads="together")
-    (m0,), (m1,) = (_prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 256, True, hq=2,
-                                     config=c) for c in (cfg(gmem_state=True), together))
-    switches = [m.count("scf.index_switch") for m in (m0, m1)]
-    assert switches[0] > switches[1], switches
-    assert (_prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 128, True, hq=2,
-                             config=together)
-            == _prefill_lowered(mosaic_modules, mosaic_fwd, 2048, 128, True, hq=2))
 
 
 # CI time (36 to 39 s): the GPU's D=256 choice (bad values: test_config_rejects_bad_values)
@@ -1646,10 +1626,10 @@ def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
 
 @needs_api
 def test_store_wait_read_waits_for_the_reads_only(mosaic_fwd):
-    """``store_wait="read"`` lowers every epilogue's wait on its TMA stores (the
-    forward's, and delta's, dK/dV's and dQ's) as ``cp.async.bulk.wait_group.read``;
-    the default (``"write"``) waits for the writes. The same stores: a launch choice
-    (bits equal on the H100, 2026-12-07)."""
+    """``store_wait="read"`` (the default) lowers every epilogue's wait on its TMA
+    stores (the forward's, and delta's, dK/dV's and dQ's) as
+    ``cp.async.bulk.wait_group.read``; ``"write"`` waits for the writes. The same
+    stores: a launch choice (bits equal on the H100, 2026-12-07)."""
     import re
 
     from jaxattn.backends.mosaic import backward as mosaic_bwd
@@ -1665,31 +1645,11 @@ def test_store_wait_read_waits_for_the_reads_only(mosaic_fwd):
 
     for lower, cfg, kernels in ((mosaic_fwd.lower_for_cuda, mosaic_fwd.MosaicConfig, 1),
                                 (mosaic_bwd.lower_for_cuda, mosaic_bwd.BwdConfig, 3)):
-        write, read = waits(lower, cfg()), waits(lower, cfg(store_wait="read"))
+        assert cfg().store_wait == "read"
+        write, read = waits(lower, cfg(store_wait="write")), waits(lower, cfg())
         assert len(write) == len(read) == kernels
         assert all(w and set(w) == {""} for w in write)
         assert all(r and set(r) == {" {read}"} for r in read)
-
-
-@needs_api
-def test_s_zeros_local_makes_each_products_zeros_in_place(mosaic_fwd):
-    """``s_zeros="local"`` starts every S = Q K^T product from zeros made by a PTX
-    ``mov`` of its own (an inline asm with side effects, in the key-block loops: at
-    least one a loop of masked and of unmasked blocks, and two in ``static_slots``'
-    pair); the default (``"hoisted"``) has none. The products, their operands and
-    the rest of the kernel are the same (the bits: the GPU test)."""
-    cfg = mosaic_fwd.MosaicConfig
-    zero = '"mov.b32 $0, 0;"'
-    for d, config in ((64, cfg(static_slots=True)), (128, cfg())):
-        hoisted, = _prefill_lowered(mosaic_modules, mosaic_fwd, 1024, d, True, hq=2,
-                                    config=config)
-        local, = _prefill_lowered(mosaic_modules, mosaic_fwd, 1024, d, True, hq=2,
-                                  config=dataclasses.replace(config, s_zeros="local"))
-        assert zero not in hoisted
-        assert local.count(zero) >= (4 if config.static_slots else 2), local.count(zero)
-        # nothing else moved: the module without those asms has the same operations
-        assert (local.count("nvvm.wgmma.mma_async") + local.count("wgmma.mma_async")
-                == hoisted.count("nvvm.wgmma.mma_async") + hoisted.count("wgmma.mma_async"))
 
 
 @needs_api
@@ -1890,13 +1850,13 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
-               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"},
-               {"merge_loads": "all"}, {"s_zeros": "zero"}):
+               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).
     for kw in ({"overlap": True}, {"pingpong_pin": True}, {"key_bound": "always"},
-               {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False}):
+               {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False},
+               {"merge_loads": "together"}, {"s_zeros": "local"}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)

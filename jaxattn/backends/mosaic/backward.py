@@ -260,7 +260,7 @@ class BwdConfig:
     #: How each kernel's CTA awaits its epilogue's TMA stores (delta, dK/dV, dQ), as
     #: ``MosaicConfig.store_wait`` ("read": until their SMEM has been read). A launch
     #: choice.
-    store_wait: str = "write"
+    store_wait: str = "read"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)

@@ -464,16 +464,6 @@ class MosaicConfig:
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
     #: row) D=64 causal 1.06x at B=8 S=4096 and 1.02x at B=2 S=16384, D=128 0.89 to 0.91x.
     static_slots: bool | None = None
-    #: Where S = Q K^T's accumulator gets its zeros: "hoisted" (Pallas's accumulator:
-    #: one zero constant that LLVM hoists out of the key-block loop and copies into the
-    #: accumulator's registers) or "local" (each product's zeros made in its own step,
-    #: a PTX ``mov`` that LLVM may not move, so ptxas sees them and starts the product
-    #: with the accumulator off, ``HGMMA ... RZ, !UPT``, instead of copying zeros in).
-    #: In ``static_slots``' pair loop at D=64 ptxas folded one step's zeros and copied
-    #: the other's (32 ``IMAD.MOV`` a pair, 16 of the loop's 274 instructions a block).
-    #: The same product of the same operands from zero: a launch choice. GPU only (the
-    #: interpreter takes "hoisted").
-    s_zeros: str = "hoisted"
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -511,30 +501,17 @@ class MosaicConfig:
     #: against 275.4 us, B=1 131072 169.2 against 155.7), while the next step's split
     #: kernel started during the fold gained 0 to 2%.
     split_pdl: str | None = None
-    #: How a CTA awaits its epilogue's TMA stores (:func:`wait_stores`): "write" until
-    #: written to GMEM, "read" until their SMEM has been read (CUTLASS's wait). The
-    #: same stores: a launch choice (bits equal in every row of the H100's run). On
-    #: the H100 (2026-12-07, notes "twenty-second stop") "read" ran the forward
-    #: within its spread (0.99 to 1.04x) and the backward 1.01 to 1.02x at B=2
-    #: S=16384, level at B=8 S=4096; it stays off until the invariance matrix's
-    #: decode, paged, CP and varlen rows have run with it on the GPU.
-    store_wait: str = "write"
-    #: ``gmem_state``'s merge of a SPLIT into the running state read from the global
-    #: scratch: "per_chunk" (a branch per 64-column chunk on the SPLIT's index: the
-    #: empty state's zeros for SPLIT 0, else the chunk loaded), or "together" (one
-    #: branch around the whole merge, so the four chunks' loads are one block: ptxas
-    #: issues their 64 LD.E.64 as one group, against four groups of 16, each after the
-    #: chunk before it is merged: four round trips to L2 a merge, notes "twenty-second
-    #: stop"). The same operations on the same values: a launch choice. Unmeasured.
-    merge_loads: str = "per_chunk"
+    #: How a CTA awaits its epilogue's TMA stores (:func:`wait_stores`): "read" until
+    #: their SMEM has been read (CUTLASS's wait: enough to reuse the SMEM or exit),
+    #: "write" until written to GMEM. The same stores: a launch choice. On the H100
+    #: (2026-12-07, notes "twenty-second stop") "read" ran the forward within its
+    #: spread (0.99 to 1.04x) and the backward 1.01 to 1.02x at B=2 S=16384, level at
+    #: B=8 S=4096, bits equal at every point; the invariance matrix's decode, paged,
+    #: CP and packed rows passed with it ("twenty-third stop"): the default since.
+    store_wait: str = "read"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
-        if self.s_zeros not in ("hoisted", "local"):
-            raise ValueError(f"s_zeros must be 'hoisted' or 'local', got {self.s_zeros!r}")
-        if self.merge_loads not in ("per_chunk", "together"):
-            raise ValueError(f"merge_loads must be 'per_chunk' or 'together', got "
-                             f"{self.merge_loads!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.compute_wgs not in (None, 1, 2, 3):
@@ -710,26 +687,6 @@ def sm_id():
                                           is_signed=False)
 
     return smid()
-
-
-def local_zeros(shape: tuple[int, int]):
-    """fp32 zeros of ``shape`` in the WGMMA layout, every register a copy of one PTX
-    ``mov.b32 %r, 0`` made where this is called: an inline asm with side effects, which
-    LLVM neither hoists out of a loop nor merges with another call's, so ptxas sees
-    the zeros beside the product they start (``MosaicConfig.s_zeros``). GPU only."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
-
-    @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
-                                                          layout=plgpu.Layout.WGMMA))
-    def zeros(_):
-        i32 = ir.IntegerType.get_signless(32)
-        zero = llvm.inline_asm(i32, [], "mov.b32 $0, 0;", "=r", has_side_effects=True)
-        return mgpu.FragmentedArray.splat(arith.bitcast(ir.F32Type.get(), zero), shape,
-                                          layout=mgpu.WGMMA_LAYOUT)
-
-    return zeros()
 
 
 def _smem_transforms(cols: int, itemsize: int):
@@ -1338,8 +1295,6 @@ class _Forward:
         self.per_split = schedule.BLOCKS_PER_SPLIT
         #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
         #: None: on the GPU at D=64)
-        #: MosaicConfig.s_zeros (the interpreter's accumulators start from Pallas's)
-        self.local_zeros = cfg.s_zeros == "local" and interpret is None
         self.static_slots = (self.stages == 2 and not self.inline_loads and (
             interpret is None and d == 64 if cfg.static_slots is None
             else cfg.static_slots))
@@ -1879,7 +1834,7 @@ class _Forward:
         (before the product is awaited)."""
         k_s = it.smem[1]
 
-        def qk(acc_ref, read=True):
+        def qk(acc_ref):
             if self.gpu_operands:
                 # kv_boxes: one product per column tile of K, accumulated in column
                 # order (the whole tile's product issues the same k-steps in that order)
@@ -1894,11 +1849,8 @@ class _Forward:
                 self.sync(it, arrive)
             if issued is not None:
                 issued()
-            return acc_ref[...] if read else None
+            return acc_ref[...]
 
-        if self.local_zeros:  # run_state awaits the product and returns it
-            return pl.run_state(functools.partial(qk, read=False))(
-                plgpu.ACC.init(local_zeros((self.bm, self.bn))))
         return pl.run_scoped(qk, plgpu.ACC((self.bm, self.bn), jnp.float32))
 
     def pv_parts(self, acc_ref, p_op, v_parts):
@@ -2035,27 +1987,16 @@ class _Forward:
         """SPLIT ``si`` (:meth:`split`, with ``more``) merged into the running state of
         lse ``lse_s`` whose output's column chunk ``j`` is ``left(j)`` (read as the
         merge needs it), each merged chunk handed to ``store(j, o)`` as soon as it is
-        merged: the merged lse. ``left`` may be a pair (the empty state's chunks, the
-        loaded ones), the first taken for SPLIT 0: by a branch on ``si == 0`` per
-        chunk, or one around the whole merge (``MosaicConfig.merge_loads``)."""
+        merged: the merged lse."""
         bm, cols = self.bm, SMEM_STATE_COLS
         o_p, lse_p = self.split(it, n_steps, si, None, more=more)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
-
-        def merge(left):
-            lse = lse_s
-            for j in range(self.d // cols):
-                o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols],
-                                     lse_p, weights, pin_fma=True)
-                store(j, o)
-            return lse
-
-        if not isinstance(left, tuple):
-            return merge(left)
-        empty, loaded = left  # (the empty state's chunks, the loaded ones)
-        if self.cfg.merge_loads == "together":
-            return lax.cond(si == 0, lambda: merge(empty), lambda: merge(loaded))
-        return merge(lambda j: lax.cond(si == 0, lambda: empty(j), lambda: loaded(j)))
+        lse = lse_s
+        for j in range(self.d // cols):
+            o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
+                                 weights, pin_fma=True)
+            store(j, o)
+        return lse
 
     def fold_in_gmem(self, it: _Item, n_steps, n_splits, st, sink, last_more=False):
         """``gmem_state``: :meth:`fold_in_smem`'s fold with the running state in the
@@ -2074,19 +2015,21 @@ class _Forward:
         cols = SMEM_STATE_COLS
         chunks = [st.at[:, pl.ds(c, cols)] for c in range(0, self.d, cols)]
 
-        # SPLIT 0 merges into the empty state's zeros, the others the scratch's chunks
-        left = (lambda j: self.tile_zeros(cols),
-                lambda j: self.load(chunks[j], plgpu.Layout.WGMMA, False))
+        def left(si):
+            def chunk(j):
+                return lax.cond(si == 0, lambda: self.tile_zeros(cols),
+                                lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
+            return chunk
 
         def store(j, o):
             chunks[j][...] = o
 
         def one(si, lse_s):
-            return self.merge_split(it, n_steps, si, lse_s, left, store, more=True)
+            return self.merge_split(it, n_steps, si, lse_s, left(si), store, more=True)
 
         lse = lax.fori_loop(0, n_splits - 1, one, self.rows_init(NEG_INF))
         last = lax.max(n_splits - 1, 0)
-        return self.merge_split(it, n_steps, last, lse, left, sink, more=last_more)
+        return self.merge_split(it, n_steps, last, lse, left(last), sink, more=last_more)
 
     def consumer(self, w, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi, hi_cta, base,
                  flags_ref=None, qbuf=None, after_q=None, kvh=None):
