@@ -51,15 +51,15 @@ def main(argv):
     v = jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)
     causal = FLAGS.causal or FLAGS.mode == "decode"
     if FLAGS.peer is not None:
-        if FLAGS.mode == "fold":
+        if FLAGS.mode not in ("fwd", "fwdbwd", "decode"):
             raise app.UsageError("--peer is for forward, fwdbwd or decode")
         from benchmarks import systems
         system = systems.make(FLAGS.peer)
-        args = system.prepare(q, k, v)
-        if FLAGS.mode == "fwdbwd":
+        args, run = system.prepare(q, k, v), system.forward
+        if FLAGS.mode == "fwdbwd":  # the gradients of sum(out * dO)
             args = (*args, system.prepare_like_q(
                 jax.random.normal(ks[3], q.shape, jnp.bfloat16)))
-        run = system.fwdbwd if FLAGS.mode == "fwdbwd" else system.forward
+            run = system.fwdbwd
         for _ in range(FLAGS.calls + 1):
             system.sync(run(*args, causal=causal))
         print(f"kernel_probe: {FLAGS.mode} on {FLAGS.peer}, B={b} Sq={sq} Skv={s} D={d}")
