@@ -29,7 +29,8 @@
 # Skv 1k to 128k) beside the peers, one process per B (GRID_BACKENDS may name a launch
 # variant beside the default, e.g. jaxattn:mosaic:splits_per_cta=None); spc: MosaicConfig.splits_per_cta's
 # bits against one split a CTA, then (if they hold) the decode steps and paged cache
-# beside the default; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
+# beside the default; ablate: the forward with one part taken away at a time
+# (benchmarks/ablate.py, ABLATE_ARGS; timed only); fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
 # S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -326,6 +327,16 @@ if has fwd33; then
         | tee "$OUT/fwd33/d$name.txt" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
   done
+fi
+if has ablate; then
+  # Where the forward's time goes: benchmarks/ablate.py (ABLATE_ARGS, e.g.
+  # "--ablations=exp_free,no_rowmax --runs=64c --shapes=8:4096"): each named part of the
+  # kernel taken away in a copy of the package (wrong answers, timed only), a process
+  # each between two unedited ones, torch cuDNN beside.
+  timeout ${ABLATE_TIMEOUT:-540} $PY -m benchmarks.ablate --out_dir="$OUT/ablate" \
+      ${ABLATE_ARGS:-} 2>&1 | grep -v 'Unable to initialize backend' \
+      | tee "$OUT/ablate.txt" | tail -30
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if has mosaicspeed; then
   # The forward variants' TFLOP/s beside the Pallas backend, Pallas mha and cuDNN (no

@@ -56,6 +56,8 @@ flags.DEFINE_list("peers", ["pallas_mha", "pallas_mgpu", "cudnn"],
                   "Peers timed beside (benchmarks/systems).")
 flags.DEFINE_bool("tail_probe", False, "Non-causal tail padding taken apart (probe_tails).")
 flags.DEFINE_bool("backward_speed", False, "Also time the backward prototype in --speed.")
+flags.DEFINE_bool("speed_pallas", True, "Time the Pallas backend's forward in --speed "
+                  "(--backward_speed needs it: its out and lse feed the backwards).")
 flags.DEFINE_list("decode_speed", [], "B:Skv[:Sq[:Hq:Hkv]] points: time decode (Sq "
                   "queries per head, default 1, speculative verification above; Hq=32, "
                   "Hkv=8 unless given; D=128, bf16, causal) of the Mosaic forward "
@@ -384,8 +386,10 @@ def time_speed(results: list) -> None:
         b, s = (int(x) for x in spec.split(":"))
         sets = [_inputs(b, hq, hkv, s, s, d, seed=7 + i)[:3] for i in range(3)]
         flops = report.attention_flops(b, hq, s, s, d, causal)
-        fns = {"pallas": jax.jit(lambda q, k, v: pt.forward(q, k, v, causal=causal, scale=scale,
-                                                             interpret=False))}
+        fns = {}
+        if FLAGS.speed_pallas or FLAGS.backward_speed:
+            fns["pallas"] = jax.jit(lambda q, k, v: pt.forward(
+                q, k, v, causal=causal, scale=scale, interpret=False))
         for vspec in FLAGS.fwd_variants:
             name, kw = _variant(vspec)
             fns[f"mosaic:{name}"] = jax.jit(functools.partial(

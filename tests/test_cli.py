@@ -313,3 +313,32 @@ def test_sweep_tables_render_ratios_errors_and_decode():
     assert lines[4] == "| 4096 (B=8) | **450** | 500 | 0.90 |"
     assert decode.startswith("Decode GB/s")
     assert "| 8192 (B=8) | **2900** | 2000 | 1.45 |" in decode
+
+
+def test_ablations_apply_to_this_tree_and_the_table_divides_by_the_defaults(tmp_path):
+    """benchmarks.ablate: every ablation's edits find their text exactly once in the
+    kernel as it is (a stale one would fail on the device after its compile), the copy
+    differs from the package only where edited, an unknown name raises; the table gives
+    each process over the mean of the two unedited ones."""
+    from benchmarks import ablate
+
+    for name, (_, edits) in ablate.ABLATIONS.items():
+        dest = ablate.prepare(name, tmp_path / name)
+        for rel, old, new in edits:
+            text = (dest / rel).read_text()
+            assert new in text and old not in text.replace(new, ""), (name, rel)
+            orig = (ablate.ROOT / rel).read_text()
+            assert text == orig.replace(old, new)
+    with pytest.raises(ValueError, match="not one of"):
+        ablate.prepare("no_such_ablation", tmp_path / "x")
+
+    def row(ablation, proc, system, tflops):
+        return dict(ablation=ablation, proc=proc, system=system, tflops=tflops, D=64,
+                    causal=True, B=8, S=4096)
+
+    rows = [row("default", 0, "mosaic:default", 300.0), row("default", 0, "torch_cudnn", 400.0),
+            row("exp_free", 1, "mosaic:default", 330.0), row("exp_free", 1, "torch_cudnn", 401.0),
+            row("default", 2, "mosaic:default", 310.0), row("default", 2, "torch_cudnn", 399.0)]
+    lines = ablate.table(rows).splitlines()
+    assert lines[3] == "| 64c | 8, 4096 | exp_free (1) | 330.0 | 401.0 | 1.082 |"
+    assert lines[2] == "| 64c | 8, 4096 | default (0) | 300.0 | 400.0 | 0.984 |"
