@@ -49,19 +49,8 @@ ABLATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "no_rowmax": (
         "the unmasked blocks' row max (its shuffles): the max taken as 0",
         [(FORWARD,
-          "        else:\n            raw_max = s.max(axis=1)\n",
-          "        else:\n            raw_max = self.rows_init(0.0)\n")]),
-    "tree_max": (
-        "nothing (a candidate, not an ablation): the unmasked blocks' row max as a tree "
-        "of column halves (depth 4 a row where Mosaic GPU's reduction chains 8 "
-        "vectors); the same function, max being exact",
-        [(FORWARD,
-          "        else:\n            raw_max = s.max(axis=1)\n",
-          "        else:\n            raw_max = s\n"
-          "            while raw_max.shape[1] > 8:\n"
-          "                half = raw_max.shape[1] // 2\n"
-          "                raw_max = jnp.maximum(raw_max[:, :half], raw_max[:, half:])\n"
-          "            raw_max = raw_max.max(axis=1)\n")]),
+          "            raw_max = row_max(s, self.cfg.row_max)\n",
+          "            raw_max = self.rows_init(0.0)\n")]),
     "no_merge_loads": (
         "gmem_state's reads of the running state between SPLITs (the merge takes zeros "
         "for it; the math and the scratch's stores kept: taking the stores away lets "

@@ -451,7 +451,18 @@ def test_static_slots_keep_bits_on_gpu():
     three warpgroups (4200 keys), a chunk with a lead, a key mask over poisoned keys
     and JAX's layout; decode steps (Sq 1 and 4) and the split decode."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)]
+    _forward_paths_agree_in_bits(
+        [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)])
+
+
+def _forward_paths_agree_in_bits(configs):
+    """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
+    every forward path of the GPU: D=256's SPLIT fold cases and D=128 causal
+    (``_FOLD_CASES``); at D=64 the persistent grid (a CTA's items of odd and even block
+    counts in turn) causal and not, three warpgroups (4200 keys), a chunk with a lead,
+    decode steps (Sq 1 and 4), a key mask over poisoned keys and JAX's layout; and the
+    split decode at D=128."""
+    from jaxattn.backends.mosaic import forward as mf
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
     rng = np.random.default_rng()
     q, k, v = rand_qkv(2, 8, 2, 4200, 4200, 64, jnp.bfloat16)
@@ -464,6 +475,17 @@ def test_static_slots_keep_bits_on_gpu():
     _mask_and_layout_agree(configs, rng, q, k, v, 2100)
     qd, kd, vd = rand_qkv(2, 32, 8, 1, 20000, 128, jnp.bfloat16)
     _configs_agree_in_bits(mf.forward, configs, "split decode", qd, kd, vd, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+def test_row_max_tree_keeps_bits_on_gpu():
+    """On sm90, ``MosaicConfig(row_max="tree")`` (each row's max taken over column
+    halves first, then Mosaic GPU's reduction) gives the default's bits on every
+    forward path: max is exact, so only the order of the maxima changes."""
+    from jaxattn.backends.mosaic import forward as mf
+    _forward_paths_agree_in_bits([mf.MosaicConfig(), mf.MosaicConfig(row_max="tree")])
 
 
 @pytest.mark.gpu
