@@ -49,8 +49,8 @@ ABLATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "no_rowmax": (
         "the unmasked blocks' row max (its shuffles): the max taken as 0",
         [(FORWARD,
-          "            raw_max = row_max(s, self.cfg.row_max)\n",
-          "            raw_max = self.rows_init(0.0)\n")]),
+          "        else:\n            raw_max = s.max(axis=1)\n",
+          "        else:\n            raw_max = self.rows_init(0.0)\n")]),
     "no_merge_loads": (
         "gmem_state's reads of the running state between SPLITs (the merge takes zeros "
         "for it; the math and the scratch's stores kept: taking the stores away lets "

@@ -482,17 +482,6 @@ def _forward_paths_agree_in_bits(configs):
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
-def test_row_max_tree_keeps_bits_on_gpu():
-    """On sm90, ``MosaicConfig(row_max="tree")`` (each row's max taken over column
-    halves first, then Mosaic GPU's reduction) gives the default's bits on every
-    forward path: max is exact, so only the order of the maxima changes."""
-    from jaxattn.backends.mosaic import forward as mf
-    _forward_paths_agree_in_bits([mf.MosaicConfig(), mf.MosaicConfig(row_max="tree")])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
-                    reason=str(mosaic_backend.unavailable_reason()))
 @pytest.mark.parametrize("d", [64, 128])
 def test_static_slots_keep_backward_bits_on_gpu(d):
     """On sm90, ``BwdConfig(static_slots=True)`` (the dK/dV kernel's steps unrolled by

@@ -206,16 +206,14 @@ def _check_forward_accuracy(mosaic_fwd, case):
 def test_interpret_launch_options_keep_bits(mosaic_fwd):
     """Ping-pong, one or two compute warpgroups, the CTA order, the pipeline depth and
     the row sum taken after P V's issue (``late_rowsum``) change when and where a
-    block is computed, never its operations, and the row max's order (``row_max``) no
-    value: the bits must agree."""
+    block is computed, never its operations: the bits must agree."""
     seed, q, k, v = _inputs(1, 2, 1, 128, 320, 64)
     base = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                               config=mosaic_fwd.MosaicConfig(late_rowsum=False))
     other = mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
                                config=mosaic_fwd.MosaicConfig(pingpong=False, compute_wgs=1,
                                                               q_order="ascending", stages=3,
-                                                              late_rowsum=True,
-                                                              row_max="tree"))
+                                                              late_rowsum=True))
     for x, y in zip(base, other, strict=True):
         assert not np.isnan(np.asarray(x, np.float32)).any()
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
@@ -1867,7 +1865,7 @@ def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
 @needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 4}, {"accumulate": "fma"}, {"rowsum": "tree"},
-               {"row_max": "pairwise"}, {"state_loads": "together"},
+               {"state_loads": "together"},
                {"registers": (232, 44)}, {"registers": (240, 40)},
                {"registers3": (168, 24)}, {"registers3": (160,)},
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
@@ -1881,7 +1879,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).
     for kw in ({"overlap": True}, {"pingpong_pin": True}, {"key_bound": "always"},
                {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False},
-               {"merge_loads": "together"}, {"s_zeros": "local"}):
+               {"merge_loads": "together"}, {"s_zeros": "local"}, {"row_max": "tree"}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)

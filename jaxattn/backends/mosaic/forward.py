@@ -509,11 +509,6 @@ class MosaicConfig:
     #: B=8 S=4096, bits equal at every point; the invariance matrix's decode, paged,
     #: CP and packed rows passed with it ("twenty-third stop"): the default since.
     store_wait: str = "read"
-    #: How a block's row max reduces each row's columns in registers (:func:`row_max`):
-    #: "chain", Mosaic GPU's reduction (a chain of 8 two-element maxima a row and
-    #: thread), or "tree", pairwise maxima of column halves down to 8 columns first
-    #: (4 deep). Max is exact, so the order cannot change the value: a launch choice.
-    row_max: str = "chain"
     #: How ``gmem_state``'s merge reads the running state's four 64-column chunks from
     #: the global scratch: "chunked", each chunk in its own branch on the SPLIT's index
     #: (SPLIT 0 takes constant zeros), read as it is merged; "pipelined", no branch:
@@ -526,8 +521,6 @@ class MosaicConfig:
         if self.state_loads not in STATE_LOADS:
             raise ValueError(f"state_loads must be one of {STATE_LOADS}, got "
                              f"{self.state_loads!r}")
-        if self.row_max not in ROW_MAXES:
-            raise ValueError(f"row_max must be one of {ROW_MAXES}, got {self.row_max!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.compute_wgs not in (None, 1, 2, 3):
@@ -785,21 +778,6 @@ def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
 
 #: ``MosaicConfig.state_loads``' modes.
 STATE_LOADS = ("chunked", "pipelined")
-
-#: ``MosaicConfig.row_max``'s modes.
-ROW_MAXES = ("chain", "tree")
-
-
-def row_max(x, mode: str = "chain"):
-    """Each row's maximum of the ``[M, N]`` tile ``x``: Mosaic GPU's reduction, after
-    (``mode="tree"``) halving the columns by pairwise maxima down to 8 (the WGMMA
-    layout's column tile), which shortens the dependent chain ahead of the shuffles."""
-    if mode == "tree":
-        while x.shape[1] > 8 and x.shape[1] % 16 == 0:
-            half = x.shape[1] // 2
-            x = jnp.maximum(x[:, :half], x[:, half:])
-    return x.max(axis=1)
-
 
 def _row_sum_update(l, alpha, p32):
     """The online softmax's running row sum after a block: ``l`` rescaled by
@@ -1739,9 +1717,9 @@ class _Forward:
                 kv = self.load(keep, plgpu.Layout.WGMMA.reduce(0))
                 kept = lax.broadcast_in_dim(kv, (bm, bn), [1]) != 0.0
                 visible = kept if visible is None else visible & kept
-            raw_max = row_max(jnp.where(visible, s, NEG_INF), self.cfg.row_max)
+            raw_max = jnp.where(visible, s, NEG_INF).max(axis=1)
         else:
-            raw_max = row_max(s, self.cfg.row_max)
+            raw_max = s.max(axis=1)
         m_new = jnp.maximum(m, raw_max * self.s_scale)
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         alpha = self.exp(m - m_safe)
