@@ -779,6 +779,7 @@ def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
 #: ``MosaicConfig.state_loads``' modes.
 STATE_LOADS = ("chunked", "pipelined")
 
+
 def _row_sum_update(l, alpha, p32):
     """The online softmax's running row sum after a block: ``l`` rescaled by
     ``alpha``, plus the block's fp32 probabilities summed along each row
