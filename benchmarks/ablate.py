@@ -103,8 +103,7 @@ def run_one(label: str, path: pathlib.Path | None, head_dim: int, causal: bool,
     except (OSError, ValueError):
         print(f"{label}: no results (log: {res / 'log.txt'})\n{log[-1500:]}", flush=True)
         return []
-    return [dict(r, ablation=label.split("-", 2)[-1]) for r in rows
-            if r.get("kind") == "speed"]
+    return [r for r in rows if r.get("kind") == "speed"]
 
 
 def table(rows: list[dict]) -> str:
@@ -143,7 +142,7 @@ def main(argv):
             for i, name in enumerate(order):
                 label = f"{run}-{i}-{name}"
                 got = run_one(label, copies.get(name), head_dim, causal, out)
-                rows += [dict(r, proc=i) for r in got]
+                rows += [dict(r, ablation=name, proc=i) for r in got]
                 print(label, [(r["system"], r["B"], r["S"], round(r.get("tflops", 0), 1))
                               for r in got], flush=True)
         (out / "ablate.json").write_text(json.dumps(

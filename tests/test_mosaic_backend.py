@@ -453,18 +453,7 @@ def test_static_slots_keep_bits_on_gpu():
     three warpgroups (4200 keys), a chunk with a lead, a key mask over poisoned keys
     and JAX's layout; decode steps (Sq 1 and 4) and the split decode."""
     from jaxattn.backends.mosaic import forward as mf
-    _forward_paths_agree_in_bits(
-        [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)])
-
-
-def _forward_paths_agree_in_bits(configs):
-    """The mosaic forward under each of ``configs`` gives the first's bits, no NaN, on
-    every forward path of the GPU: D=256's SPLIT fold cases and D=128 causal
-    (``_FOLD_CASES``); at D=64 the persistent grid (a CTA's items of odd and even block
-    counts in turn) causal and not, three warpgroups (4200 keys), a chunk with a lead,
-    decode steps (Sq 1 and 4), a key mask over poisoned keys and JAX's layout; and the
-    split decode at D=128."""
-    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)]
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
     rng = np.random.default_rng()
     q, k, v = rand_qkv(2, 8, 2, 4200, 4200, 64, jnp.bfloat16)
