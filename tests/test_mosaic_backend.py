@@ -356,12 +356,10 @@ def test_gmem_state_keeps_bits_on_gpu():
     SPLIT: both), gives the bits of two compute warpgroups with the state in registers
     and of the SMEM state (``gmem_state=False``'s one warpgroup), out and lse, no NaN:
     D=256 causal prefills of one and three SPLITs, a chunk, Sq > Skv, non-causal with a
-    partial last block (the key mask); D=128 causal. The same with the merge's loads
-    issued a chunk ahead (``state_loads="pipelined"``)."""
+    partial last block (the key mask); D=128 causal."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(smem_state=False), mf.MosaicConfig(gmem_state=False),
-               mf.MosaicConfig(gmem_state=True, kv_multicast=False), mf.MosaicConfig(),
-               mf.MosaicConfig(state_loads="pipelined")]
+               mf.MosaicConfig(gmem_state=True, kv_multicast=False), mf.MosaicConfig()]
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
 
 

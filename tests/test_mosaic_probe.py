@@ -326,28 +326,6 @@ def test_interpret_gmem_state_keeps_bits(mosaic_fwd):
                     bits(x), bits(y), err_msg=f"seed {seed}, Sq={sq} Skv={skv} {causal=}")
 
 
-@needs_threads
-@needs_interpret
-def test_interpret_pipelined_state_loads_keep_bits(mosaic_fwd):
-    """``gmem_state``'s merge with the scratch's chunks read a merge ahead and SPLIT 0's
-    zeros selected over whatever the scratch holds (``state_loads="pipelined"``) gives
-    the branch per chunk's bits, D=128 (two chunks a merge): a causal chunk of 128 rows
-    over three SPLITs (zeros, a middle SPLIT read back and stored, the last into the
-    epilogue's tile; the second warpgroup's rows one block more) and a tile that sees
-    no key. (Fails when the zeros are not selected, or when a chunk is merged with
-    another's loads.)"""
-    cfg = mosaic_fwd.MosaicConfig(compute_wgs=2, gmem_state=True)
-    for sq, skv in ((128, 2200), (192, 100)):  # (D=128: two chunks a merge)
-        seed, q, k, v = _inputs(1, 2, 1, sq, skv, 128)
-        base, other = (mosaic_fwd.forward(q, k, v, causal=True, interpret=True,
-                                          config=dataclasses.replace(cfg, state_loads=m))
-                       for m in ("chunked", "pipelined"))
-        for x, y in zip(base, other, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any()
-            np.testing.assert_array_equal(bits(x), bits(y),
-                                          err_msg=f"seed {seed}, Sq={sq} Skv={skv}")
-
-
 #: ``_prefill_lowered``'s modules by call.
 _LOWERED: dict = {}
 
@@ -1865,7 +1843,6 @@ def test_persistent_schedule_is_greedy_and_complete(mosaic_fwd):
 @needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 4}, {"accumulate": "fma"}, {"rowsum": "tree"},
-               {"state_loads": "together"},
                {"registers": (232, 44)}, {"registers": (240, 40)},
                {"registers3": (168, 24)}, {"registers3": (160,)},
                {"q_order": "random"}, {"block_m": 32}, {"persistent": -1},
@@ -1879,7 +1856,8 @@ def test_config_rejects_bad_values(mosaic_fwd):
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).
     for kw in ({"overlap": True}, {"pingpong_pin": True}, {"key_bound": "always"},
                {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False},
-               {"merge_loads": "together"}, {"s_zeros": "local"}, {"row_max": "tree"}):
+               {"merge_loads": "together"}, {"s_zeros": "local"}, {"row_max": "tree"},
+               {"state_loads": "pipelined"}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)

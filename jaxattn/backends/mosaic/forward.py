@@ -509,18 +509,9 @@ class MosaicConfig:
     #: B=8 S=4096, bits equal at every point; the invariance matrix's decode, paged,
     #: CP and packed rows passed with it ("twenty-third stop"): the default since.
     store_wait: str = "read"
-    #: How ``gmem_state``'s merge reads the running state's four 64-column chunks from
-    #: the global scratch: "chunked", each chunk in its own branch on the SPLIT's index
-    #: (SPLIT 0 takes constant zeros), read as it is merged; "pipelined", no branch:
-    #: chunk j + 1's loads issued before chunk j is merged, the zeros of SPLIT 0
-    #: selected over what the loads read. The same values merged: a launch choice.
-    state_loads: str = "chunked"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
-        if self.state_loads not in STATE_LOADS:
-            raise ValueError(f"state_loads must be one of {STATE_LOADS}, got "
-                             f"{self.state_loads!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.compute_wgs not in (None, 1, 2, 3):
@@ -774,10 +765,6 @@ def zero_dropped_keys(k, v, key_padding_mask, axis: int = 2):
     drop = (~key_padding_mask[:, None, :, None] if axis == 2
             else ~key_padding_mask[:, :, None, None])
     return (jnp.where(drop, 0, k).astype(k.dtype), jnp.where(drop, 0, v).astype(v.dtype))
-
-
-#: ``MosaicConfig.state_loads``' modes.
-STATE_LOADS = ("chunked", "pipelined")
 
 
 def _row_sum_update(l, alpha, p32):
@@ -2005,14 +1992,8 @@ class _Forward:
         o_p, lse_p = self.split(it, n_steps, si, None, more=more)
         weights = kernel_merge_weights(lse_s, lse_p, (bm, cols))
         lse = lse_s
-        n = self.d // cols
-        # (state_loads="pipelined": each chunk's loads issued a merge ahead of its use)
-        ahead = 1 if self.gmem_state and self.cfg.state_loads == "pipelined" else 0
-        lefts = [left(j) for j in range(ahead)]
-        for j in range(n):
-            if j + ahead < n:
-                lefts.append(left(j + ahead))
-            o, lse = merge_apply(lefts[j], lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
+        for j in range(self.d // cols):
+            o, lse = merge_apply(left(j), lse_s, o_p[:, j * cols:(j + 1) * cols], lse_p,
                                  weights, pin_fma=True)
             store(j, o)
         return lse
@@ -2036,9 +2017,6 @@ class _Forward:
 
         def left(si):
             def chunk(j):
-                if self.cfg.state_loads == "pipelined":  # (SPLIT 0 reads what is there)
-                    return jnp.where(si == 0, self.tile_zeros(cols),
-                                     self.load(chunks[j], plgpu.Layout.WGMMA, False))
                 return lax.cond(si == 0, lambda: self.tile_zeros(cols),
                                 lambda: self.load(chunks[j], plgpu.Layout.WGMMA, False))
             return chunk
