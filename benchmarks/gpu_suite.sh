@@ -30,7 +30,9 @@
 # variant beside the default, e.g. jaxattn:mosaic:splits_per_cta=None); spc: MosaicConfig.splits_per_cta's
 # bits against one split a CTA, then (if they hold) the decode steps and paged cache
 # beside the default; ablate: the forward with one part taken away at a time
-# (benchmarks/ablate.py, ABLATE_ARGS; timed only); fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
+# (benchmarks/ablate.py, ABLATE_ARGS; timed only); points33: issue 33's five points
+# (POINTS33="B:S:D:c|n ..."), forward and forward + backward beside JAX and torch cuDNN,
+# a process each; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
 # S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
@@ -308,6 +310,23 @@ if has spc; then
         | grep -v 'Unable to initialize backend' | tee "$OUT/spc/paged.txt" | tail -30
     status=$((status | ${PIPESTATUS[0]}))
   fi
+fi
+if has points33; then
+  # Issue 33's five points as its table gives them (B S D mask), forward and forward +
+  # backward, beside JAX cuDNN and torch cuDNN: one attention_bench process a point.
+  for pt in ${POINTS33:-2:4096:128:c 16:1024:128:c 1:16384:128:c 2:4096:64:c 2:4096:128:n}; do
+    IFS=: read -r pb ps pd pm <<< "$pt"
+    mask=--causal; modes=fwd,fwdbwd
+    [[ $pm == n ]] && { mask=--nocausal; modes=fwd; }
+    echo "== point B=$pb S=$ps D=$pd $mask"
+    timeout ${POINTS33_TIMEOUT:-120} $PY -m benchmarks.attention_bench --batch=$pb \
+        --seq_lens=$ps --head_dim=$pd $mask --modes=$modes --iters=5 --sample_ms=30 \
+        --backends=${POINTS33_BACKENDS:-jaxattn:mosaic,cudnn,torch_cudnn} \
+        --out_dir="$OUT/points33/${pt//:/-}" 2>&1 | grep -v 'Unable to initialize backend' \
+        > "$OUT/points33-${pt//:/-}.txt"
+    rc=${PIPESTATUS[0]}; grep '^| fwd' "$OUT/points33-${pt//:/-}.txt"; echo "rc=$rc"
+    status=$((status | rc))
+  done
 fi
 if has fwd33; then
   # Issue 33's forward sweep (B * S = 32k tokens, S 1k to 32k) beside torch cuDNN and
