@@ -392,7 +392,8 @@ def test_three_warpgroups_keep_bits_on_gpu():
     """On sm90, three compute warpgroups (``compute_wgs=3``: 192-row tiles, the
     ping-pong as a ring of turns, ``registers3``), on the persistent grid and on one
     CTA a tile, and the default (three at D=64 past the persistent grid's 64 key
-    blocks a tile) give two warpgroups' bits, out and lse, no NaN, with no hang: at
+    blocks a tile, and non-causal on it) give two warpgroups' bits, out and lse, no NaN,
+    with no hang: at
     D=64 (B=2, Hq=8, Hkv=2) each of the SPLIT fold's cases (causal one and three
     SPLITs, a chunk, Sq > Skv, non-causal with a partial last block and with whole
     blocks) and 4200 keys causal and not (the default's three), a key padding mask
@@ -449,9 +450,11 @@ def test_static_slots_keep_bits_on_gpu():
     and D=128 causal; at D=64 the persistent grid (a CTA's items of odd and even block
     counts in turn: the ring's slot at an item's first block changes) causal and not,
     three warpgroups (4200 keys), a chunk with a lead, a key mask over poisoned keys
-    and JAX's layout; decode steps (Sq 1 and 4) and the split decode."""
+    and JAX's layout; decode steps (Sq 1 and 4) and the split decode. The same with a
+    ring of three slots (``stages=3``: the loop unrolled by three)."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)]
+    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True),
+               mf.MosaicConfig(static_slots=True, stages=3)]
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
     rng = np.random.default_rng()
     q, k, v = rand_qkv(2, 8, 2, 4200, 4200, 64, jnp.bfloat16)

@@ -251,11 +251,13 @@ def test_interpret_static_slots_keep_bits(mosaic_fwd, small_split):
     pairs) gives the dynamic slots' bits, out and lse, no NaN: a causal prefill over
     three SPLITs (small_split: the unmasked runs of 2 blocks start on either slot as
     the ring runs on), a non-causal chunk with a partial last block, and a persistent
-    grid of three CTAs whose items of odd and even block counts follow one another."""
+    grid of three CTAs whose items of odd and even block counts follow one another;
+    a ring of three slots (``stages=3``: the loop unrolled by three)."""
     cfg = mosaic_fwd.MosaicConfig
     seed, q, k, v = _inputs(1, 2, 1, 300, 450, 64)
     for sq, skv, causal, kw in ((300, 300, True, {}), (200, 450, False, {}),
-                                (260, 260, True, {"persistent": 3})):
+                                (260, 260, True, {"persistent": 3}),
+                                (300, 300, True, {"stages": 3})):
         qs, ks, vs = q[:, :, :sq], k[:, :, :skv], v[:, :, :skv]
         base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
                                           config=cfg(static_slots=ss, **kw))
@@ -264,6 +266,36 @@ def test_interpret_static_slots_keep_bits(mosaic_fwd, small_split):
             assert not np.isnan(np.asarray(y, np.float32)).any()
             np.testing.assert_array_equal(bits(x), bits(y),
                                           err_msg=f"{sq, skv, causal, kw} (seed {seed})")
+
+
+@needs_api
+def test_slot_loop_runs_every_step_in_order_with_its_slot(mosaic_fwd):
+    """``slot_loop`` (``static_slots``' loop) runs ``step`` for t in ``[lo, hi)`` in
+    order, each with the slot ``(first + t - lo) mod n`` as a Python int, for rings of
+    2, 3 and 4 slots, every first slot (traced: the branch on it), every remainder,
+    and empty ranges."""
+    size = 24
+
+    def loop(n):  # (lo, hi and the first slot traced: one program a ring size)
+        def step(t, c, *, slot):
+            assert isinstance(slot, int) and 0 <= slot < n
+            order, k = c
+            return order.at[k].set(t * 10 + slot), k + 1
+
+        init = (jnp.full((size,), -1, jnp.int32), jnp.int32(0))
+        return jax.jit(lambda lo, hi, first: mosaic_fwd.slot_loop(
+            lo, hi, step, init, first, n))
+
+    for n in (2, 3, 4):
+        run = loop(n)
+        for lo in (0, 1, 5):
+            for count in range(0, 2 * n + 2):
+                for first in range(n):
+                    order, k = run(jnp.int32(lo), jnp.int32(lo + count), jnp.int32(first))
+                    want = [t * 10 + (first + t - lo) % n for t in range(lo, lo + count)]
+                    assert int(k) == count, (n, lo, count, first)
+                    assert list(np.asarray(order[:count])) == want, (n, lo, count, first)
+                    assert (np.asarray(order[count:]) == -1).all()
 
 
 # CI time (23 to 33 s): the GPU's D=256 option, off on the CPU; test_smem_state_keeps_bits_on_gpu
@@ -1658,21 +1690,24 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
     the register file's 65536 for 512 threads), where two launch 384 threads with
     ``registers``' 232 and 40. The default (``compute_wgs=None``) takes three for a
-    D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys), two
-    on the persistent grid (4096 keys), at D=128, and where two are asked. (Equal bits:
-    the interpreter's test here, and test_three_warpgroups_keep_bits_on_gpu.)"""
+    D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys) and
+    for a non-causal one on the persistent grid (4096 keys), two for a causal one
+    there, at D=128, and where two are asked. (Equal bits: the interpreter's test
+    here, and test_three_warpgroups_keep_bits_on_gpu.)"""
     from benchmarks import lowered
     S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
-    cases = ((64, 4160, cfg(), 512), (64, 4096, cfg(), 384), (64, 4096, cfg(compute_wgs=3), 512),
-             (128, 4160, cfg(), 384), (64, 4160, cfg(compute_wgs=2), 384))
-    for d, s, c, threads in cases:
+    cases = ((64, 4160, cfg(), True, 512), (64, 4096, cfg(), True, 384),
+             (64, 4096, cfg(), False, 512), (64, 4096, cfg(compute_wgs=3), True, 512),
+             (128, 4160, cfg(), True, 384), (128, 4096, cfg(), False, 384),
+             (64, 4160, cfg(compute_wgs=2), True, 384))
+    for d, s, c, causal, threads in cases:
         q, k = S((1, 4, s, d), jnp.bfloat16), S((1, 1, s, d), jnp.bfloat16)
-        texts = lowered.modules(lambda q=q, k=k, c=c: mosaic_fwd.lower_for_cuda(
-            q, k, k, causal=True, config=c))
+        texts = lowered.modules(lambda q=q, k=k, c=c, causal=causal:
+                                mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=c))
         if texts is None:
             pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
         (text,) = texts
-        assert lowered.launch_of(text)[0] == threads, (d, s, c)
+        assert lowered.launch_of(text)[0] == threads, (d, s, c, causal)
         # JAX 0.10's module holds ``nvvm.setmaxregister increase 160``; JAX 0.11's
         # (the H100, 2026-12-06) holds no such op (Mosaic GPU emits it later): there
         # only the launch is read.

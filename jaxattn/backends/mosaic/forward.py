@@ -27,7 +27,7 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
   that one's softmax overlaps the other's matrix products (``pingpong``); three (a
-  D=64 prefill on one CTA a tile: :func:`auto_compute_wgs`) pass a turn round, one
+  D=64 prefill on one CTA a tile or not causal: :func:`auto_compute_wgs`) pass a turn round, one
   barrier each, so that each one's softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
@@ -94,26 +94,37 @@ def arrive_where(barrier, when=True) -> None:
         pl.when(when)(lambda: plgpu.barrier_arrive(barrier))
 
 
-def two_slot_loop(lo, hi, step, carry, first):
+def slot_loop(lo, hi, step, carry, first, n: int = 2):
     """``step(t, carry, slot=...)`` for t in ``[lo, hi)`` in order, each with its slot of
-    a two-slot ring as a Python int: the loop unrolled by the two slots and branched
-    once on ``first`` (the slot of step ``lo``: an int, or a traced int32 0 or 1); an
-    odd count's last step after the pairs. The same steps in the same order as
-    ``lax.fori_loop(lo, hi, ...)`` with the slot computed per step (``static_slots``
-    of the forward and the backward)."""
+    an ``n``-slot ring as a Python int: the loop unrolled by the ring's slots and
+    branched once on ``first`` (the slot of step ``lo``: an int, or a traced int32 in
+    ``[0, n)``); the last ``(hi - lo) mod n`` steps after the whole turns of the ring.
+    The same steps in the same order as ``lax.fori_loop(lo, hi, ...)`` with the slot
+    computed per step (``static_slots`` of the forward and the backward)."""
     def from_slot(f, carry):
-        def pair(i, c):
-            t = lo + 2 * i
-            return step(t + 1, step(t, c, slot=f), slot=1 - f)
+        def turn(i, c):
+            t = lo + n * i
+            for r in range(n):
+                c = step(t + r, c, slot=(f + r) % n)
+            return c
 
-        carry = lax.fori_loop(0, lax.div(hi - lo, 2), pair, carry)
-        return lax.cond(lax.rem(hi - lo, 2) == 1, lambda c: step(hi - 1, c, slot=f),
-                        lambda c: c, carry)
+        carry = lax.fori_loop(0, lax.div(hi - lo, n), turn, carry)
+        if n == 2:  # (the odd count's last step)
+            return lax.cond(lax.rem(hi - lo, 2) == 1, lambda c: step(hi - 1, c, slot=f),
+                            lambda c: c, carry)
+        rest = lax.rem(hi - lo, n)
+        for r in range(n - 1):
+            carry = lax.cond(rest > r, lambda c, r=r: step(hi - rest + r, c,
+                                                           slot=(f + r) % n),
+                             lambda c: c, carry)
+        return carry
 
     if isinstance(first, int):
         return from_slot(first, carry)
-    return lax.cond(first == 0, functools.partial(from_slot, 0),
-                    functools.partial(from_slot, 1), carry)
+    if n == 2:
+        return lax.cond(first == 0, functools.partial(from_slot, 0),
+                        functools.partial(from_slot, 1), carry)
+    return lax.switch(first, [functools.partial(from_slot, f) for f in range(n)], carry)
 
 
 def untiled_view(ref, tiling: tuple[int, ...]):
@@ -172,9 +183,9 @@ class MosaicConfig:
     #: covers ``block_m * compute_wgs`` query rows of one head. A further warpgroup
     #: loads K/V. Three (FlashAttention-3's launch at D=64) take the ping-pong as a
     #: ring of turns (``pingpong``) and ``registers3``. None (the default): three for
-    #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent:
-    #: :func:`auto_compute_wgs`), else two (decode rows and split states take one). A
-    #: launch choice: the same bits.
+    #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent) or
+    #: the call is not causal (:func:`auto_compute_wgs`), else two (decode rows and
+    #: split states take one). A launch choice: the same bits.
     compute_wgs: int | None = None
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
@@ -451,14 +462,15 @@ class MosaicConfig:
     #: B=2 S=16384 D=64 1.03x causal, 1.02x non-causal.
     q_boxes: bool = True
     #: The softmax consumer's unmasked key blocks in a loop unrolled by the K/V ring's
-    #: two slots, branched once a SPLIT on the slot of its first block, so each step's
-    #: slot, its barriers and their phase bits are constants, instead of ``(base + t)
-    #: mod 2`` and a shift of the barrier array's phase bitfield at every wait (on the
-    #: H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp, a
-    #: dependent chain before the next block's wait: notes "eighteenth stop"). An odd
-    #: count's last block runs after the pairs. Where the ring has two slots and a
-    #: producer warpgroup; None: on the GPU at D=64 (the interpreter keeps the dynamic
-    #: slots, fewer programs to compile). The same steps in the same order: a launch
+    #: slots (``stages``), branched once a SPLIT on the slot of its first block, so each
+    #: step's slot, its barriers and their phase bits are constants, instead of ``(base
+    #: + t) mod stages`` and a shift of the barrier array's phase bitfield at every wait
+    #: (on the H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp,
+    #: a dependent chain before the next block's wait: notes "eighteenth stop"). The
+    #: last ``count mod stages`` blocks run after the whole turns of the ring
+    #: (:func:`slot_loop`). Where the ring has a producer warpgroup; None: on the GPU
+    #: at D=64 with two slots (the interpreter keeps the dynamic slots, fewer programs
+    #: to compile). The same steps in the same order: a launch
     #: choice (``test_static_slots_keep_bits_on_gpu``). ptxas (CUDA 13): D=64's loop 274
     #: instructions a block against 292 (three warpgroups 253 against 284), no spill;
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
@@ -1293,10 +1305,10 @@ class _Forward:
         # hints.
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
-        #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
-        #: None: on the GPU at D=64)
-        self.static_slots = (self.stages == 2 and not self.inline_loads and (
-            interpret is None and d == 64 if cfg.static_slots is None
+        #: MosaicConfig.static_slots where it applies (a producer's ring; None: on the
+        #: GPU at D=64 with two slots)
+        self.static_slots = (not self.inline_loads and (
+            interpret is None and d == 64 and self.stages == 2 if cfg.static_slots is None
             else cfg.static_slots))
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
@@ -1892,7 +1904,7 @@ class _Forward:
         step = functools.partial(step, masked=False)
         if not self.static_slots:
             return lax.fori_loop(lo, mid, step, carry)
-        return two_slot_loop(lo, mid, step, carry, self.slot_of(it, lo))
+        return slot_loop(lo, mid, step, carry, self.slot_of(it, lo), self.stages)
 
     def rows_init(self, value):
         """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
@@ -2947,22 +2959,26 @@ def auto_gmem_state(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
 
 
 def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
-                     states: bool) -> int:
+                     states: bool, causal: bool) -> int:
     """``MosaicConfig(compute_wgs=None)``'s choice for a plain prefill (not decode rows,
     split or CP states, a carried or raw state: ``states``), with ``skv`` keys padded to
     whole blocks: three compute warpgroups at D=64 on the GPU where the grid is one CTA
     a tile (``persistent=0``, or None where a tile's blocks can pass
-    :data:`PERSISTENT_MAX_BLOCKS`: :func:`auto_persistent`'s other side), else two. On
-    the H100 (2026-12-06, notes "eighteenth stop") three were 1.00 to 1.06x two at
-    S=8192 and 32768, causal and not, and 0.86 to 0.97x on the persistent grid at
-    S=2048; at D=128 0.48 to 0.85x (their registers spill). A launch choice: the same
-    bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
+    :data:`PERSISTENT_MAX_BLOCKS`: :func:`auto_persistent`'s other side) or the call is
+    not causal, else two. On the H100 (2026-12-06, notes "eighteenth stop") three were
+    1.00 to 1.06x two at S=8192 and 32768, causal and not; at D=128 0.48 to 0.85x
+    (their registers spill). On the persistent grid (S <= 4096; H100, 2026-12-07, notes
+    "twenty-fifth stop") three were 1.10 to 1.11x two non-causal at S=2048 and 4096 and
+    1.01x at S=1024, but 0.75 to 0.84x causal: a causal item's first warpgroup needs two
+    key blocks fewer than its third and runs into the next item while the K/V ring's
+    two slots are held (a ring of three slots: 0.92 to 1.03x causal). A launch choice:
+    the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
     # (the last tile's blocks reach Skv's: the most any tile has)
     persistent = (cfg.persistent if cfg.persistent is not None else auto_persistent(
         -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
-    return 3 if gpu and d == 64 and not states and not persistent else 2
+    return 3 if gpu and d == 64 and not states and not (persistent and causal) else 2
 
 
 def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
@@ -3290,7 +3306,7 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         states = (partials or raw or carry is not None or state is not None
                   or state_out)
         cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
-            cfg, d, skv_kernel, gpu=interpret is None, states=states))
+            cfg, d, skv_kernel, gpu=interpret is None, states=states, causal=causal))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
             decode=False, persistent=bool(cfg.persistent), states=states)
         if cfg.gmem_state is None:
