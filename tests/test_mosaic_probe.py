@@ -251,13 +251,11 @@ def test_interpret_static_slots_keep_bits(mosaic_fwd, small_split):
     pairs) gives the dynamic slots' bits, out and lse, no NaN: a causal prefill over
     three SPLITs (small_split: the unmasked runs of 2 blocks start on either slot as
     the ring runs on), a non-causal chunk with a partial last block, and a persistent
-    grid of three CTAs whose items of odd and even block counts follow one another;
-    a ring of three slots (``stages=3``: the loop unrolled by three)."""
+    grid of three CTAs whose items of odd and even block counts follow one another."""
     cfg = mosaic_fwd.MosaicConfig
     seed, q, k, v = _inputs(1, 2, 1, 300, 450, 64)
     for sq, skv, causal, kw in ((300, 300, True, {}), (200, 450, False, {}),
-                                (260, 260, True, {"persistent": 3}),
-                                (300, 300, True, {"stages": 3})):
+                                (260, 260, True, {"persistent": 3})):
         qs, ks, vs = q[:, :, :sq], k[:, :, :skv], v[:, :, :skv]
         base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
                                           config=cfg(static_slots=ss, **kw))
@@ -269,32 +267,31 @@ def test_interpret_static_slots_keep_bits(mosaic_fwd, small_split):
 
 
 @needs_api
-def test_slot_loop_runs_every_step_in_order_with_its_slot(mosaic_fwd):
-    """``slot_loop`` (``static_slots``' loop) runs ``step`` for t in ``[lo, hi)`` in
-    order, each with the slot ``(first + t - lo) mod n`` as a Python int, for rings of
-    2, 3 and 4 slots, every first slot (traced: the branch on it), every remainder,
-    and empty ranges."""
-    size = 24
+def test_two_slot_loop_runs_every_step_in_order_with_its_slot(mosaic_fwd):
+    """``two_slot_loop`` (``static_slots``' loop) runs ``step`` for t in ``[lo, hi)`` in
+    order, each with the slot ``(first + t - lo) mod 2`` as a Python int: each first
+    slot (traced: the branch on it, and as a Python int), odd and even counts, and
+    empty ranges."""
+    size = 12
 
-    def loop(n):  # (lo, hi and the first slot traced: one program a ring size)
-        def step(t, c, *, slot):
-            assert isinstance(slot, int) and 0 <= slot < n
-            order, k = c
-            return order.at[k].set(t * 10 + slot), k + 1
+    def step(t, c, *, slot):
+        assert isinstance(slot, int) and slot in (0, 1)
+        order, k = c
+        return order.at[k].set(t * 10 + slot), k + 1
 
-        init = (jnp.full((size,), -1, jnp.int32), jnp.int32(0))
-        return jax.jit(lambda lo, hi, first: mosaic_fwd.slot_loop(
-            lo, hi, step, init, first, n))
-
-    for n in (2, 3, 4):
-        run = loop(n)
-        for lo in (0, 1, 5):
-            for count in range(0, 2 * n + 2):
-                for first in range(n):
-                    order, k = run(jnp.int32(lo), jnp.int32(lo + count), jnp.int32(first))
-                    want = [t * 10 + (first + t - lo) % n for t in range(lo, lo + count)]
-                    assert int(k) == count, (n, lo, count, first)
-                    assert list(np.asarray(order[:count])) == want, (n, lo, count, first)
+    init = (jnp.full((size,), -1, jnp.int32), jnp.int32(0))
+    traced = jax.jit(lambda lo, hi, first: mosaic_fwd.two_slot_loop(lo, hi, step, init,
+                                                                     first))
+    for lo in (0, 1, 5):
+        for count in range(0, 7):
+            for first in (0, 1):
+                want = [t * 10 + (first + t - lo) % 2 for t in range(lo, lo + count)]
+                for order, k in (traced(jnp.int32(lo), jnp.int32(lo + count),
+                                        jnp.int32(first)),
+                                 mosaic_fwd.two_slot_loop(jnp.int32(lo), jnp.int32(lo + count),
+                                                          step, init, first)):
+                    assert int(k) == count, (lo, count, first)
+                    assert list(np.asarray(order[:count])) == want, (lo, count, first)
                     assert (np.asarray(order[count:]) == -1).all()
 
 

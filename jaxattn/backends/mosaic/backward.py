@@ -86,8 +86,8 @@ from jaxattn.backends.mosaic.forward import (
     padding,
     reset_interpret_state,
     resolve_interpret,
-    slot_loop,
     tile_of,
+    two_slot_loop,
     wait_stores,
     zero_dropped_keys,
 )
@@ -612,7 +612,7 @@ class _DkdvKernel:
                 return lax.fori_loop(lo, hi, body, carry)
             if first_slot is None:  # (the ring's step t is in slot t mod 2)
                 first_slot = lax.rem(lo, jnp.int32(2))
-            return slot_loop(lo, hi, body, carry, first_slot)
+            return two_slot_loop(lo, hi, body, carry, first_slot)
 
         if cfg.mask == "scores" or not self.causal or self.key_mask:
             return run(0, total, body, carry, 0)

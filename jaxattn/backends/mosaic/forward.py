@@ -27,8 +27,8 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
   that one's softmax overlaps the other's matrix products (``pingpong``); three (a
-  D=64 prefill on one CTA a tile or not causal: :func:`auto_compute_wgs`) pass a turn round, one
-  barrier each, so that each one's softmax overlaps the other two's products;
+  D=64 prefill on one CTA a tile or not causal: :func:`auto_compute_wgs`) pass a turn
+  round, one barrier each, so that each one's softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
   :func:`kernel_finalize` / :func:`kernel_merge`: :func:`jaxattn.merge.finalize` /
@@ -94,37 +94,26 @@ def arrive_where(barrier, when=True) -> None:
         pl.when(when)(lambda: plgpu.barrier_arrive(barrier))
 
 
-def slot_loop(lo, hi, step, carry, first, n: int = 2):
+def two_slot_loop(lo, hi, step, carry, first):
     """``step(t, carry, slot=...)`` for t in ``[lo, hi)`` in order, each with its slot of
-    an ``n``-slot ring as a Python int: the loop unrolled by the ring's slots and
-    branched once on ``first`` (the slot of step ``lo``: an int, or a traced int32 in
-    ``[0, n)``); the last ``(hi - lo) mod n`` steps after the whole turns of the ring.
-    The same steps in the same order as ``lax.fori_loop(lo, hi, ...)`` with the slot
-    computed per step (``static_slots`` of the forward and the backward)."""
+    a two-slot ring as a Python int: the loop unrolled by the two slots and branched
+    once on ``first`` (the slot of step ``lo``: an int, or a traced int32 0 or 1); an
+    odd count's last step after the pairs. The same steps in the same order as
+    ``lax.fori_loop(lo, hi, ...)`` with the slot computed per step (``static_slots``
+    of the forward and the backward)."""
     def from_slot(f, carry):
-        def turn(i, c):
-            t = lo + n * i
-            for r in range(n):
-                c = step(t + r, c, slot=(f + r) % n)
-            return c
+        def pair(i, c):
+            t = lo + 2 * i
+            return step(t + 1, step(t, c, slot=f), slot=1 - f)
 
-        carry = lax.fori_loop(0, lax.div(hi - lo, n), turn, carry)
-        if n == 2:  # (the odd count's last step)
-            return lax.cond(lax.rem(hi - lo, 2) == 1, lambda c: step(hi - 1, c, slot=f),
-                            lambda c: c, carry)
-        rest = lax.rem(hi - lo, n)
-        for r in range(n - 1):
-            carry = lax.cond(rest > r, lambda c, r=r: step(hi - rest + r, c,
-                                                           slot=(f + r) % n),
-                             lambda c: c, carry)
-        return carry
+        carry = lax.fori_loop(0, lax.div(hi - lo, 2), pair, carry)
+        return lax.cond(lax.rem(hi - lo, 2) == 1, lambda c: step(hi - 1, c, slot=f),
+                        lambda c: c, carry)
 
     if isinstance(first, int):
         return from_slot(first, carry)
-    if n == 2:
-        return lax.cond(first == 0, functools.partial(from_slot, 0),
-                        functools.partial(from_slot, 1), carry)
-    return lax.switch(first, [functools.partial(from_slot, f) for f in range(n)], carry)
+    return lax.cond(first == 0, functools.partial(from_slot, 0),
+                    functools.partial(from_slot, 1), carry)
 
 
 def untiled_view(ref, tiling: tuple[int, ...]):
@@ -462,15 +451,14 @@ class MosaicConfig:
     #: B=2 S=16384 D=64 1.03x causal, 1.02x non-causal.
     q_boxes: bool = True
     #: The softmax consumer's unmasked key blocks in a loop unrolled by the K/V ring's
-    #: slots (``stages``), branched once a SPLIT on the slot of its first block, so each
-    #: step's slot, its barriers and their phase bits are constants, instead of ``(base
-    #: + t) mod stages`` and a shift of the barrier array's phase bitfield at every wait
-    #: (on the H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp,
-    #: a dependent chain before the next block's wait: notes "eighteenth stop"). The
-    #: last ``count mod stages`` blocks run after the whole turns of the ring
-    #: (:func:`slot_loop`). Where the ring has a producer warpgroup; None: on the GPU
-    #: at D=64 with two slots (the interpreter keeps the dynamic slots, fewer programs
-    #: to compile). The same steps in the same order: a launch
+    #: two slots, branched once a SPLIT on the slot of its first block, so each step's
+    #: slot, its barriers and their phase bits are constants, instead of ``(base + t)
+    #: mod 2`` and a shift of the barrier array's phase bitfield at every wait (on the
+    #: H100 about 45 uniform-datapath instructions of D=64's 289 a block a warp, a
+    #: dependent chain before the next block's wait: notes "eighteenth stop"). An odd
+    #: count's last block runs after the pairs. Where the ring has two slots and a
+    #: producer warpgroup; None: on the GPU at D=64 (the interpreter keeps the dynamic
+    #: slots, fewer programs to compile). The same steps in the same order: a launch
     #: choice (``test_static_slots_keep_bits_on_gpu``). ptxas (CUDA 13): D=64's loop 274
     #: instructions a block against 292 (three warpgroups 253 against 284), no spill;
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
@@ -1305,10 +1293,10 @@ class _Forward:
         # hints.
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
-        #: MosaicConfig.static_slots where it applies (a producer's ring; None: on the
-        #: GPU at D=64 with two slots)
-        self.static_slots = (not self.inline_loads and (
-            interpret is None and d == 64 and self.stages == 2 if cfg.static_slots is None
+        #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
+        #: None: on the GPU at D=64)
+        self.static_slots = (self.stages == 2 and not self.inline_loads and (
+            interpret is None and d == 64 if cfg.static_slots is None
             else cfg.static_slots))
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
@@ -1904,7 +1892,7 @@ class _Forward:
         step = functools.partial(step, masked=False)
         if not self.static_slots:
             return lax.fori_loop(lo, mid, step, carry)
-        return slot_loop(lo, mid, step, carry, self.slot_of(it, lo), self.stages)
+        return two_slot_loop(lo, mid, step, carry, self.slot_of(it, lo))
 
     def rows_init(self, value):
         """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
