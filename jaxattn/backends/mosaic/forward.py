@@ -2956,8 +2956,8 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     not causal, else two. On the H100 (2026-12-06, notes "eighteenth stop") three were
     1.00 to 1.06x two at S=8192 and 32768, causal and not; at D=128 0.48 to 0.85x
     (their registers spill). On the persistent grid (S <= 4096; H100, 2026-12-07, notes
-    "twenty-fifth stop") three were 1.10 to 1.11x two non-causal at S=2048 and 4096 and
-    1.01x at S=1024, but 0.75 to 0.84x causal: a causal item's first warpgroup needs two
+    "twenty-fifth stop") three were 1.09 to 1.11x two non-causal at S=2048 and 4096 and
+    1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal: a causal item's first warpgroup needs two
     key blocks fewer than its third and runs into the next item while the K/V ring's
     two slots are held (a ring of three slots: 0.92 to 1.03x causal). A launch choice:
     the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
