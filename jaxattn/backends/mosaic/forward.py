@@ -2957,10 +2957,10 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     1.00 to 1.06x two at S=8192 and 32768, causal and not; at D=128 0.48 to 0.85x
     (their registers spill). On the persistent grid (S <= 4096; H100, 2026-12-07, notes
     "twenty-fifth stop") three were 1.09 to 1.11x two non-causal at S=2048 and 4096 and
-    1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal: a causal item's first warpgroup needs two
-    key blocks fewer than its third and runs into the next item while the K/V ring's
-    two slots are held (a ring of three slots: 0.92 to 1.03x causal). A launch choice:
-    the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
+    1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal, where the constant slots
+    (``static_slots``) cost them: without those, 1.02 to 1.04x causal and 0.96 to
+    0.99x non-causal (the cause not yet found). A launch choice: the same bits
+    (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
     # (the last tile's blocks reach Skv's: the most any tile has)
