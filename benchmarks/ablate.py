@@ -10,8 +10,10 @@ METHOD loop: what a part costs bounds what any change to it can gain). Each run
 and last and each ablation between them, a process each (``benchmarks.mosaic_gpu_check
 --nochecks --speed`` with torch cuDNN beside it, the copy first on ``PYTHONPATH``): the
 two unedited processes give the spread between processes. The table gives each
-ablation's TFLOP/s over the mean of the two. An edit whose text is not found exactly
-once raises before anything runs (``--prepare_only`` checks them all; the CPU tests do).
+ablation's TFLOP/s over the mean of the two, and the same of its ratio to torch cuDNN
+in its own process (the machine's level can move between processes). An edit whose
+text is not found exactly once raises before anything runs (``--prepare_only`` checks
+them all; the CPU tests do).
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def run_one(label: str, path: pathlib.Path | None, head_dim: int, causal: bool,
     return [r for r in rows if r.get("kind") == "speed"]
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def table(rows: list[dict]) -> str:
     """TFLOP/s per run, point and process; each ablation over the two defaults' mean,
     and the same of jaxattn over torch cuDNN in its own process (the machine's level
@@ -118,22 +124,17 @@ def table(rows: list[dict]) -> str:
     for d, causal, b, s in keys:
         at = [r for r in rows if (r.get("D"), r["causal"], r["B"], r["S"]) == (d, causal, b, s)]
         ours = [r for r in at if r["system"].startswith("mosaic:") and "tflops" in r]
-
-        def peer(r, at=at):
-            got = [p["tflops"] for p in at if p["system"] == "torch_cudnn"
-                   and p["proc"] == r["proc"] and "tflops" in p]
-            return got[0] if got else float("nan")
-
-        def mean(xs):
-            return sum(xs) / len(xs) if xs else float("nan")
-
+        peer = {p["proc"]: p["tflops"] for p in at
+                if p["system"] == "torch_cudnn" and "tflops" in p}  # (by process)
+        nan = float("nan")
         base = [r for r in ours if r["ablation"] == "default"]
-        level = mean([r["tflops"] for r in base])
-        rel = mean([r["tflops"] / peer(r) for r in base])
+        level = _mean([r["tflops"] for r in base])
+        rel = _mean([r["tflops"] / peer.get(r["proc"], nan) for r in base])
         for r in ours:
+            p = peer.get(r["proc"], nan)
             lines.append(f"| {d}{'c' if causal else 'n'} | {b}, {s} | {r['ablation']} "
-                         f"({r['proc']}) | {r['tflops']:.1f} | {peer(r):.1f} | "
-                         f"{r['tflops'] / level:.3f} | {r['tflops'] / peer(r) / rel:.3f} |")
+                         f"({r['proc']}) | {r['tflops']:.1f} | {p:.1f} | "
+                         f"{r['tflops'] / level:.3f} | {r['tflops'] / p / rel:.3f} |")
     return "\n".join(lines)
 
 

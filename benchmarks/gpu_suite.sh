@@ -316,15 +316,16 @@ if has points33; then
   # backward, beside JAX cuDNN and torch cuDNN: one attention_bench process a point.
   for pt in ${POINTS33:-2:4096:128:c 16:1024:128:c 1:16384:128:c 2:4096:64:c 2:4096:128:n}; do
     IFS=: read -r pb ps pd pm <<< "$pt"
+    tag=${pt//:/-}
     mask=--causal; modes=fwd,fwdbwd
     [[ $pm == n ]] && { mask=--nocausal; modes=fwd; }
     echo "== point B=$pb S=$ps D=$pd $mask"
     timeout ${POINTS33_TIMEOUT:-120} $PY -m benchmarks.attention_bench --batch=$pb \
         --seq_lens=$ps --head_dim=$pd $mask --modes=$modes --iters=5 --sample_ms=30 \
         --backends=${POINTS33_BACKENDS:-jaxattn:mosaic,cudnn,torch_cudnn} \
-        --out_dir="$OUT/points33/${pt//:/-}" 2>&1 | grep -v 'Unable to initialize backend' \
-        > "$OUT/points33-${pt//:/-}.txt"
-    rc=${PIPESTATUS[0]}; grep '^| fwd' "$OUT/points33-${pt//:/-}.txt"; echo "rc=$rc"
+        --out_dir="$OUT/points33/$tag" 2>&1 | grep -v 'Unable to initialize backend' \
+        > "$OUT/points33-$tag.txt"
+    rc=${PIPESTATUS[0]}; grep '^| fwd' "$OUT/points33-$tag.txt"; echo "rc=$rc"
     status=$((status | rc))
   done
 fi

@@ -2959,7 +2959,8 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     "twenty-fifth stop") three were 1.09 to 1.11x two non-causal at S=2048 and 4096 and
     1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal, where the constant slots
     (``static_slots``) cost them: without those, 1.02 to 1.04x causal and 0.96 to
-    0.99x non-causal (the cause not yet found). A launch choice: the same bits
+    0.99x non-causal (with them the causal kernel spills 740 bytes, in its masked
+    loop; without, 16: this machine's ptxas). A launch choice: the same bits
     (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
