@@ -63,7 +63,7 @@ if has env; then
   tail -5 "$OUT/env.txt"
 fi
 if has tests; then
-  # PYTEST_WORKERS: pytest-xdist workers sharing the GPU (addopts asks a worker per core).
+  # PYTEST_WORKERS: pytest-xdist workers sharing the GPU (addopts asks two: CI's cores).
   timeout ${TESTS_TIMEOUT:-1800} $PY -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-8} ${PYTEST_ARGS:-tests} \
       ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | tee "$OUT/pytest.txt" | tail -25
