@@ -104,6 +104,7 @@ def shapes():
             "prefill-2x4097": call(2, 32, 8, 4097, 4097),
             "prefill-noncausal-2x4096": call(2, 32, 8, 4096, 4096, causal=False),
             "prefill-d64-2x4096": call(2, 32, 8, 4096, 4096, d=64),
+            "prefill-d64-noncausal-2x4096": call(2, 32, 8, 4096, 4096, d=64, causal=False),
             "prefill-d256-2x1024": call(2, 32, 8, 1024, 1024, d=256),
             "prefill-d256-2x2048": call(2, 32, 8, 2048, 2048, d=256),
             # (four SPLITs: the SPLIT loops' middle iterations, e.g. gmem_state's reads)
