@@ -398,12 +398,12 @@ def test_three_warpgroups_keep_bits_on_gpu():
     block and with whole blocks) and 4200 keys causal and not (the default's three), a
     key padding mask over NaN in the dropped keys' K and V, and JAX's ``[B, S, H, D]``
     layout; at D=128 causal three SPLITs and non-causal whole blocks. Also three with
-    dynamic slots (``static_slots=False``) and with ``peel_slot``."""
+    dynamic slots (``static_slots=False``: 1.02 to 1.04x the default causal at S=4096
+    on the persistent grid, notes "twenty-sixth stop")."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(compute_wgs=2), mf.MosaicConfig(),
                mf.MosaicConfig(compute_wgs=3), mf.MosaicConfig(compute_wgs=3, persistent=0),
-               mf.MosaicConfig(compute_wgs=3, static_slots=False),
-               mf.MosaicConfig(compute_wgs=3, peel_slot=True)]
+               mf.MosaicConfig(compute_wgs=3, static_slots=False)]
     rng = np.random.default_rng()
     for d, cases in ((64, (*_FOLD_CASES, (4200, 4200, True), (4200, 4200, False))),
                      (128, ((2900, 2900, True), (2048, 2048, False)))):
@@ -452,12 +452,9 @@ def test_static_slots_keep_bits_on_gpu():
     and D=128 causal; at D=64 the persistent grid (a CTA's items of odd and even block
     counts in turn: the ring's slot at an item's first block changes) causal and not,
     three warpgroups (4200 keys), a chunk with a lead, a key mask over poisoned keys
-    and JAX's layout; decode steps (Sq 1 and 4) and the split decode. Also with
-    ``peel_slot`` (one copy of the loop), two and three warpgroups."""
+    and JAX's layout; decode steps (Sq 1 and 4) and the split decode."""
     from jaxattn.backends.mosaic import forward as mf
-    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True),
-               mf.MosaicConfig(static_slots=True, peel_slot=True),
-               mf.MosaicConfig(static_slots=True, peel_slot=True, compute_wgs=3)]
+    configs = [mf.MosaicConfig(static_slots=False), mf.MosaicConfig(static_slots=True)]
     _prefill_configs_agree_in_bits(configs, _FOLD_CASES)
     rng = np.random.default_rng()
     q, k, v = rand_qkv(2, 8, 2, 4200, 4200, 64, jnp.bfloat16)

@@ -271,8 +271,7 @@ def test_two_slot_loop_runs_every_step_in_order_with_its_slot(mosaic_fwd):
     """``two_slot_loop`` (``static_slots``' loop) runs ``step`` for t in ``[lo, hi)`` in
     order, each with the slot ``(first + t - lo) mod 2`` as a Python int: each first
     slot (traced: the branch on it, and as a Python int), odd and even counts, and
-    empty ranges; with and without ``peel`` (one copy of the loop: a first step on
-    slot 1 alone)."""
+    empty ranges."""
     size = 12
 
     def step(t, c, *, slot):
@@ -281,22 +280,19 @@ def test_two_slot_loop_runs_every_step_in_order_with_its_slot(mosaic_fwd):
         return order.at[k].set(t * 10 + slot), k + 1
 
     init = (jnp.full((size,), -1, jnp.int32), jnp.int32(0))
-    traced = {peel: jax.jit(lambda lo, hi, first, peel=peel: mosaic_fwd.two_slot_loop(
-        lo, hi, step, init, first, peel=peel)) for peel in (False, True)}
+    traced = jax.jit(lambda lo, hi, first: mosaic_fwd.two_slot_loop(lo, hi, step, init,
+                                                                     first))
     for lo in (0, 1, 5):
         for count in range(0, 7):
             for first in (0, 1):
                 want = [t * 10 + (first + t - lo) % 2 for t in range(lo, lo + count)]
-                for peel in (False, True):
-                    for order, k in (traced[peel](jnp.int32(lo), jnp.int32(lo + count),
-                                                  jnp.int32(first)),
-                                     mosaic_fwd.two_slot_loop(
-                                         jnp.int32(lo), jnp.int32(lo + count), step, init,
-                                         first, peel=peel)):
-                        assert int(k) == count, (lo, count, first, peel)
-                        assert list(np.asarray(order[:count])) == want, (lo, count, first,
-                                                                         peel)
-                        assert (np.asarray(order[count:]) == -1).all()
+                for order, k in (traced(jnp.int32(lo), jnp.int32(lo + count),
+                                        jnp.int32(first)),
+                                 mosaic_fwd.two_slot_loop(jnp.int32(lo), jnp.int32(lo + count),
+                                                          step, init, first)):
+                    assert int(k) == count, (lo, count, first)
+                    assert list(np.asarray(order[:count])) == want, (lo, count, first)
+                    assert (np.asarray(order[count:]) == -1).all()
 
 
 # CI time (23 to 33 s): the GPU's D=256 option, off on the CPU; test_smem_state_keeps_bits_on_gpu

@@ -94,16 +94,14 @@ def arrive_where(barrier, when=True) -> None:
         pl.when(when)(lambda: plgpu.barrier_arrive(barrier))
 
 
-def two_slot_loop(lo, hi, step, carry, first, *, peel: bool = False):
+def two_slot_loop(lo, hi, step, carry, first):
     """``step(t, carry, slot=...)`` for t in ``[lo, hi)`` in order, each with its slot of
     a two-slot ring as a Python int: the loop unrolled by the two slots and branched
     once on ``first`` (the slot of step ``lo``: an int, or a traced int32 0 or 1); an
-    odd count's last step after the pairs. With ``peel`` (and a traced ``first``) not
-    a copy of the loop per first slot but one: a first step on slot 1 runs alone,
-    then the pairs from slot 0. The same steps in the same order as
+    odd count's last step after the pairs. The same steps in the same order as
     ``lax.fori_loop(lo, hi, ...)`` with the slot computed per step (``static_slots``
     of the forward and the backward)."""
-    def from_slot(f, carry, lo=lo):
+    def from_slot(f, carry):
         def pair(i, c):
             t = lo + 2 * i
             return step(t + 1, step(t, c, slot=f), slot=1 - f)
@@ -114,10 +112,6 @@ def two_slot_loop(lo, hi, step, carry, first, *, peel: bool = False):
 
     if isinstance(first, int):
         return from_slot(first, carry)
-    if peel:
-        alone = (first == 1) & (hi > lo)
-        carry = lax.cond(alone, lambda c: step(lo, c, slot=1), lambda c: c, carry)
-        return from_slot(0, carry, lo=lo + alone.astype(jnp.int32))
     return lax.cond(first == 0, functools.partial(from_slot, 0),
                     functools.partial(from_slot, 1), carry)
 
@@ -470,14 +464,6 @@ class MosaicConfig:
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
     #: row) D=64 causal 1.06x at B=8 S=4096 and 1.02x at B=2 S=16384, D=128 0.89 to 0.91x.
     static_slots: bool | None = None
-    #: With ``static_slots``: one copy of the unrolled loop, not one per slot of its
-    #: first block (``two_slot_loop``'s ``peel``): a run that starts on slot 1 takes its
-    #: first block alone, then the pairs from slot 0. The same steps in the same order:
-    #: a launch choice. ptxas (CUDA 13, D=64 causal S=4096, notes "twenty-sixth stop"):
-    #: three warpgroups on the persistent grid spill 452 bytes, none in a key-block loop,
-    #: against 740 bytes and 35 spill loads a masked block; two warpgroups' masked loop
-    #: 423 instructions against 496, their pair loop 557 against 548.
-    peel_slot: bool = False
     #: Stacked decode rows (a GQA group's queries in one 64-row tile): Q read as the
     #: free reshape ``[B, Hq * Sq, D]``, a 64-row box from the group's first row (the
     #: rows past the group are the next group's queries, or TMA's out-of-bounds zeros,
@@ -581,7 +567,7 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes", "peel_slot"):
+        for name in ("kv_boxes", "q_boxes"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -1906,8 +1892,7 @@ class _Forward:
         step = functools.partial(step, masked=False)
         if not self.static_slots:
             return lax.fori_loop(lo, mid, step, carry)
-        return two_slot_loop(lo, mid, step, carry, self.slot_of(it, lo),
-                             peel=self.cfg.peel_slot)
+        return two_slot_loop(lo, mid, step, carry, self.slot_of(it, lo))
 
     def rows_init(self, value):
         """A ``[bm]`` fp32 row vector of ``value`` in the rows' layout (m, l, lse)."""
