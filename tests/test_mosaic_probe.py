@@ -1687,13 +1687,22 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     compute warpgroups and the producer), ``registers3``'s ``setmaxnreg`` (160 and 24:
     the register file's 65536 for 512 threads), where two launch 384 threads with
     ``registers``' 232 and 40. The default (``compute_wgs=None``) takes three for a
-    D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys) and
-    for a non-causal one on the persistent grid (4096 keys), two for a causal one
-    there, at D=128, and where two are asked. (Equal bits: the interpreter's test
-    here, and test_three_warpgroups_keep_bits_on_gpu.)"""
+    D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys), for
+    a non-causal one on the persistent grid (4096 keys) and a causal one there past
+    2048 keys, two for a causal one of 2048 keys, at D=128, and where two are asked.
+    (Equal bits: the interpreter's test here, and
+    test_three_warpgroups_keep_bits_on_gpu.) Those causal items of three warpgroups
+    on the persistent grid take dynamic slots unless constant ones are asked."""
     from benchmarks import lowered
     S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
-    cases = ((64, 4160, cfg(), True, 512), (64, 4096, cfg(), True, 384),
+    auto = functools.partial(mosaic_fwd.auto_static_slots, d=64, gpu=True)
+    assert auto(cfg(compute_wgs=3), skv=4096, causal=True) is False
+    assert auto(cfg(compute_wgs=3, static_slots=True), skv=4096, causal=True) is True
+    assert auto(cfg(compute_wgs=3), skv=4096, causal=False) is None  # (the kernel's)
+    assert auto(cfg(compute_wgs=3), skv=4160, causal=True) is None  # (one CTA a tile)
+    assert auto(cfg(compute_wgs=2), skv=4096, causal=True) is None
+    cases = ((64, 4160, cfg(), True, 512), (64, 4096, cfg(), True, 512),
+             (64, 2048, cfg(), True, 384),
              (64, 4096, cfg(), False, 512), (64, 4096, cfg(compute_wgs=3), True, 512),
              (128, 4160, cfg(), True, 384), (128, 4096, cfg(), False, 384),
              (64, 4160, cfg(compute_wgs=2), True, 384))

@@ -2953,21 +2953,51 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     whole blocks: three compute warpgroups at D=64 on the GPU where the grid is one CTA
     a tile (``persistent=0``, or None where a tile's blocks can pass
     :data:`PERSISTENT_MAX_BLOCKS`: :func:`auto_persistent`'s other side) or the call is
-    not causal, else two. On the H100 (2026-12-06, notes "eighteenth stop") three were
+    not causal or has more than :data:`C3_CAUSAL_MIN_KEYS` keys, else two. On the H100
+    (2026-12-06, notes "eighteenth stop") three were
     1.00 to 1.06x two at S=8192 and 32768, causal and not; at D=128 0.48 to 0.85x
     (their registers spill). On the persistent grid (S <= 4096; H100, 2026-12-07, notes
     "twenty-fifth stop") three were 1.09 to 1.11x two non-causal at S=2048 and 4096 and
     1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal, where the constant slots
     (``static_slots``) cost them: without those, 1.02 to 1.04x causal and 0.96 to
     0.99x non-causal (with them the causal kernel spills 740 bytes, in its masked
-    loop; without, 16: this machine's ptxas). A launch choice: the same bits
+    loop; without, 16: this machine's ptxas): so causal past 2048 keys runs three on
+    dynamic slots (:func:`auto_static_slots`). A launch choice: the same bits
     (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
     # (the last tile's blocks reach Skv's: the most any tile has)
-    persistent = (cfg.persistent if cfg.persistent is not None else auto_persistent(
+    persistent = _prefill_persistent(cfg, d, skv, gpu=gpu)
+    return 3 if gpu and d == 64 and not states and not (
+        persistent and causal and skv <= C3_CAUSAL_MIN_KEYS) else 2
+
+
+#: A causal D=64 prefill on the persistent grid runs three compute warpgroups (on
+#: dynamic slots: :func:`auto_static_slots`) past this many keys (whole blocks).
+C3_CAUSAL_MIN_KEYS = 2048
+
+
+def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
+    """Whether a plain prefill of ``skv`` keys (whole blocks) runs the persistent grid."""
+    return bool(cfg.persistent if cfg.persistent is not None else auto_persistent(
         -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
-    return 3 if gpu and d == 64 and not states and not (persistent and causal) else 2
+
+
+def auto_static_slots(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
+                      causal: bool) -> bool | None:
+    """``MosaicConfig(static_slots=None)``'s choice where the launch is known
+    (``cfg.compute_wgs`` resolved): off for three compute warpgroups on a causal
+    prefill on the persistent grid, else ``cfg.static_slots`` (None: the kernel's
+    choice by head dim). With constant slots those items ran 0.75 to 0.84x two
+    warpgroups (H100, 2026-12-07, notes "twenty-fifth stop"; one copy of the loop,
+    the retired ``peel_slot``, 0.85 to 0.90x); on dynamic slots 1.02 to 1.05x at
+    S=4096 and 1.09 to 1.12x at S=3072 (B=2 to 10), 0.99 to 1.02x at S=2048 (notes
+    "twenty-sixth stop", calls 2 and 3; one run of B=2 S=4096 0.98x). A launch
+    choice: the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
+    if (cfg.static_slots is None and cfg.compute_wgs == 3 and causal
+            and _prefill_persistent(cfg, d, skv, gpu=gpu)):
+        return False
+    return cfg.static_slots
 
 
 def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
@@ -3296,6 +3326,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                   or state_out)
         cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
             cfg, d, skv_kernel, gpu=interpret is None, states=states, causal=causal))
+        cfg = dataclasses.replace(cfg, static_slots=auto_static_slots(
+            cfg, d, skv_kernel, gpu=interpret is None, causal=causal))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
             decode=False, persistent=bool(cfg.persistent), states=states)
         if cfg.gmem_state is None:
