@@ -392,14 +392,15 @@ def test_three_warpgroups_keep_bits_on_gpu():
     """On sm90, three compute warpgroups (``compute_wgs=3``: 192-row tiles, the
     ping-pong as a ring of turns, ``registers3``), on the persistent grid and on one
     CTA a tile, and the default (three at D=64 past the persistent grid's 64 key
-    blocks a tile, and non-causal on it) give two warpgroups' bits, out and lse, no
-    NaN, with no hang: at D=64 (B=2, Hq=8, Hkv=2) each of the SPLIT fold's cases
-    (causal one and three SPLITs, a chunk, Sq > Skv, non-causal with a partial last
-    block and with whole blocks) and 4200 keys causal and not (the default's three), a
-    key padding mask over NaN in the dropped keys' K and V, and JAX's ``[B, S, H, D]``
-    layout; at D=128 causal three SPLITs and non-causal whole blocks. Also three with
-    dynamic slots (``static_slots=False``: 1.02 to 1.04x the default causal at S=4096
-    on the persistent grid, notes "twenty-sixth stop")."""
+    blocks a tile, and on it non-causal or causal past 2048 keys) give two
+    warpgroups' bits, out and lse, no NaN, with no hang: at D=64 (B=2, Hq=8, Hkv=2)
+    each of the SPLIT fold's cases (causal one and three SPLITs, a chunk, Sq > Skv,
+    non-causal with a partial last block and with whole blocks) and 4200 keys causal
+    and not (the default's three), a key padding mask over NaN in the dropped keys' K
+    and V, and JAX's ``[B, S, H, D]`` layout; at D=128 causal three SPLITs and
+    non-causal whole blocks. Also three on dynamic slots (``static_slots=False``) on
+    every case: the default's slots for causal items of three warpgroups on the
+    persistent grid (``auto_static_slots``)."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(compute_wgs=2), mf.MosaicConfig(),
                mf.MosaicConfig(compute_wgs=3), mf.MosaicConfig(compute_wgs=3, persistent=0),

@@ -1639,17 +1639,20 @@ def test_lowers_for_cuda_without_gpu(mosaic_fwd, d, gpu_operands, semantics):
 @needs_api
 def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
     """``static_slots=None`` lowers as ``static_slots=True`` for a D=64 prefill on the
-    GPU (the H100 measured it 1.02 to 1.06x there, 2026-12-06) and as ``False`` at
-    D=128 (0.89 to 0.91x), and the option changes the D=64 module. (Equal bits:
-    test_static_slots_keep_bits_on_gpu.)"""
+    GPU (the H100 measured it 1.02 to 1.06x there, 2026-12-06), but as ``False`` for
+    a causal one of three warpgroups on the persistent grid (4096 keys:
+    ``auto_static_slots``; 2048 keys keep two warpgroups) and at D=128 (0.89 to
+    0.91x), and the option changes the D=64 module. (Equal bits:
+    test_static_slots_keep_bits_on_gpu, test_three_warpgroups_keep_bits_on_gpu.)"""
     cfg = mosaic_fwd.MosaicConfig
 
-    def module(d, c):
-        return _prefill_lowered(mosaic_modules, mosaic_fwd, 4096, d, config=c)
+    def module(d, c, s=4096):
+        return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, config=c)
 
-    d64 = module(64, cfg())
-    assert d64 == module(64, cfg(static_slots=True))
-    assert d64 != module(64, cfg(static_slots=False))
+    d64 = module(64, cfg(), 2048)
+    assert d64 == module(64, cfg(static_slots=True), 2048)
+    assert d64 != module(64, cfg(static_slots=False), 2048)
+    assert module(64, cfg()) == module(64, cfg(static_slots=False))
     assert module(128, cfg()) == module(128, cfg(static_slots=False))
 
 

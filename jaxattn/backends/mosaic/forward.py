@@ -2990,9 +2990,9 @@ def auto_static_slots(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     prefill on the persistent grid, else ``cfg.static_slots`` (None: the kernel's
     choice by head dim). With constant slots those items ran 0.75 to 0.84x two
     warpgroups (H100, 2026-12-07, notes "twenty-fifth stop"; one copy of the loop,
-    the retired ``peel_slot``, 0.85 to 0.90x); on dynamic slots 1.02 to 1.05x at
-    S=4096 and 1.09 to 1.12x at S=3072 (B=2 to 10), 0.99 to 1.02x at S=2048 (notes
-    "twenty-sixth stop", calls 2 and 3; one run of B=2 S=4096 0.98x). A launch
+    the retired ``peel_slot``, 0.85 to 0.90x); on dynamic slots 1.02 to 1.10x at
+    S=4096 and 1.09 to 1.14x at S=3072 (B=2 to 10), 0.99 to 1.02x at S=2048 (notes
+    "twenty-sixth stop", calls 2 to 4; one run of B=2 S=4096 0.98x). A launch
     choice: the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if (cfg.static_slots is None and cfg.compute_wgs == 3 and causal
             and _prefill_persistent(cfg, d, skv, gpu=gpu)):
