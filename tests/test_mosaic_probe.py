@@ -1901,7 +1901,7 @@ def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"overlap": True}, {"pingpong_pin": True}, {"key_bound": "always"},
                {"blocks_per_step": 2}, {"persistent_order": "snake"}, {"wait_next_k": False},
                {"merge_loads": "together"}, {"s_zeros": "local"}, {"row_max": "tree"},
-               {"state_loads": "pipelined"}):
+               {"state_loads": "pipelined"}, {"peel_slot": True}):
         with pytest.raises(TypeError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     q = jnp.ones((1, 1, 192, 64), jnp.bfloat16)

@@ -27,8 +27,8 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
   that one's softmax overlaps the other's matrix products (``pingpong``); three (a
-  D=64 prefill on one CTA a tile or not causal: :func:`auto_compute_wgs`) pass a turn
-  round, one barrier each, so that each one's softmax overlaps the other two's products;
+  D=64 prefill on one CTA a tile, not causal, or past 2048 keys: :func:`auto_compute_wgs`)
+  pass a turn round, one barrier each, so that each one's softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
   :func:`kernel_finalize` / :func:`kernel_merge`: :func:`jaxattn.merge.finalize` /
@@ -172,9 +172,9 @@ class MosaicConfig:
     #: covers ``block_m * compute_wgs`` query rows of one head. A further warpgroup
     #: loads K/V. Three (FlashAttention-3's launch at D=64) take the ping-pong as a
     #: ring of turns (``pingpong``) and ``registers3``. None (the default): three for
-    #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent) or
-    #: the call is not causal (:func:`auto_compute_wgs`), else two (decode rows and
-    #: split states take one). A launch choice: the same bits.
+    #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent),
+    #: the call is not causal or it has more than 2048 keys (:func:`auto_compute_wgs`),
+    #: else two (decode rows and split states take one). A launch choice: the same bits.
     compute_wgs: int | None = None
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
@@ -458,9 +458,11 @@ class MosaicConfig:
     #: dependent chain before the next block's wait: notes "eighteenth stop"). An odd
     #: count's last block runs after the pairs. Where the ring has two slots and a
     #: producer warpgroup; None: on the GPU at D=64 (the interpreter keeps the dynamic
-    #: slots, fewer programs to compile). The same steps in the same order: a launch
-    #: choice (``test_static_slots_keep_bits_on_gpu``). ptxas (CUDA 13): D=64's loop 274
-    #: instructions a block against 292 (three warpgroups 253 against 284), no spill;
+    #: slots, fewer programs to compile), but not for three compute warpgroups on a
+    #: causal prefill on the persistent grid (:func:`auto_static_slots`). The same
+    #: steps in the same order: a launch choice (``test_static_slots_keep_bits_on_gpu``).
+    #: ptxas (CUDA 13): D=64's loop 274 instructions a block against 292 (three
+    #: warpgroups 253 against 284), no spill;
     #: D=128's 336 against 332 with spills. On the H100 (2026-12-06, docs/mosaic.md's
     #: row) D=64 causal 1.06x at B=8 S=4096 and 1.02x at B=2 S=16384, D=128 0.89 to 0.91x.
     static_slots: bool | None = None
