@@ -1173,12 +1173,9 @@ class _Forward:
         # greedy table.
         tiles = (np.arange(self.n_tiles)[::-1] if cfg.q_order == "descending"
                  else np.arange(self.n_tiles))
-        if causal and position is None and not dyn_offsets:
-            self.tile_blocks = np.minimum(np.maximum(
-                tiles * self.rows_cta + (self.rows_cta - 1) + offset + bn, 0) // bn,
-                self.total)
-        else:
-            self.tile_blocks = np.full(self.n_tiles, self.total)
+        self.tile_blocks = prefill_tile_blocks(
+            tiles, self.rows_cta, offset, self.total,
+            causal=causal and position is None and not dyn_offsets)
         self.group = hq // hkv
         self.itemsize = jnp.dtype(dtype).itemsize
         base2 = KERNEL_LSE_BASE2  # the softmax's base is the kernel state's
@@ -2949,13 +2946,16 @@ def auto_gmem_state(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
 
 
 def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
-                     states: bool, causal: bool) -> int:
+                     states: bool, causal: bool, b: int = 1, hq: int = 1,
+                     sq: int | None = None, offset: int | None = None) -> int:
     """``MosaicConfig(compute_wgs=None)``'s choice for a plain prefill (not decode rows,
     split or CP states, a carried or raw state: ``states``), with ``skv`` keys padded to
     whole blocks: three compute warpgroups at D=64 on the GPU where the grid is one CTA
     a tile (``persistent=0``, or None where a tile's blocks can pass
     :data:`PERSISTENT_MAX_BLOCKS`: :func:`auto_persistent`'s other side) or the call is
-    not causal or has more than :data:`C3_CAUSAL_MIN_KEYS` keys, else two. On the H100
+    not causal, and for a causal call on the persistent grid where
+    :func:`c3_causal_pays` (``b`` sequences of ``hq`` heads and ``sq`` queries, default
+    ``skv``, at the static ``offset``, default ``skv - sq``); else two. On the H100
     (2026-12-06, notes "eighteenth stop") three were
     1.00 to 1.06x two at S=8192 and 32768, causal and not; at D=128 0.48 to 0.85x
     (their registers spill). On the persistent grid (S <= 4096; H100, 2026-12-07, notes
@@ -2963,20 +2963,49 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
     1.01 to 1.03x at S=1024, but 0.75 to 0.84x causal, where the constant slots
     (``static_slots``) cost them: without those, 1.02 to 1.04x causal and 0.96 to
     0.99x non-causal (with them the causal kernel spills 740 bytes, in its masked
-    loop; without, 16: this machine's ptxas): so causal past 2048 keys runs three on
-    dynamic slots (:func:`auto_static_slots`). A launch choice: the same bits
+    loop; without, 16: this machine's ptxas): so causal calls run three on dynamic
+    slots (:func:`auto_static_slots`) where they pay. A launch choice: the same bits
     (``test_three_warpgroups_keep_bits_on_gpu``)."""
     if cfg.compute_wgs is not None:
         return cfg.compute_wgs
+    if not gpu or d != 64 or states:
+        return 2
     # (the last tile's blocks reach Skv's: the most any tile has)
-    persistent = _prefill_persistent(cfg, d, skv, gpu=gpu)
-    return 3 if gpu and d == 64 and not states and not (
-        persistent and causal and skv <= C3_CAUSAL_MIN_KEYS) else 2
+    if not (causal and _prefill_persistent(cfg, d, skv, gpu=gpu)):
+        return 3
+    return 3 if c3_causal_pays(cfg, skv, b=b, hq=hq, sq=sq, offset=offset) else 2
 
 
-#: A causal D=64 prefill on the persistent grid runs three compute warpgroups (on
-#: dynamic slots: :func:`auto_static_slots`) past this many keys (whole blocks).
-C3_CAUSAL_MIN_KEYS = 2048
+#: Three compute warpgroups' speed over two's per unit of work (query rows times key
+#: blocks of the persistent grid's most loaded CTA), causal D=64 on dynamic slots:
+#: :func:`c3_causal_pays`' threshold (H100, 2026-12-07, notes "twenty-seventh stop").
+C3_CAUSAL_GAIN = 1.08
+
+
+def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
+                   sq: int | None = None, offset: int | None = None) -> bool:
+    """Whether a causal prefill on the persistent grid (``b`` sequences of ``hq`` heads,
+    ``sq`` queries, default ``skv``, row i seeing key j iff ``j <= i + offset``, default
+    ``skv - sq``) is expected faster on three compute warpgroups than on two: the most
+    loaded CTA's work (:func:`persistent_span` of each launch's tiles, times the tile's
+    rows) on three is under :data:`C3_CAUSAL_GAIN` times that on two. A 192-row tile
+    pads the queries to a multiple of 192 and walks three diagonal blocks where a
+    128-row tile walks two, and the items deal onto the CTAs differently: the work of
+    three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024)."""
+    sq = skv if sq is None else sq
+    offset = skv - sq if offset is None else offset
+    n_cta = cfg.persistent or sm_count()
+    total = -(-skv // schedule.BLOCK_N)
+    work = {}
+    for nwg in (2, 3):
+        rows = cfg.block_m * nwg
+        lead, sq_pad, _ = padding(sq, skv, True, rows, offset)
+        tiles = np.arange(sq_pad // rows)
+        if cfg.q_order == "descending":
+            tiles = tiles[::-1]
+        blocks = prefill_tile_blocks(tiles, rows, offset - lead, total, causal=True)
+        work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
+    return work[3] < C3_CAUSAL_GAIN * work[2]
 
 
 def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
@@ -3039,13 +3068,22 @@ def sm_count() -> int:
 ITEM_OVERHEAD_BLOCKS = 2
 
 
-def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
-    """The persistent grid's table, int32 ``[n_cta, 1 + most]``: row c is
-    ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
-    runs them. Items ``t`` are numbered as a plain grid launches them (here: the
-    ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
-    the batch) and each goes to the CTA whose items so far end first (ties: the lowest
-    CTA), costing its key blocks plus :data:`ITEM_OVERHEAD_BLOCKS`."""
+def prefill_tile_blocks(tiles, rows: int, offset: int, total: int, *,
+                        causal: bool) -> np.ndarray:
+    """The key blocks ``[0, n)`` each of ``tiles`` (tile indices in launch order, of
+    ``rows`` query rows each) visits, of ``total``: :func:`_visited_blocks` on the
+    host, causal with the kernel's static ``offset`` (row i sees key j iff ``j <= i +
+    offset``), else every block."""
+    tiles = np.asarray(tiles, np.int64)
+    if not causal:
+        return np.full(tiles.shape, total, np.int64)
+    bn = schedule.BLOCK_N
+    return np.minimum(np.maximum(tiles * rows + (rows - 1) + offset + bn, 0) // bn, total)
+
+
+def _greedy(blocks_per_tile_head, batch: int, n_cta: int):
+    """:func:`persistent_schedule`'s deal: ``(per_cta, ends)``, each CTA's items in
+    order and the time (key blocks plus overheads) its last one ends."""
     cost = np.tile(np.asarray(blocks_per_tile_head, np.int64), batch) + ITEM_OVERHEAD_BLOCKS
     heap = [(0, c) for c in range(n_cta)]  # (busy until, cta): already a heap
     per_cta = [[] for _ in range(n_cta)]
@@ -3053,6 +3091,27 @@ def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndar
         end, c = heapq.heappop(heap)
         per_cta[c].append(t)
         heapq.heappush(heap, (end + int(w), c))
+    ends = np.zeros(n_cta, np.int64)
+    for end, c in heap:
+        ends[c] = end
+    return per_cta, ends
+
+
+def persistent_span(blocks_per_tile_head, batch: int, n_cta: int) -> int:
+    """The persistent grid's estimated length: the key blocks (plus
+    :data:`ITEM_OVERHEAD_BLOCKS` an item) of the CTA whose items end last in
+    :func:`persistent_schedule`'s table."""
+    return int(_greedy(blocks_per_tile_head, batch, n_cta)[1].max(initial=0))
+
+
+def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
+    """The persistent grid's table, int32 ``[n_cta, 1 + most]``: row c is
+    ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
+    runs them. Items ``t`` are numbered as a plain grid launches them (here: the
+    ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
+    the batch) and each goes to the CTA whose items so far end first (ties: the lowest
+    CTA), costing its key blocks plus :data:`ITEM_OVERHEAD_BLOCKS`."""
+    per_cta, _ = _greedy(blocks_per_tile_head, batch, n_cta)
     most = max(len(x) for x in per_cta)
     table = np.full((n_cta, 1 + most), -1, np.int32)
     for c, items in enumerate(per_cta):
@@ -3327,7 +3386,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         states = (partials or raw or carry is not None or state is not None
                   or state_out)
         cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
-            cfg, d, skv_kernel, gpu=interpret is None, states=states, causal=causal))
+            cfg, d, skv_kernel, gpu=interpret is None, states=states, causal=causal,
+            b=b, hq=hq, sq=sq, offset=static_offset))
         cfg = dataclasses.replace(cfg, static_slots=auto_static_slots(
             cfg, d, skv_kernel, gpu=interpret is None, causal=causal))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
