@@ -27,7 +27,8 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   into a fresh accumulator (``accumulate``). Blocks every row of the warpgroup sees
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
   that one's softmax overlaps the other's matrix products (``pingpong``); three (a
-  D=64 prefill on one CTA a tile, not causal, or past 2048 keys: :func:`auto_compute_wgs`)
+  D=64 prefill on one CTA a tile, not causal, or where :func:`c3_causal_pays`:
+  :func:`auto_compute_wgs`)
   pass a turn round, one barrier each, so that each one's softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
@@ -173,8 +174,9 @@ class MosaicConfig:
     #: loads K/V. Three (FlashAttention-3's launch at D=64) take the ping-pong as a
     #: ring of turns (``pingpong``) and ``registers3``. None (the default): three for
     #: a D=64 prefill on the GPU where the grid is one CTA a tile (not persistent),
-    #: the call is not causal or it has more than 2048 keys (:func:`auto_compute_wgs`),
-    #: else two (decode rows and split states take one). A launch choice: the same bits.
+    #: the call is not causal or the persistent grid's work model says three pay
+    #: (:func:`auto_compute_wgs`, :func:`c3_causal_pays`), else two (decode rows and
+    #: split states take one). A launch choice: the same bits.
     compute_wgs: int | None = None
     #: K/V SMEM ring slots (TMA prefetch depth).
     stages: int = 2
