@@ -392,7 +392,7 @@ def test_three_warpgroups_keep_bits_on_gpu():
     """On sm90, three compute warpgroups (``compute_wgs=3``: 192-row tiles, the
     ping-pong as a ring of turns, ``registers3``), on the persistent grid and on one
     CTA a tile, and the default (three at D=64 past the persistent grid's 64 key
-    blocks a tile, and on it non-causal or causal past 2048 keys) give two
+    blocks a tile, and on it non-causal, or causal where ``c3_causal_pays``) give two
     warpgroups' bits, out and lse, no NaN, with no hang: at D=64 (B=2, Hq=8, Hkv=2)
     each of the SPLIT fold's cases (causal one and three SPLITs, a chunk, Sq > Skv,
     non-causal with a partial last block and with whole blocks) and 4200 keys causal
