@@ -1700,11 +1700,14 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     from benchmarks import lowered
     S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
     auto = functools.partial(mosaic_fwd.auto_static_slots, d=64, gpu=True)
-    assert auto(cfg(compute_wgs=3), skv=4096, causal=True) is False
-    assert auto(cfg(compute_wgs=3, static_slots=True), skv=4096, causal=True) is True
-    assert auto(cfg(compute_wgs=3), skv=4096, causal=False) is None  # (the kernel's)
-    assert auto(cfg(compute_wgs=3), skv=4160, causal=True) is None  # (one CTA a tile)
-    assert auto(cfg(compute_wgs=2), skv=4096, causal=True) is None
+    assert auto(None, nwg=3, causal=True, persistent=True) is False
+    assert auto(True, nwg=3, causal=True, persistent=True) is True
+    assert auto(None, nwg=3, causal=False, persistent=True) is True
+    assert auto(None, nwg=3, causal=True, persistent=False) is True  # (one CTA a tile)
+    assert auto(None, nwg=2, causal=True, persistent=True) is True
+    assert mosaic_fwd.auto_static_slots(None, 128, gpu=True, nwg=2, causal=True,
+                                        persistent=True) is False
+    assert auto(None, nwg=2, causal=True, persistent=True, gpu=False) is False
     cases = ((64, 4160, cfg(), True, 512), (64, 3072, cfg(), True, 512),
              (64, 2048, cfg(), True, 384),
              (64, 4096, cfg(), False, 512), (64, 4096, cfg(compute_wgs=3), True, 512),

@@ -1295,10 +1295,12 @@ class _Forward:
         self.layout_hints = interpret is None
         self.per_split = schedule.BLOCKS_PER_SPLIT
         #: MosaicConfig.static_slots where it applies (a producer's ring of two slots;
-        #: None: on the GPU at D=64)
-        self.static_slots = (self.stages == 2 and not self.inline_loads and (
-            interpret is None and d == 64 if cfg.static_slots is None
-            else cfg.static_slots))
+        #: None: :func:`auto_static_slots`)
+        self.static_slots = (self.stages == 2 and not self.inline_loads
+                             and auto_static_slots(cfg.static_slots, d,
+                                                   gpu=interpret is None, nwg=self.nwg,
+                                                   causal=causal,
+                                                   persistent=bool(persistent)))
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
             raise ValueError("split_out needs one compute warpgroup and no persistent "
@@ -3016,21 +3018,22 @@ def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bo
         -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
 
 
-def auto_static_slots(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
-                      causal: bool) -> bool | None:
-    """``MosaicConfig(static_slots=None)``'s choice where the launch is known
-    (``cfg.compute_wgs`` resolved): off for three compute warpgroups on a causal
-    prefill on the persistent grid, else ``cfg.static_slots`` (None: the kernel's
-    choice by head dim). With constant slots those items ran 0.75 to 0.84x two
-    warpgroups (H100, 2026-12-07, notes "twenty-fifth stop"; one copy of the loop,
-    the retired ``peel_slot``, 0.85 to 0.90x); on dynamic slots 1.02 to 1.10x at
-    S=4096 and 1.09 to 1.14x at S=3072 (B=2 to 10), 0.99 to 1.02x at S=2048 (notes
-    "twenty-sixth stop", calls 2 to 4; one run of B=2 S=4096 0.98x). A launch
-    choice: the same bits (``test_three_warpgroups_keep_bits_on_gpu``)."""
-    if (cfg.static_slots is None and cfg.compute_wgs == 3 and causal
-            and _prefill_persistent(cfg, d, skv, gpu=gpu)):
-        return False
-    return cfg.static_slots
+def auto_static_slots(static_slots: bool | None, d: int, *, gpu: bool, nwg: int,
+                      causal: bool, persistent: bool) -> bool:
+    """``MosaicConfig(static_slots=None)``'s choice (``static_slots`` not None: that),
+    for a kernel of ``nwg`` compute warpgroups: on the GPU at D=64 (the H100 measured
+    1.02 to 1.06x, 2026-12-06; the interpreter keeps the dynamic slots, fewer programs
+    to compile), but not for three compute warpgroups on a causal prefill on the
+    persistent grid. With constant slots those items ran 0.75 to 0.84x two warpgroups
+    (H100, 2026-12-07, notes "twenty-fifth stop"; one copy of the loop, the retired
+    ``peel_slot``, 0.85 to 0.90x); on dynamic slots 1.02 to 1.10x at S=4096 and 1.09
+    to 1.14x at S=3072 (B=2 to 10), 0.99 to 1.02x at S=2048 (notes "twenty-sixth
+    stop", calls 2 to 4; one run of B=2 S=4096 0.98x). Not at D=128 or 256 (0.89 to
+    0.91x: spills). A launch choice: the same bits
+    (``test_static_slots_keep_bits_on_gpu``, ``test_three_warpgroups_keep_bits_on_gpu``)."""
+    if static_slots is not None:
+        return static_slots
+    return gpu and d == 64 and not (nwg == 3 and causal and persistent)
 
 
 def state_plan(cfg: MosaicConfig, d: int, *, gpu: bool) -> MosaicConfig:
@@ -3390,8 +3393,6 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
         cfg = dataclasses.replace(cfg, compute_wgs=auto_compute_wgs(
             cfg, d, skv_kernel, gpu=interpret is None, states=states, causal=causal,
             b=b, hq=hq, sq=sq, offset=static_offset))
-        cfg = dataclasses.replace(cfg, static_slots=auto_static_slots(
-            cfg, d, skv_kernel, gpu=interpret is None, causal=causal))
         folds = smem_state_applies(  # (the folded state's prefill: one CTA a tile)
             decode=False, persistent=bool(cfg.persistent), states=states)
         if cfg.gmem_state is None:
