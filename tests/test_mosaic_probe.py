@@ -1911,7 +1911,8 @@ def test_three_warpgroups_causal_follow_the_work_model(mosaic_fwd):
     assert auto(3072, causal=True, b=10, gpu=False) == 2
     assert auto(3072, causal=True, b=10, states=True) == 2
     assert mosaic_fwd.auto_compute_wgs(mosaic_fwd.MosaicConfig(compute_wgs=2), 64, 3072,
-                                       gpu=True, states=False, causal=True, b=10) == 2
+                                       gpu=True, states=False, causal=True, b=10,
+                                       hq=32) == 2
     blocks = np.repeat(np.arange(24, 0, -1), 32)
     table = mosaic_fwd.persistent_schedule(blocks, 10, 132)
     cost = np.tile(blocks, 10) + mosaic_fwd.ITEM_OVERHEAD_BLOCKS

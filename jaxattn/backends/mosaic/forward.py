@@ -2950,7 +2950,7 @@ def auto_gmem_state(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
 
 
 def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
-                     states: bool, causal: bool, b: int = 1, hq: int = 1,
+                     states: bool, causal: bool, b: int, hq: int,
                      sq: int | None = None, offset: int | None = None) -> int:
     """``MosaicConfig(compute_wgs=None)``'s choice for a plain prefill (not decode rows,
     split or CP states, a carried or raw state: ``states``), with ``skv`` keys padded to
