@@ -28,8 +28,8 @@ warpgroups of ``block_m`` = 64 query rows each and one producer warpgroup:
   skip the causal ``where``. A shared barrier staggers the two compute warpgroups so
   that one's softmax overlaps the other's matrix products (``pingpong``); three (a
   D=64 prefill on one CTA a tile, not causal, or where :func:`c3_causal_pays`:
-  :func:`auto_compute_wgs`)
-  pass a turn round, one barrier each, so that each one's softmax overlaps the other two's products;
+  :func:`auto_compute_wgs`) pass a turn round, one barrier each, so that each one's
+  softmax overlaps the other two's products;
 * at every ``SPLIT`` boundary (an outer loop over splits around the inner loop over
   blocks) the split's state is finalised and folded into the running state by
   :func:`kernel_finalize` / :func:`kernel_merge`: :func:`jaxattn.merge.finalize` /
@@ -1173,11 +1173,9 @@ class _Forward:
         # the host, which the kernel computes with lax ops; every tile's count where the
         # offsets are only known at run time): the persistent grid's choice and its
         # greedy table.
-        tiles = (np.arange(self.n_tiles)[::-1] if cfg.q_order == "descending"
-                 else np.arange(self.n_tiles))
         self.tile_blocks = prefill_tile_blocks(
-            tiles, self.rows_cta, offset, self.total,
-            causal=causal and position is None and not dyn_offsets)
+            self.n_tiles, self.rows_cta, offset, self.total,
+            causal=causal and position is None and not dyn_offsets, q_order=cfg.q_order)
         self.group = hq // hkv
         self.itemsize = jnp.dtype(dtype).itemsize
         base2 = KERNEL_LSE_BASE2  # the softmax's base is the kernel state's
@@ -3004,10 +3002,8 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     for nwg in (2, 3):
         rows = cfg.block_m * nwg
         lead, sq_pad, _ = padding(sq, skv, True, rows, offset)
-        tiles = np.arange(sq_pad // rows)
-        if cfg.q_order == "descending":
-            tiles = tiles[::-1]
-        blocks = prefill_tile_blocks(tiles, rows, offset - lead, total, causal=True)
+        blocks = prefill_tile_blocks(sq_pad // rows, rows, offset - lead, total,
+                                     causal=True, q_order=cfg.q_order)
         work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
     return work[3] < C3_CAUSAL_GAIN * work[2]
 
@@ -3073,13 +3069,15 @@ def sm_count() -> int:
 ITEM_OVERHEAD_BLOCKS = 2
 
 
-def prefill_tile_blocks(tiles, rows: int, offset: int, total: int, *,
-                        causal: bool) -> np.ndarray:
-    """The key blocks ``[0, n)`` each of ``tiles`` (tile indices in launch order, of
-    ``rows`` query rows each) visits, of ``total``: :func:`_visited_blocks` on the
-    host, causal with the kernel's static ``offset`` (row i sees key j iff ``j <= i +
-    offset``), else every block."""
-    tiles = np.asarray(tiles, np.int64)
+def prefill_tile_blocks(n_tiles: int, rows: int, offset: int, total: int, *,
+                        causal: bool, q_order: str) -> np.ndarray:
+    """The key blocks ``[0, n)`` each of ``n_tiles`` query tiles of ``rows`` rows
+    visits, of ``total``, in launch order (``MosaicConfig.q_order``): :func:`_visited_blocks`
+    on the host, causal with the kernel's static ``offset`` (row i sees key j iff ``j <=
+    i + offset``), else every block."""
+    tiles = np.arange(n_tiles, dtype=np.int64)
+    if q_order == "descending":
+        tiles = tiles[::-1]
     if not causal:
         return np.full(tiles.shape, total, np.int64)
     bn = schedule.BLOCK_N
