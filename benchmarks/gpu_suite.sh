@@ -33,7 +33,8 @@
 # (benchmarks/ablate.py, ABLATE_ARGS; timed only); points33: issue 33's five points
 # (POINTS33="B:S:D:c|n ..."), forward and forward + backward beside JAX and torch cuDNN,
 # a process each; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
-# S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward.
+# S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward;
+# mprof: where a prefill's time goes per item (benchmarks/mosaic_profile.py, MPROF_*).
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -345,6 +346,21 @@ if has fwd33; then
         ${FWD33_BWD:+--backward_speed --bwd_variants=${BWD33_VARIANTS:-default,default2}} \
         --out_dir="$OUT/fwd33/d$name" 2>&1 | grep -v 'Unable to initialize backend' \
         | tee "$OUT/fwd33/d$name.txt" | tail -8
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if has mprof; then
+  # Where a prefill's time goes per item: benchmarks/mosaic_profile.py (Mosaic GPU's
+  # on-device profiler over the forward's named scopes), one process per run of
+  # MPROF_RUNS (64c 64n 128c ...: head dim, causal or not) at MPROF_SHAPES (B:S,...)
+  # for each of MPROF_CONFIGS (name:key=value...).
+  mkdir -p "$OUT/mprof"
+  for name in ${MPROF_RUNS:-64n}; do
+    d=${name%?}; c=--nocausal; [[ $name == *c ]] && c=--causal
+    timeout ${MPROF_TIMEOUT:-240} $PY -m benchmarks.mosaic_profile --head_dim=$d $c \
+        --shapes=${MPROF_SHAPES:-4:1024,1:4096} --configs=${MPROF_CONFIGS:-default:} \
+        --out_dir="$OUT/mprof/d$name" 2>&1 | grep -v 'Unable to initialize backend' \
+        | tee "$OUT/mprof/d$name.txt" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi

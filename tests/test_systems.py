@@ -3,6 +3,7 @@ result). The peers themselves run in the GPU benchmarks."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -77,6 +78,80 @@ def test_timeline_summary_counts_gaps_and_overlaps():
     assert got["step_us"] == 110.5  # 109 and 112
     with pytest.raises(ValueError, match="not 4 steps"):
         report.timeline_summary(rows, steps=4)
+
+
+def test_mosaic_profile_summary_splits_an_item():
+    """``benchmarks.mosaic_profile``'s reading of a made-up trace (ts in cycles / 1e3,
+    as JAX's dump writes it): two CTAs, each a compute warpgroup of two items and a
+    producer; a range re-entered inside itself (a scope inside a branch) counted once;
+    the item's named ranges, ``other``, the gap to the next item, the first item
+    apart, the fold per key block and the item's overhead in blocks."""
+    from benchmarks import mosaic_profile as mp
+
+    def ev(tid, name, t0, t1, pid=1):
+        return [{"name": name, "ph": "B", "ts": t0 / 1e3, "pid": pid, "tid": tid},
+                {"name": name, "ph": "E", "ts": t1 / 1e3, "pid": pid, "tid": tid}]
+
+    events = []
+    for tid, base in ((1, 0.0), (3, 5000.0)):  # compute warpgroups of two CTAs
+        for start, fold in ((base, 800.0), (base + 1100.0, 900.0)):
+            events += [{"name": "item", "ph": "B", "ts": start / 1e3, "tid": tid,
+                        "pid": 1}]
+            events += ev(tid, "wait_q", start + 10, start + 20)
+            events += ev(tid, "wait_k", start + 20, start + 50)
+            events += [{"name": "fold", "ph": "B", "ts": (start + 50) / 1e3,
+                        "tid": tid, "pid": 1}]
+            events += ev(tid, "fold", start + 60, start + 70)  # nested: dropped
+            events += [{"name": "fold", "ph": "E", "ts": (start + 50 + fold) / 1e3,
+                        "tid": tid, "pid": 1}]
+            events += ev(tid, "epilogue", start + 50 + fold, start + 100 + fold)
+            events += [{"name": "item", "ph": "E", "ts": (start + 120 + fold) / 1e3,
+                        "tid": tid, "pid": 1}]
+        events += ev(tid + 1, "produce", base, base + 1900.0)
+    got = mp.summarise({"traceEvents": events}, key_blocks=8)
+    later, first = got["later_items"], got["first_items"]
+    assert later["item"] == 1020.0 and later["fold"] == 900.0
+    assert later["wait_q"] == 10.0 and later["wait_k"] == 30.0
+    assert later["epilogue"] == 50.0 and later["skip"] == 0.0
+    assert later["other"] == 30.0 and later["gap"] is None  # (the last item's)
+    assert first["item"] == 920.0 and first["gap"] == 180.0
+    assert got["compute_traces"] == 2 and got["items_per_trace"] == [2, 2]
+    assert got["span_median"] == 2120.0 and got["produce_median"] == 1900.0
+    assert got["fold_per_block"] == 112.5
+    assert abs(got["item_overhead_blocks"] - (1020.0 / 112.5 - 8)) < 1e-9
+    with pytest.raises(ValueError, match="unbalanced"):
+        mp.ranges_of([{"name": "a", "ph": "B", "ts": 0, "tid": 1},
+                      {"name": "b", "ph": "E", "ts": 1, "tid": 1}])
+
+
+def test_mosaic_profile_lowers_into_the_prefill():
+    """``forward.profiling`` puts Mosaic GPU's profiler into the prefill kernel lowered
+    for CUDA (its clock reads, its SMEM: four 32-bit entries a range per warpgroup)
+    and nothing outside the context; it refuses an empty setting."""
+    from benchmarks import lowered
+    from jaxattn.backends.mosaic import forward as mf
+    S = jax.ShapeDtypeStruct
+    q, k = S((1, 32, 1024, 64), jnp.bfloat16), S((1, 8, 1024, 64), jnp.bfloat16)
+
+    def lower():
+        try:
+            mf.lower_for_cuda(q, k, k, causal=False)
+        except ValueError:  # the trace's write-out needs a GPU backend, after lowering
+            pass
+
+    plain = lowered.modules(lower)
+    if plain is None:
+        pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+    with mf.profiling(64, "/tmp/unused"):
+        (prof,) = lowered.modules(lower)
+    (plain,) = plain
+    assert "%clock" not in plain and "%clock" in prof
+    threads, smem = lowered.launch_of(plain)
+    assert lowered.launch_of(prof) == (threads, smem + 64 * 4 * 4 * threads // 128)
+    assert mf._PROFILE == {}
+    with pytest.raises(ValueError, match="space > 0"):
+        with mf.profiling(0, "/tmp/unused"):
+            pass
 
 
 def test_named_config_parses_a_launch_variant():

@@ -59,6 +59,7 @@ lowering needs them ("Failed to infer the output layout of the iota").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import heapq
@@ -596,6 +597,31 @@ class MosaicConfig:
         its early trigger)."""
         return self.split_pdl or {"both": "wait", "trigger": "off"}.get(self.pdl, self.pdl)
 
+
+
+#: Mosaic GPU's on-device profiler for the prefill kernel (:func:`profiling`): the
+#: ``CompilerParams`` fields it sets, empty when off.
+_PROFILE: dict = {}
+
+
+@contextlib.contextmanager
+def profiling(space: int, out_dir: str):
+    """Within: every prefill kernel traced here records Mosaic GPU's on-device profile,
+    ``space`` ranges a warpgroup (each range four 32-bit SMEM entries, added to the
+    kernel's SMEM), JAX writing a Perfetto trace per call into ``out_dir``. The ranges
+    are the kernel's named scopes: a compute warpgroup's ``item`` (one (tile, head,
+    batch) item) and in it ``wait_q``, ``wait_k``, ``fold``, ``skip`` and
+    ``epilogue``; the producer's ``produce`` (an item's loads). A diagnostic
+    (benchmarks/mosaic_profile.py); trace afresh inside (jit caches the kernels traced
+    before). The named scopes record nothing outside."""
+    if not space or not out_dir:
+        raise ValueError(f"profiling needs space > 0 and out_dir, got {space!r}, {out_dir!r}")
+    global _PROFILE
+    old, _PROFILE = _PROFILE, {"profile_space": int(space), "profile_dir": out_dir}
+    try:
+        yield
+    finally:
+        _PROFILE = old
 
 
 def launch(body, *, pdl: str, interpret, **kwargs):
@@ -2085,7 +2111,8 @@ class _Forward:
                           None)
         if self.state_in:
             self.issue_state(it)
-        plgpu.barrier_wait(q_b)
+        with jax.named_scope("wait_q"):  # (profiling's ranges; nothing otherwise)
+            plgpu.barrier_wait(q_b)
         if qbuf is None and self.q_rows is not None:
             # (once per tile; the untiled slot's reads conflict on SMEM banks)
             q_s[...] = self.load(q_in, plgpu.Layout.WGMMA, optimized=False)
@@ -2104,9 +2131,10 @@ class _Forward:
         first_step, n_steps = self.steps(it)
         n_splits = self.n_splits(it)
 
-        @pl.when(first_step < n_steps)  # the first K (each later one: during P V)
-        def _():
-            plgpu.barrier_wait(bars[0].at[self.slot_of(it, first_step)])
+        with jax.named_scope("wait_k"):
+            @pl.when(first_step < n_steps)  # the first K (each later one: during P V)
+            def _():
+                plgpu.barrier_wait(bars[0].at[self.slot_of(it, first_step)])
 
         init = (self.tile_zeros(self.d), self.rows_init(NEG_INF))
         if self.split_out and self.per_cta > 1:
@@ -2130,6 +2158,14 @@ class _Forward:
                                self.load_carry(it) if self.carry_in else None)
             self.epilogue(it, o_ref, lse_ref, *state)
             return
+        with jax.named_scope("fold"):
+            out, lse = self.fold(it, n_steps, n_splits, init)
+        self.after_fold(it, o_ref, lse_ref, out, lse, hi_cta)
+
+    def fold(self, it: _Item, n_steps, n_splits, init):
+        """The item's splits folded in order from ``init`` (or the loaded state):
+        ``(out, lse)`` (``out`` None where it is already in the Q tile's SMEM)."""
+        w = it.w
         if self.state_in:  # the fold goes on from the loaded state
             init = self.wait_state(it)
         if self.gmem_state:  # the output straight into the Q tile's SMEM (Q is done)
@@ -2142,7 +2178,7 @@ class _Forward:
             lse = self.fold_in_gmem(it, n_steps, n_splits, st, sink,
                                     last_more=(w == 0) if self.last_merge_arrive else False)
         elif self.smem_state:
-            st = smem[9].at[w]
+            st = it.smem[9].at[w]
             lse = self.fold_in_smem(it, n_steps, n_splits, st)
             out = self.load(st, plgpu.Layout.WGMMA)
         else:
@@ -2150,6 +2186,12 @@ class _Forward:
                 return self.split(it, n_steps, si, state, more=si < n_splits - 1)
 
             out, lse = lax.fori_loop(0, n_splits, fold, init)
+        return out, lse
+
+    def after_fold(self, it: _Item, o_ref, lse_ref, out, lse, hi_cta):
+        """The blocks only the CTA's other warpgroups need, released, and the item's
+        :meth:`epilogue`."""
+        w, bars = it.w, it.bars
 
         # Blocks the CTA's other warpgroup needs and this one does not: wait for each
         # load (so this warpgroup's release belongs to that block's phase) and release.
@@ -2174,12 +2216,14 @@ class _Forward:
 
         if self.ring:  # no block: the turn of the last product goes on here
             self.turn_pass(it, it.hi == 0)
-        if self.nwg > 1:
-            lax.fori_loop(it.hi, hi_cta, skip, None)
-        if self.pingpong and not self.ring:
-            pl.when(w == 0)(lambda: self.sync(
-                it, True if not self.last_merge_arrive else hi_cta > it.hi))
-        self.epilogue(it, o_ref, lse_ref, out, lse)
+        with jax.named_scope("skip"):
+            if self.nwg > 1:
+                lax.fori_loop(it.hi, hi_cta, skip, None)
+            if self.pingpong and not self.ring:
+                pl.when(w == 0)(lambda: self.sync(
+                    it, True if not self.last_merge_arrive else hi_cta > it.hi))
+        with jax.named_scope("epilogue"):
+            self.epilogue(it, o_ref, lse_ref, out, lse)
 
     def steps(self, it: _Item):
         """The warpgroup's ring steps ``[first_step, n_steps)`` (split_out: its splits')."""
@@ -2409,8 +2453,9 @@ class _Forward:
                                 t1, h1, b1, _, _ = item_at(k + 1)
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
-                    self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
-                                  hi_cta, base, flags_ref, qbuf, after_q, kvh)
+                    with jax.named_scope("item"):
+                        self.consumer(wg, q_ref, o_ref, lse_ref, smem, bars, tile0, h, bi,
+                                      hi_cta, base, flags_ref, qbuf, after_q, kvh)
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, -self.split_lo())
@@ -2429,8 +2474,9 @@ class _Forward:
 
                 def one(k, base):
                     _, _, bi, kvh, hi_cta = item_at(k)
-                    self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base,
-                                  keep_ref)
+                    with jax.named_scope("produce"):
+                        self.producer(k_ref, v_ref, smem, bars, kvh, bi, hi_cta, base,
+                                      keep_ref)
                     return base + hi_cta
 
                 self.drain(bars, lax.fori_loop(0, count, one, -self.split_lo()))
@@ -2520,7 +2566,8 @@ class _Forward:
                 lowering_semantics=getattr(plgpu.LoweringSemantics,
                                            cfg.semantics.capitalize()),
                 **(NO_REDUCTION_SCRATCH if self.inline_loads or self.smem_state
-                   or self.states_tight else {})),
+                   or self.states_tight else {}),
+                **(_PROFILE if self.interpret is None else {})),
             interpret=self.interpret,
         )
         # Constants of the program (numpy arrays).
