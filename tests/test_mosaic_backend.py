@@ -421,6 +421,27 @@ def test_three_warpgroups_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_defer_store_wait_keeps_bits_on_gpu():
+    """On sm90, ``defer_store_wait`` (an item's output stores awaited only before their
+    SMEM is next written) gives the default's bits, out and lse, no NaN, with no hang,
+    on the persistent grid with several items a CTA: D=64 (three warpgroups and two)
+    and D=128, causal and not, a partial last tile and block (2000 rows), a key
+    padding mask over NaN in the dropped keys' K and V, JAX's layout."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    for d in (64, 128):
+        configs = [mf.MosaicConfig(), mf.MosaicConfig(defer_store_wait=True),
+                   mf.MosaicConfig(compute_wgs=2, defer_store_wait=True)]
+        q, k, v = rand_qkv(4, 16, 4, 2048, 2048, d, jnp.bfloat16)
+        for s, causal in ((2048, True), (2048, False), (2000, True), (2000, False)):
+            _configs_agree_in_bits(mf.forward, configs, (d, s, causal), q[:, :, :s],
+                                   k[:, :, :s], v[:, :, :s], causal=causal)
+        _mask_and_layout_agree(configs, rng, q, k, v, 1500)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_q_boxes_keep_bits_on_gpu():
     """On sm90, ``MosaicConfig(q_boxes=True)`` (the default: Q and O at Sq rows, the
     last tile's rows past Sq TMA's zeros and a clipped store; the lse sliced) gives the

@@ -646,7 +646,7 @@ def test_interpret_persistent_keeps_bits(mosaic_fwd, causal):
     seed, q, k, v = _inputs(1, 2, 1, 256, 256 if causal else 200, 64)
     base = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                               config=mosaic_fwd.MosaicConfig(**_ONE_WG))
-    for kw in ({}, {"prefetch_q": True}):
+    for kw in ({}, {"prefetch_q": True}, {"prefetch_q": True, "defer_store_wait": True}):
         other = mosaic_fwd.forward(q, k, v, causal=causal, interpret=True,
                                    config=mosaic_fwd.MosaicConfig(persistent=3, **kw,
                                                                   **_ONE_WG))
@@ -1781,6 +1781,7 @@ def test_q_boxes_lower_without_a_copy(mosaic_fwd):
     {"persistent": 132, "prefetch_q": True},
     {"persistent": 132, "rowsum": "mma", "accumulate": "fresh"},
     {"persistent": 132, "prefetch_q": True, "pingpong": False},
+    {"persistent": 132, "prefetch_q": True, "defer_store_wait": True},
     # The arithmetic of the 2026-11-30 run (240f678) (accurate exp2/log2, a division per element,
     # the mask's indices per tile, no fence).
     {"approx_math": False, "normalize": "divide", "masks_in_loop": False, "fence": False},
@@ -1793,6 +1794,31 @@ def test_launch_options_lower_for_cuda(mosaic_fwd, kw):
     lowered = mosaic_fwd.lower_for_cuda(q, k, k, causal=True,
                                         config=mosaic_fwd.MosaicConfig(**kw))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_api
+def test_defer_store_wait_moves_the_epilogues_wait(mosaic_fwd):
+    """``defer_store_wait`` on the persistent grid with the Q prefetch: the epilogue's
+    one wait for its stores' reads becomes three (before the Q load into the buffer
+    the store reads, before the next epilogue writes the lse row, at the CTA's end),
+    and the option changes nothing where it does not apply (one CTA a tile)."""
+    from benchmarks import lowered
+    S, cfg = jax.ShapeDtypeStruct, mosaic_fwd.MosaicConfig
+    q, k = S((1, 4, 512, 64), jnp.bfloat16), S((1, 2, 512, 64), jnp.bfloat16)
+
+    def text(c):
+        texts = lowered.modules(lambda: mosaic_fwd.lower_for_cuda(q, k, k, config=c))
+        if texts is None:
+            pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+        return texts[0]
+
+    waits = re.compile(r"cp\.async\.bulk\.wait_group 0 \{read\}")
+    assert len(waits.findall(text(cfg(persistent=132)))) == 1
+    assert len(waits.findall(text(cfg(persistent=132, defer_store_wait=True)))) == 3
+    assert (text(cfg(persistent=0, defer_store_wait=True))
+            == text(cfg(persistent=0)))
+    with pytest.raises(ValueError, match="defer_store_wait"):
+        cfg(defer_store_wait=None)
 
 
 @needs_api

@@ -344,6 +344,12 @@ class MosaicConfig:
     #: None: with a persistent grid, where the second Q buffer fits the SMEM
     #: (:func:`smem_bytes` within :data:`SMEM_LIMIT`).
     prefetch_q: bool | None = None
+    #: With ``prefetch_q``, a plain prefill's output: an item's epilogue does not await
+    #: its TMA stores; they are awaited before their SMEM is next written (before the Q
+    #: load into that buffer two items on, before the next epilogue's lse row, at the
+    #: CTA's end), so the store's read of SMEM overlaps the next item. The same stores
+    #: of the same values: a launch choice.
+    defer_store_wait: bool = False
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
     #: key order (as the Pallas backend's split-KV decode), so a long cache is read by
@@ -572,7 +578,7 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes"):
+        for name in ("kv_boxes", "q_boxes", "defer_store_wait"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -1296,6 +1302,12 @@ class _Forward:
                 f"the kernel to {need} bytes, over SMEM_LIMIT_STATE "
                 f"({SMEM_LIMIT_STATE}); with compute_wgs={self.nwg} at D={d} it does not "
                 f"fit (D=256 needs compute_wgs=1)")
+        #: MosaicConfig.defer_store_wait where it applies: the Q buffers' second
+        #: (prefetch_q) holds the next item's Q, and the output path is the plain one
+        #: (the Q tile's SMEM and the lse row; not split or CP states, decode's rows)
+        self.defer_wait = (cfg.defer_store_wait and cfg.prefetch_q and not (
+            split_out or state_out or raw_out or finish_rows or rows_out
+            or self.gmem_state or self.smem_state))
         self.inplace = (cfg.accumulate or ("inplace" if gpu_operands and interpret is None
                                            else "fresh")) == "inplace"
         self.pingpong = cfg.pingpong and self.nwg > 1
@@ -2315,7 +2327,7 @@ class _Forward:
             self.store_state(it, o_ref, lse_ref, out, lse, rows)
         else:
             self.store_output(it, o_ref, lse_ref, out, lse, rows)
-        if not chained:
+        if not (chained or self.defer_wait):
             wait_stores(self.cfg.store_wait)
 
     def store_state(self, it: _Item, o_ref, lse_ref, out, lse, rows):
@@ -2340,6 +2352,8 @@ class _Forward:
             plgpu.copy_smem_to_gmem(st.at[pl.ds(0, r)], o_ref.at[at])
             plgpu.copy_smem_to_gmem(it.lse_s.at[pl.ds(0, r)], lse_ref.at[at])
             return
+        if self.defer_wait:  # the last item's stores have read the lse row
+            wait_stores(self.cfg.store_wait)
         if out is not None:  # (None: already in the Q tile's SMEM, gmem_state)
             it.q_s[...] = out.astype(self.dtype)
         it.lse_s[...] = natural_lse(lse)
@@ -2447,9 +2461,11 @@ class _Forward:
 
                         def after_q():
                             # The other buffer held item k - 1's output, whose store
-                            # was awaited at that item's end.
+                            # was awaited at that item's end (defer_wait: here).
                             @pl.when(k + 1 < count)
                             def _():
+                                if self.defer_wait:
+                                    wait_stores(cfg.store_wait)
                                 t1, h1, b1, _, _ = item_at(k + 1)
                                 issue_q(t1, h1, b1, 1 - qbuf)
 
@@ -2459,6 +2475,8 @@ class _Forward:
                     return base + hi_cta
 
                 lax.fori_loop(0, count, one, -self.split_lo())
+                if self.defer_wait:  # the last item's stores
+                    wait_stores(cfg.store_wait)
                 if self.ring:  # the last turn, passed back to warpgroup 0, taken
                     pl.when(wg == 0)(lambda: plgpu.barrier_wait(bars[6].at[0]))
 
