@@ -181,3 +181,94 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     sec, _ = sampled_seconds(jax.jit(lambda x: x + 1.0), xs, jax.block_until_ready, iters,
                              3, 5, 0.0)
     return 2 * n * 4 / sec / 1e9
+
+
+#: A compute warpgroup's ranges in a Mosaic prefill's profile, as ``forward``'s named
+#: scopes call them (``benchmarks/mosaic_profile.py``).
+ITEM_RANGES = ("wait_q", "wait_k", "fold", "skip", "epilogue")
+
+
+def profile_ranges(events: list[dict]) -> dict[int, list[tuple[str, float, float]]]:
+    """The trace's begin/end events paired per trace (``tid``: one warpgroup of one
+    CTA) into ``(name, start, end)`` in cycles, in start order; a range nested in one
+    of its own name (a scope entered again inside a branch) is dropped."""
+    out: dict[int, list] = {}
+    stacks: dict[int, list] = {}
+    for e in events:
+        tid, t = e["tid"], float(e["ts"]) * 1e3  # (the dump's ts is cycles / 1e3)
+        st = stacks.setdefault(tid, [])
+        if e["ph"] == "B":
+            st.append((e["name"], t))
+        else:
+            name, t0 = st.pop()
+            if name != e["name"]:
+                raise ValueError(f"unbalanced profile: {name} closed by {e['name']}")
+            if all(n != name for n, _ in st):
+                out.setdefault(tid, []).append((name, t0, t))
+    return {tid: sorted(r, key=lambda x: x[1]) for tid, r in out.items()}
+
+
+def profile_items(ranges: list[tuple[str, float, float]]) -> list[dict]:
+    """One compute warpgroup's items: each ``item`` range's cycles, its named ranges'
+    cycles, ``other`` (outside them) and ``gap`` (to the next item's start; None for
+    the last)."""
+    items = [r for r in ranges if r[0] == "item"]
+    rows = []
+    for i, (_, t0, t1) in enumerate(items):
+        row = {"item": t1 - t0, **{n: 0.0 for n in ITEM_RANGES}}
+        for name, a, b in ranges:
+            if name in ITEM_RANGES and t0 <= a and b <= t1:
+                row[name] += b - a
+        row["other"] = row["item"] - sum(row[n] for n in ITEM_RANGES)
+        row["gap"] = items[i + 1][1] - t1 if i + 1 < len(items) else None
+        row["start"], row["end"] = t0, t1
+        rows.append(row)
+    return rows
+
+
+def _deciles(vals: list) -> list[float]:
+    """The 10th and 90th percentiles of ``vals`` (statistics' inclusive method)."""
+    if len(vals) < 2:
+        return [float(vals[0])] * 2
+    q = statistics.quantiles(vals, n=10, method="inclusive")
+    return [q[0], q[-1]]
+
+
+def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
+    """Per role (``compute``: the warpgroups with items; ``producer``: with
+    ``produce``) the medians of each range over the items after each CTA's first and
+    over the first items; the fold per key block (``key_blocks`` a (non-causal) item);
+    the CTAs' spans and items."""
+    per_tid = profile_ranges(trace["traceEvents"])
+    compute, first, produce, spans, counts = [], [], [], [], []
+    for rs in per_tid.values():
+        items = profile_items(rs)
+        if items:
+            first.append(items[0])
+            compute.extend(items[1:])
+            spans.append(items[-1]["end"] - items[0]["start"])
+            counts.append(len(items))
+        produce.extend(b - a for n, a, b in rs if n == "produce")
+
+    def med(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    keys = ("item", *ITEM_RANGES, "other", "gap")
+    out = {
+        "compute_traces": len(spans),
+        "items_per_trace": [int(min(counts, default=0)), int(max(counts, default=0))],
+        "later_items": {k: med(compute, k) for k in keys},
+        "first_items": {k: med(first, k) for k in keys},
+        "produce_median": statistics.median(produce) if produce else None,
+        "span_median": statistics.median(spans) if spans else None,
+        "span_max": float(max(spans)) if spans else None,
+        "item_p10_p90": (_deciles([r["item"] for r in compute]) if compute else None),
+    }
+    if key_blocks and compute:
+        out["fold_per_block"] = out["later_items"]["fold"] / key_blocks
+        # the item's cycles beyond its blocks at the fold's rate, in blocks
+        out["item_overhead_blocks"] = (out["later_items"]["item"]
+                                       + (out["later_items"]["gap"] or 0.0)
+                                       ) / out["fold_per_block"] - key_blocks
+    return out

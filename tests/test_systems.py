@@ -81,12 +81,13 @@ def test_timeline_summary_counts_gaps_and_overlaps():
 
 
 def test_mosaic_profile_summary_splits_an_item():
-    """``benchmarks.mosaic_profile``'s reading of a made-up trace (ts in cycles / 1e3,
-    as JAX's dump writes it): two CTAs, each a compute warpgroup of two items and a
-    producer; a range re-entered inside itself (a scope inside a branch) counted once;
-    the item's named ranges, ``other``, the gap to the next item, the first item
-    apart, the fold per key block and the item's overhead in blocks."""
-    from benchmarks import mosaic_profile as mp
+    """``report.profile_summary`` (``benchmarks.mosaic_profile``'s) on a made-up trace
+    (ts in cycles / 1e3, as JAX's dump writes it): two CTAs, each a compute warpgroup
+    of two items and a producer; a range re-entered inside itself (a scope inside a
+    branch) counted once; the item's named ranges, ``other``, the gap to the next
+    item, the first item apart, the fold per key block and the item's overhead in
+    blocks."""
+    from benchmarks import report as mp
 
     def ev(tid, name, t0, t1, pid=1):
         return [{"name": name, "ph": "B", "ts": t0 / 1e3, "pid": pid, "tid": tid},
@@ -108,7 +109,7 @@ def test_mosaic_profile_summary_splits_an_item():
             events += [{"name": "item", "ph": "E", "ts": (start + 120 + fold) / 1e3,
                         "tid": tid, "pid": 1}]
         events += ev(tid + 1, "produce", base, base + 1900.0)
-    got = mp.summarise({"traceEvents": events}, key_blocks=8)
+    got = mp.profile_summary({"traceEvents": events}, key_blocks=8)
     later, first = got["later_items"], got["first_items"]
     assert later["item"] == 1020.0 and later["fold"] == 900.0
     assert later["wait_q"] == 10.0 and later["wait_k"] == 30.0
@@ -120,7 +121,7 @@ def test_mosaic_profile_summary_splits_an_item():
     assert got["fold_per_block"] == 112.5
     assert abs(got["item_overhead_blocks"] - (1020.0 / 112.5 - 8)) < 1e-9
     with pytest.raises(ValueError, match="unbalanced"):
-        mp.ranges_of([{"name": "a", "ph": "B", "ts": 0, "tid": 1},
+        mp.profile_ranges([{"name": "a", "ph": "B", "ts": 0, "tid": 1},
                       {"name": "b", "ph": "E", "ts": 1, "tid": 1}])
 
 
