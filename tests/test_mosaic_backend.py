@@ -442,6 +442,36 @@ def test_defer_store_wait_keeps_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_skip_padding_rows_keep_bits_on_gpu():
+    """On sm90, ``skip_padding_rows`` (a compute warpgroup whose rows are all padding
+    visits no block) gives the default's bits, out and lse, no NaN, with no hang:
+    D=64 at 1000 rows (the last 192-row tile's last two warpgroups padding) and 960
+    (the last 128-row tile's second), causal and not, three warpgroups on either
+    grid and two, a causal chunk of 100 queries on 1100 keys (40 rows of lead), a key
+    padding mask over NaN in the dropped keys' K and V, JAX's layout; D=128 at 960
+    rows causal and not."""
+    from jaxattn.backends.mosaic import forward as mf
+    rng = np.random.default_rng()
+    skip = functools.partial(mf.MosaicConfig, skip_padding_rows=True)
+    for d, configs, cases in (
+            (64, [mf.MosaicConfig(), skip(), skip(compute_wgs=2),
+                  skip(compute_wgs=3, persistent=0)],
+             ((1000, 1000, True), (1000, 1000, False), (960, 960, True),
+              (960, 960, False), (100, 1100, True))),
+            (128, [mf.MosaicConfig(), skip()], ((960, 960, True), (960, 960, False)))):
+        q, k, v = rand_qkv(2, 8, 2, 1100, 1100, d, jnp.bfloat16)
+        for sq, skv, causal in cases:
+            lo = skv - sq
+            _configs_agree_in_bits(mf.forward, configs, (d, sq, skv, causal),
+                                   q[:, :, lo:lo + sq], k[:, :, :skv], v[:, :, :skv],
+                                   causal=causal)
+        if d == 64:
+            _mask_and_layout_agree(configs, rng, q, k, v, 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_q_boxes_keep_bits_on_gpu():
     """On sm90, ``MosaicConfig(q_boxes=True)`` (the default: Q and O at Sq rows, the
     last tile's rows past Sq TMA's zeros and a clipped store; the lse sliced) gives the

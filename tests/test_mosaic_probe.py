@@ -240,6 +240,42 @@ def test_interpret_three_warpgroups_keep_bits(mosaic_fwd, small_split):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
+@needs_threads
+@needs_interpret
+def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
+    """``skip_padding_rows``: a compute warpgroup whose rows are all padding visits no
+    block (it releases the blocks and passes its turns) and the real rows keep their
+    bits, out and lse, no NaN, no deadlock: three warpgroups causal at 200 rows (the
+    second 192-row tile's last two warpgroups are padding; three CTAs on the
+    persistent grid, the ring running on across items) and two non-causal at 192
+    rows (the second 128-row tile's second warpgroup). The kernel changes only where
+    a warpgroup's rows can all be padding (lowered for CUDA: 384 rows, none)."""
+    from benchmarks import lowered
+    cfg = mosaic_fwd.MosaicConfig
+    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
+    for s, causal, kw in ((200, True, {"compute_wgs": 3, "persistent": 3}),
+                          (192, False, {"compute_wgs": 2})):
+        qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
+        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
+                                          config=cfg(skip_padding_rows=on, **kw))
+                       for on in (False, True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{s} seed {seed}")
+    S = jax.ShapeDtypeStruct
+
+    def text(s, on):
+        q, k = S((1, 4, s, 64), jnp.bfloat16), S((1, 2, s, 64), jnp.bfloat16)
+        texts = lowered.modules(lambda: mosaic_fwd.lower_for_cuda(
+            q, k, k, config=cfg(compute_wgs=3, skip_padding_rows=on)))
+        if texts is None:
+            pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+        return texts[0]
+
+    assert text(200, True) != text(200, False)
+    assert text(384, True) == text(384, False)
+
+
 # CI time (a launch choice of the GPU, off in the interpreter by default):
 # test_static_slots_keep_bits_on_gpu
 @pytest.mark.slow

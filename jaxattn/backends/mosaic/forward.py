@@ -350,6 +350,11 @@ class MosaicConfig:
     #: CTA's end), so the store's read of SMEM overlaps the next item. The same stores
     #: of the same values: a launch choice.
     defer_store_wait: bool = False
+    #: A plain prefill's tiles padded past the last query: a compute warpgroup whose
+    #: rows are all padding visits no key block (it releases the CTA's blocks, passes
+    #: its turns and stores (0, -inf), which the call drops) instead of computing rows
+    #: nobody reads. Each row's operations are unchanged: a launch choice.
+    skip_padding_rows: bool = False
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
     #: key order (as the Pallas backend's split-KV decode), so a long cache is read by
@@ -578,7 +583,7 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes", "defer_store_wait"):
+        for name in ("kv_boxes", "q_boxes", "defer_store_wait", "skip_padding_rows"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -971,7 +976,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
            state_out: bool = False, stack_sq: int = 1, q_row0: int = 0, k_row0: int = 0,
            finish_rows: int = 0,
            q_rows: int | None = None, rows_out: bool = False, kv_boxes: bool = False,
-           per_cta: int = 1, sq_rows: int | None = None):
+           per_cta: int = 1, sq_rows: int | None = None,
+           live_rows: int | None = None):
     """The kernel for ``sq`` query rows (a multiple of the CTA's rows) against ``skv``
     keys (padded to whole blocks by the caller), query row i seeing key j iff ``j <= i +
     offset`` when causal. ``position``: every row is the query at that absolute position
@@ -1044,7 +1050,9 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
     prefill on the GPU, :attr:`MosaicConfig.q_boxes`): Q and O hold that many rows
     (the call's Sq, fewer than the tiles' ``sq``), read and written in place by TMA
     (zeros past them on the load, the store clipped), the lse the tiles' ``sq``;
-    None: ``sq``.
+    None: ``sq``. ``live_rows`` (a plain prefill, with ``cfg.skip_padding_rows``):
+    the tiles' rows at or past it are padding, and a compute warpgroup whose rows
+    all are visits no key block.
 
     Returns ``call(q, k, v, *extra)``; the stages are the methods of :class:`_Forward`
     (of :class:`_PvSplitForward` with ``cfg.pv_split``)."""
@@ -1056,7 +1064,8 @@ def _build(*, b, hq, hkv, sq, skv, offset, d, dtype, causal, scale, cfg: MosaicC
                 raw_out=raw_out, state_rows=state_rows, page_size=page_size, state_in=state_in,
                 state_out=state_out, stack_sq=stack_sq, q_row0=q_row0, k_row0=k_row0,
                 finish_rows=finish_rows, q_rows=q_rows, rows_out=rows_out,
-                kv_boxes=kv_boxes, per_cta=per_cta, sq_rows=sq_rows).call()
+                kv_boxes=kv_boxes, per_cta=per_cta, sq_rows=sq_rows,
+                live_rows=live_rows).call()
 
 
 @dataclasses.dataclass
@@ -1113,10 +1122,15 @@ class _Forward:
                  dyn_offsets, split_out, q_btnh=False, kv_btnh=False, carry_in=False,
                  raw_out=False, state_rows=None, page_size=None, state_in=False,
                  state_out=False, stack_sq=1, q_row0=0, k_row0=0, finish_rows=0,
-                 q_rows=None, rows_out=False, kv_boxes=False, per_cta=1, sq_rows=None):
+                 q_rows=None, rows_out=False, kv_boxes=False, per_cta=1, sq_rows=None,
+                 live_rows=None):
         bn = self.bn = schedule.BLOCK_N
         #: the rows of Q and O (``sq_rows``: fewer than the tiles' ``sq``)
         self.sq_rows = sq if sq_rows is None else sq_rows
+        #: the tiles' rows from here on are padding (MosaicConfig.skip_padding_rows;
+        #: None: none skipped)
+        self.live_rows = (live_rows if cfg.skip_padding_rows and live_rows is not None
+                          and live_rows < sq and position is None else None)
         if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
             raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
                              f"carry_in or raw_out, got {per_cta}")
@@ -1968,6 +1982,8 @@ class _Forward:
         (masking every block ran 27% slower on the H200, docs/mosaic.md)."""
         it.hi = _visited_blocks(p_last, block_m=self.bm, offset=it.offset,
                                 total=self.total, causal=self.causal)
+        if self.live_rows is not None:  # rows all padding: no block
+            it.hi = jnp.where(it.q0 >= self.live_rows, jnp.int32(0), it.hi)
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
 
@@ -3492,7 +3508,8 @@ def _prepare(q, k, v, *, causal, scale, interpret, config, key_padding_mask=None
                       q_btnh=btnh, kv_btnh=btnh, carry_in=carry is not None,
                       raw_out=raw, state_in=state is not None,
                       state_out=state_out, kv_boxes=kv_boxes,
-                      sq_rows=sq if q_boxes else None)
+                      sq_rows=sq if q_boxes else None,
+                      live_rows=None if states else lead + sq)
         if (lead, sq_pad) != (0, sq) and not q_boxes:
             q = jnp.pad(q, _along(sa, (lead, sq_pad - sq - lead)))
 
