@@ -353,13 +353,14 @@ if has mprof; then
   # Where a prefill's time goes per item: benchmarks/mosaic_profile.py (Mosaic GPU's
   # on-device profiler over the forward's named scopes), one process per run of
   # MPROF_RUNS (64c 64n 128c ...: head dim, causal or not) at MPROF_SHAPES (B:S,...)
-  # for each of MPROF_CONFIGS (name:key=value...).
+  # for each of MPROF_CONFIGS (name:key=value...); MPROF_ARGS: more flags (--blocks:
+  # each key block's ranges too, at small batches).
   mkdir -p "$OUT/mprof"
   for name in ${MPROF_RUNS:-64n}; do
     d=${name%?}; c=--nocausal; [[ $name == *c ]] && c=--causal
     timeout ${MPROF_TIMEOUT:-240} $PY -m benchmarks.mosaic_profile --head_dim=$d $c \
         --shapes=${MPROF_SHAPES:-4:1024,1:4096} --configs=${MPROF_CONFIGS:-default:} \
-        --out_dir="$OUT/mprof/d$name" 2>&1 | grep -v 'Unable to initialize backend' \
+        ${MPROF_ARGS:-} --out_dir="$OUT/mprof/d$name" 2>&1 | grep -v 'Unable to initialize backend' \
         | tee "$OUT/mprof/d$name.txt" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
   done

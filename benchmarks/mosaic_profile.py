@@ -8,7 +8,10 @@ Each compute warpgroup records, per (tile, head, batch) item, ``item`` and in it
 ``wait_q`` (the Q tile's barrier), ``wait_k`` (the first K block's), ``fold`` (the
 key blocks and the SPLIT fold), ``skip`` (blocks only another warpgroup needs, and
 the ping-pong's closing rendezvous) and ``epilogue`` (the output's and lse's stores);
-the producer ``produce`` (an item's K/V loads, each once its slot is free). Times are
+the producer ``produce`` (an item's K/V loads, each once its slot is free); with
+``--blocks`` each key block's ``s``, ``softmax``, ``wait_pv`` and ``pv``
+(``forward.BLOCK_SCOPES``: their medians, and a warpgroup's period from one block's
+``s`` to the next's). Times are
 the SM's clock (cycles), so they compare within a CTA, not across CTAs. Per shape and
 configuration the summary gives each range's median cycles over the items after a
 CTA's first (the first apart), ``other`` (the item's cycles outside its named ranges),
@@ -40,6 +43,9 @@ flags.DEFINE_list("configs", ["default:"], "name:MosaicConfig fields "
                   "(key=value[:key=value...]) per configuration.")
 flags.DEFINE_integer("space", 0, "Profiler ranges per warpgroup (0: from the items a "
                      "CTA takes, with room).")
+flags.DEFINE_bool("blocks", False, "Each key block's ranges too (s, softmax, wait_pv, "
+                  "pv: forward.BLOCK_SCOPES; about five ranges a block of SMEM a "
+                  "warpgroup: small batches).")
 flags.DEFINE_string("out_dir", None, "Write profile.json and the traces here.")
 
 def main(argv):
@@ -68,13 +74,15 @@ def main(argv):
         for cspec in FLAGS.configs:
             name, kw = report.named_config(cspec)
             # room for every item of the most loaded CTA (64-row tiles of one
-            # warpgroup bound it), eight ranges an item, and the rest
-            space = FLAGS.space or 8 * (-(-b * hq * -(-s // 64) // n_sm)) + 32
+            # warpgroup bound it), eight ranges an item (and five a key block), and
+            # the rest
+            per_item = 8 + (5 * -(-s // schedule.BLOCK_N) if FLAGS.blocks else 0)
+            space = FLAGS.space or per_item * (-(-b * hq * -(-s // 64) // n_sm)) + 32
             row = {"B": b, "S": s, "D": d, "causal": FLAGS.causal, "config": name,
-                   "space": space}
+                   "space": space, "blocks": FLAGS.blocks}
             tmp = tempfile.mkdtemp()
             try:
-                with mf.profiling(space, tmp):
+                with mf.profiling(space, tmp, blocks=FLAGS.blocks):
                     f = jax.jit(functools.partial(mf.forward, causal=FLAGS.causal,
                                                   config=mf.MosaicConfig(**kw)))
                     for _ in range(3):  # the last call's trace: a warm GPU

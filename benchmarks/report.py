@@ -186,6 +186,8 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 #: A compute warpgroup's ranges in a Mosaic prefill's profile, as ``forward``'s named
 #: scopes call them (``benchmarks/mosaic_profile.py``).
 ITEM_RANGES = ("wait_q", "wait_k", "fold", "skip", "epilogue")
+#: A key block's ranges under ``profiling(blocks=True)`` (``forward.BLOCK_SCOPES``).
+BLOCK_RANGES = ("s", "softmax", "wait_pv", "pv")
 
 
 def profile_ranges(events: list[dict]) -> dict[int, list[tuple[str, float, float]]]:
@@ -238,9 +240,13 @@ def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
     """Per role (``compute``: the warpgroups with items; ``producer``: with
     ``produce``) the medians of each range over the items after each CTA's first and
     over the first items; the fold per key block (``key_blocks`` a (non-causal) item);
-    the CTAs' spans and items."""
+    the CTAs' spans and items; where the trace has a key block's ranges
+    (:data:`BLOCK_RANGES`), each one's median and ``block_period``, the median from
+    one block's ``s`` to the next one's in the same item."""
     per_tid = profile_ranges(trace["traceEvents"])
     compute, first, produce, spans, counts = [], [], [], [], []
+    blocks = {n: [] for n in BLOCK_RANGES}
+    periods = []
     for rs in per_tid.values():
         items = profile_items(rs)
         if items:
@@ -249,6 +255,13 @@ def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
             spans.append(items[-1]["end"] - items[0]["start"])
             counts.append(len(items))
         produce.extend(b - a for n, a, b in rs if n == "produce")
+        for n, a, b in rs:
+            if n in blocks:
+                blocks[n].append(b - a)
+        for item in items:
+            starts = [a for n, a, _ in rs
+                      if n == "s" and item["start"] <= a <= item["end"]]
+            periods.extend(y - x for x, y in zip(starts, starts[1:], strict=False))
 
     def med(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
@@ -265,6 +278,10 @@ def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
         "span_max": float(max(spans)) if spans else None,
         "item_p10_p90": (_deciles([r["item"] for r in compute]) if compute else None),
     }
+    if any(blocks.values()):
+        out["blocks"] = {n: statistics.median(v) if v else None
+                         for n, v in blocks.items()}
+        out["block_period"] = statistics.median(periods) if periods else None
     if key_blocks and compute:
         out["fold_per_block"] = out["later_items"]["fold"] / key_blocks
         # the item's cycles beyond its blocks at the fold's rate, in blocks

@@ -120,6 +120,18 @@ def test_mosaic_profile_summary_splits_an_item():
     assert got["span_median"] == 2120.0 and got["produce_median"] == 1900.0
     assert got["fold_per_block"] == 112.5
     assert abs(got["item_overhead_blocks"] - (1020.0 / 112.5 - 8)) < 1e-9
+    assert "blocks" not in got
+    # a key block's ranges: three blocks of one item, s every 300 cycles
+    item = [{"name": "item", "ph": "B", "ts": 0.0, "tid": 9, "pid": 1}]
+    for j in range(3):
+        t0 = 100.0 + 300 * j
+        for name, a, b in (("s", 0, 60), ("softmax", 60, 200), ("wait_pv", 200, 210),
+                           ("pv", 210, 290)):
+            item += ev(9, name, t0 + a, t0 + b)
+    item += [{"name": "item", "ph": "E", "ts": 1.0, "tid": 9, "pid": 1}]
+    got = mp.profile_summary({"traceEvents": item}, key_blocks=None)
+    assert got["blocks"] == {"s": 60.0, "softmax": 140.0, "wait_pv": 10.0, "pv": 80.0}
+    assert got["block_period"] == 300.0
     with pytest.raises(ValueError, match="unbalanced"):
         mp.profile_ranges([{"name": "a", "ph": "B", "ts": 0, "tid": 1},
                       {"name": "b", "ph": "E", "ts": 1, "tid": 1}])
@@ -129,7 +141,7 @@ def test_mosaic_profile_lowers_into_the_prefill():
     """``forward.profiling`` puts Mosaic GPU's profiler into the prefill kernel lowered
     for CUDA (its clock reads, its SMEM: four 32-bit entries a range per warpgroup)
     and nothing outside the context; it refuses an empty setting."""
-    from benchmarks import lowered
+    from benchmarks import lowered, report
     from jaxattn.backends.mosaic import forward as mf
     S = jax.ShapeDtypeStruct
     q, k = S((1, 32, 1024, 64), jnp.bfloat16), S((1, 8, 1024, 64), jnp.bfloat16)
@@ -150,6 +162,11 @@ def test_mosaic_profile_lowers_into_the_prefill():
     threads, smem = lowered.launch_of(plain)
     assert lowered.launch_of(prof) == (threads, smem + 64 * 4 * 4 * threads // 128)
     assert mf._PROFILE == {}
+    with mf.profiling(64, "/tmp/unused", blocks=True):
+        (blocks,) = lowered.modules(lower)
+    assert blocks.count("%clock") > prof.count("%clock")  # (the block's four ranges)
+    assert mf._PROFILE_BLOCKS is False
+    assert report.BLOCK_RANGES == mf.BLOCK_SCOPES
     with pytest.raises(ValueError, match="space > 0"):
         with mf.profiling(0, "/tmp/unused"):
             pass

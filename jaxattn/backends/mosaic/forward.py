@@ -609,30 +609,47 @@ class MosaicConfig:
         return self.split_pdl or {"both": "wait", "trigger": "off"}.get(self.pdl, self.pdl)
 
 
-
 #: Mosaic GPU's on-device profiler for the prefill kernel (:func:`profiling`): the
 #: ``CompilerParams`` fields it sets, empty when off.
 _PROFILE: dict = {}
+#: :func:`profiling`'s ``blocks``: a key block's ranges recorded too.
+_PROFILE_BLOCKS = False
 
 
 @contextlib.contextmanager
-def profiling(space: int, out_dir: str):
+def profiling(space: int, out_dir: str, *, blocks: bool = False):
     """Within: every prefill kernel traced here records Mosaic GPU's on-device profile,
     ``space`` ranges a warpgroup (each range four 32-bit SMEM entries, added to the
     kernel's SMEM), JAX writing a Perfetto trace per call into ``out_dir``. The ranges
     are the kernel's named scopes: a compute warpgroup's ``item`` (one (tile, head,
     batch) item) and in it ``wait_q``, ``wait_k``, ``fold``, ``skip`` and
-    ``epilogue``; the producer's ``produce`` (an item's loads). A diagnostic
-    (benchmarks/mosaic_profile.py); trace afresh inside (jit caches the kernels traced
-    before). The named scopes record nothing outside."""
+    ``epilogue``; the producer's ``produce`` (an item's loads). With ``blocks``, each
+    key block's too (:data:`BLOCK_SCOPES`; four more ranges a block, and their clock
+    reads sit between the block's instructions: the timeline of a perturbed kernel).
+    A diagnostic (benchmarks/mosaic_profile.py); trace afresh inside (jit caches the
+    kernels traced before). The named scopes record nothing outside."""
     if not space or not out_dir:
         raise ValueError(f"profiling needs space > 0 and out_dir, got {space!r}, {out_dir!r}")
-    global _PROFILE
-    old, _PROFILE = _PROFILE, {"profile_space": int(space), "profile_dir": out_dir}
+    global _PROFILE, _PROFILE_BLOCKS
+    old = _PROFILE, _PROFILE_BLOCKS
+    _PROFILE = {"profile_space": int(space), "profile_dir": out_dir}
+    _PROFILE_BLOCKS = bool(blocks)
     try:
         yield
     finally:
-        _PROFILE = old
+        _PROFILE, _PROFILE_BLOCKS = old
+
+
+#: A key block's ranges under ``profiling(blocks=True)`` (:meth:`_Forward.block_step`):
+#: S = Q K^T issued and awaited (``s``), the online softmax (``softmax``), V's load and
+#: the warpgroup's turn awaited (``wait_pv``), P V issued with the next K awaited
+#: (``pv``).
+BLOCK_SCOPES = ("s", "softmax", "wait_pv", "pv")
+
+
+def block_scope(name: str):
+    """``jax.named_scope(name)`` under ``profiling(blocks=True)``, else no scope."""
+    return jax.named_scope(name) if _PROFILE_BLOCKS else contextlib.nullcontext()
 
 
 def launch(body, *, pdl: str, interpret, **kwargs):
@@ -1794,7 +1811,7 @@ class _Forward:
         acc, m, l = carry
         _, _, v_s, _, ones_s, _, keep_s, *_ = it.smem
         k_bar, v_bar, _, _, _, _, sched, *_ = it.bars
-        bm, d = self.bm, self.d
+        bm = self.bm
         next_slot = None if slot is None else (slot + 1) % self.stages
         if slot is None:
             slot = self.slot_of(it, t)
@@ -1804,11 +1821,13 @@ class _Forward:
                if self.inline_loads else None)
         self.wait_keep(it, t, slot)
         # merge_arrive: the SPLIT's first block's arrival made before the last merge
-        s = self.scores(it, slot, arrive=(True if it.arrived is None
-                                          else jnp.logical_not(it.arrived & (t == it.lo))))
+        with block_scope("s"):
+            s = self.scores(it, slot, arrive=(True if it.arrived is None else
+                                              jnp.logical_not(it.arrived & (t == it.lo))))
         self.release(it, n_steps, nxt, slot, "k")
         keep = keep_s.at[slot] if self.key_mask else None
-        p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
+        with block_scope("softmax"):
+            p, alpha, m, l_new = self.softmax_at(it, t, s, m, l, masked, keep)
         # late_rowsum: l_new is the fp32 probabilities, summed once P V is issued
         p32, l_new = (l_new, l) if self.cfg.late_rowsum else (None, l_new)
         if self.gpu_operands:  # P as the P V wgmma's A operand: registers, or SMEM
@@ -1830,11 +1849,12 @@ class _Forward:
             acc, m, l, p_op = lax.optimization_barrier((acc, m, l, p_op))
         if self.pingpong and not self.ring:
             plgpu.barrier_arrive(sched.at[0])  # softmax done: the other may go on
-        plgpu.barrier_wait(v_bar.at[slot])
-        if self.ring:  # this warpgroup's turn: P V now, then the next block's S
-            self.turn_wait(it)
-        elif self.pingpong:
-            plgpu.barrier_wait(sched.at[0])  # the other's products are issued
+        with block_scope("wait_pv"):
+            plgpu.barrier_wait(v_bar.at[slot])
+            if self.ring:  # this warpgroup's turn: P V now, then the next block's S
+                self.turn_wait(it)
+            elif self.pingpong:
+                plgpu.barrier_wait(sched.at[0])  # the other's products are issued
         v_parts = self.kv_slot(v_s, slot)
         if self.page_size is not None:
             self.zero_tail(it, t, v_parts)
@@ -1853,6 +1873,17 @@ class _Forward:
                 plgpu.barrier_wait(k_bar.at[self.slot_of(it, t + 1) if next_slot is None
                                             else next_slot])
 
+        with block_scope("pv"):
+            acc, l = self.pv_step(acc, l, alpha, p32, pv_parts, next_k)
+        self.release(it, n_steps, nxt, slot, "v")
+        return acc, m, l
+
+    def pv_step(self, acc, l, alpha, p32, pv_parts, next_k):
+        """:meth:`block_step`'s P V: ``pv_parts(acc_ref)`` into the accumulator in
+        place or into a fresh one added after, ``next_k()`` while it runs, and (with
+        ``late_rowsum``: ``p32``, the fp32 probabilities) the row sum after its
+        issue; ``(acc, l)``."""
+        bm, d = self.bm, self.d
         if self.inplace and p32 is not None:
             def pv_late(refs):
                 acc_ref, l_ref = refs
@@ -1860,25 +1891,22 @@ class _Forward:
                 l_ref[...] = _row_sum_update(l, alpha, p32)  # after P V's issue
                 next_k()
 
-            acc, l = pl.run_state(pv_late)((plgpu.ACC.init(acc), l))
-        elif self.inplace:
+            return pl.run_state(pv_late)((plgpu.ACC.init(acc), l))
+        if self.inplace:
             def pv_into(acc_ref):
                 pv_parts(acc_ref)
                 next_k()
 
-            acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
-        else:
-            def pv(acc_ref):
-                pv_parts(acc_ref)
-                l_out = None if p32 is None else _row_sum_update(l, alpha, p32)
-                next_k()
-                return acc_ref[...], l_out
+            return pl.run_state(pv_into)(plgpu.ACC.init(acc)), l
 
-            pv_acc, l_out = pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
-            acc = acc + pv_acc
-            l = l if l_out is None else l_out
-        self.release(it, n_steps, nxt, slot, "v")
-        return acc, m, l
+        def pv(acc_ref):
+            pv_parts(acc_ref)
+            l_out = None if p32 is None else _row_sum_update(l, alpha, p32)
+            next_k()
+            return acc_ref[...], l_out
+
+        pv_acc, l_out = pl.run_scoped(pv, plgpu.ACC((bm, d), jnp.float32))
+        return acc + pv_acc, l if l_out is None else l_out
 
     def scores(self, it: _Item, slot, issued=None, arrive=True):
         """S = Q K^T of the K ring's ``slot`` on wgmma (fp32 ``[bm, bn]``); with
