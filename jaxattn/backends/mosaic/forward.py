@@ -1874,11 +1874,11 @@ class _Forward:
                                             else next_slot])
 
         with block_scope("pv"):
-            acc, l = self.pv_step(acc, l, alpha, p32, pv_parts, next_k)
+            acc, l = self.pv_product(acc, l, alpha, p32, pv_parts, next_k)
         self.release(it, n_steps, nxt, slot, "v")
         return acc, m, l
 
-    def pv_step(self, acc, l, alpha, p32, pv_parts, next_k):
+    def pv_product(self, acc, l, alpha, p32, pv_parts, next_k):
         """:meth:`block_step`'s P V: ``pv_parts(acc_ref)`` into the accumulator in
         place or into a fresh one added after, ``next_k()`` while it runs, and (with
         ``late_rowsum``: ``p32``, the fp32 probabilities) the row sum after its
