@@ -247,14 +247,15 @@ def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
     block (it releases the blocks and passes its turns) and the real rows keep their
     bits, out and lse, no NaN, no deadlock: three warpgroups causal at 200 rows (the
     second 192-row tile's last two warpgroups are padding; three CTAs on the
-    persistent grid, the ring running on across items) and two non-causal at 192
-    rows (the second 128-row tile's second warpgroup). The kernel changes only where
+    persistent grid, the ring running on across items) and two at 192 rows, causal
+    and not (the second 128-row tile's second warpgroup, whose ping-pong partner has
+    every block). The kernel changes only where
     a warpgroup's rows can all be padding (lowered for CUDA: 384 rows, none)."""
     from benchmarks import lowered
     cfg = mosaic_fwd.MosaicConfig
     seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
     for s, causal, kw in ((200, True, {"compute_wgs": 3, "persistent": 3}),
-                          (192, False, {"compute_wgs": 2})):
+                          (192, False, {"compute_wgs": 2}), (192, True, {"compute_wgs": 2})):
         qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
         base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
                                           config=cfg(skip_padding_rows=on, **kw))

@@ -353,7 +353,9 @@ class MosaicConfig:
     #: A plain prefill's tiles padded past the last query: a compute warpgroup whose
     #: rows are all padding visits no key block (it releases the CTA's blocks, passes
     #: its turns and stores (0, -inf), which the call drops) instead of computing rows
-    #: nobody reads. Each row's operations are unchanged: a launch choice.
+    #: nobody reads. Each row's operations are unchanged: a launch choice. Not with
+    #: ``merge_arrive`` (the D=256 ``gmem_state`` kernel), whose arrivals assume
+    #: every warpgroup has blocks.
     skip_padding_rows: bool = False
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
@@ -1348,6 +1350,9 @@ class _Forward:
         #: gmem_state)
         self.merge_arrive = self.pingpong and not self.ring and (
             self.gmem_state if cfg.merge_arrive is None else cfg.merge_arrive)
+        if self.merge_arrive:  # (its arrivals pair the warpgroups' SPLIT merges, built
+            # for every warpgroup having blocks: skip_padding_rows is not taken there)
+            self.live_rows = None
         #: MosaicConfig.last_merge_arrive with merge_arrive and gmem_state (None: for a
         #: non-causal forward)
         self.last_merge_arrive = self.merge_arrive and self.gmem_state and (
