@@ -82,17 +82,24 @@ def main(argv):
                    "space": space, "blocks": FLAGS.blocks}
             tmp = tempfile.mkdtemp()
             try:
+                # The trace's file is named once, when the kernel is lowered, so an
+                # executable writes only its first call's: the same kernel without
+                # the profiler runs twice first (the GPU and its caches warm).
+                # (a function each: jit's caches key on it, not on the profiler)
+                def call(kw=kw):
+                    return functools.partial(mf.forward, causal=FLAGS.causal,
+                                             config=mf.MosaicConfig(**kw))
+
+                warm = jax.jit(call())
+                for _ in range(2):
+                    jax.block_until_ready(warm(q, k, v))
                 with mf.profiling(space, tmp, blocks=FLAGS.blocks):
-                    f = jax.jit(functools.partial(mf.forward, causal=FLAGS.causal,
-                                                  config=mf.MosaicConfig(**kw)))
-                    for _ in range(3):  # the last call's trace: a warm GPU
-                        jax.block_until_ready(f(q, k, v))
+                    jax.block_until_ready(jax.jit(call())(q, k, v))
                 jax.effects_barrier()
-                files = sorted(glob.glob(os.path.join(tmp, "*-trace.json")),
-                               key=os.path.getmtime)
-                if not files:
-                    raise RuntimeError("the profiler wrote no trace")
-                with open(files[-1]) as fh:
+                files = glob.glob(os.path.join(tmp, "*-trace.json"))
+                if len(files) != 1:
+                    raise RuntimeError(f"the profiler wrote {len(files)} traces, not one")
+                with open(files[0]) as fh:
                     trace = json.load(fh)
                 row.update(report.profile_summary(trace, key_blocks=None if FLAGS.causal
                                      else -(-s // schedule.BLOCK_N)))
