@@ -11,8 +11,8 @@ the ping-pong's closing rendezvous) and ``epilogue`` (the output's and lse's sto
 the producer ``produce`` (an item's K/V loads, each once its slot is free); with
 ``--blocks`` each key block's ``s``, ``softmax``, ``wait_pv`` and ``pv``
 (``forward.BLOCK_SCOPES``: their medians, and a warpgroup's period from one block's
-``s`` to the next's). Times are
-the SM's clock (cycles), so they compare within a CTA, not across CTAs. Per shape and
+``s`` to the next's). Times are the SM's clock (cycles), so they compare within a
+CTA, not across CTAs. Per shape and
 configuration the summary gives each range's median cycles over the items after a
 CTA's first (the first apart), ``other`` (the item's cycles outside its named ranges),
 ``gap`` (from one item's end to the next one's start), the fold's cycles per key
@@ -47,6 +47,7 @@ flags.DEFINE_bool("blocks", False, "Each key block's ranges too (s, softmax, wai
                   "pv: forward.BLOCK_SCOPES; about five ranges a block of SMEM a "
                   "warpgroup: small batches).")
 flags.DEFINE_string("out_dir", None, "Write profile.json and the traces here.")
+
 
 def main(argv):
     del argv
@@ -101,10 +102,11 @@ def main(argv):
                     raise RuntimeError(f"the profiler wrote {len(files)} traces, not one")
                 with open(files[0]) as fh:
                     trace = json.load(fh)
-                row.update(report.profile_summary(trace, key_blocks=None if FLAGS.causal
-                                     else -(-s // schedule.BLOCK_N)))
+                row.update(report.profile_summary(
+                    trace, key_blocks=None if FLAGS.causal else -(-s // schedule.BLOCK_N),
+                    block_ranges=mf.BLOCK_SCOPES))
                 dst = os.path.join(out_dir, f"trace-{name}-{b}x{s}.json.gz")
-                with open(files[-1], "rb") as src, gzip.open(dst, "wb") as g:
+                with open(files[0], "rb") as src, gzip.open(dst, "wb") as g:
                     shutil.copyfileobj(src, g)
             except Exception as e:  # reported in the row
                 row["error"] = f"{type(e).__name__}: {e}"[:400]

@@ -186,8 +186,6 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 #: A compute warpgroup's ranges in a Mosaic prefill's profile, as ``forward``'s named
 #: scopes call them (``benchmarks/mosaic_profile.py``).
 ITEM_RANGES = ("wait_q", "wait_k", "fold", "skip", "epilogue")
-#: A key block's ranges under ``profiling(blocks=True)`` (``forward.BLOCK_SCOPES``).
-BLOCK_RANGES = ("s", "softmax", "wait_pv", "pv")
 
 
 def profile_ranges(events: list[dict]) -> dict[int, list[tuple[str, float, float]]]:
@@ -236,16 +234,18 @@ def _deciles(vals: list) -> list[float]:
     return [q[0], q[-1]]
 
 
-def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
+def profile_summary(trace: dict, *, key_blocks: int | None,
+                    block_ranges: tuple[str, ...] = ()) -> dict:
     """Per role (``compute``: the warpgroups with items; ``producer``: with
     ``produce``) the medians of each range over the items after each CTA's first and
     over the first items; the fold per key block (``key_blocks`` a (non-causal) item);
     the CTAs' spans and items; where the trace has a key block's ranges
-    (:data:`BLOCK_RANGES`), each one's median and ``block_period``, the median from
-    one block's ``s`` to the next one's in the same item."""
+    (``block_ranges``, ``forward.BLOCK_SCOPES``, the first its start), each one's
+    median and ``block_period``, the median from one block's first range to the next
+    one's in the same item."""
     per_tid = profile_ranges(trace["traceEvents"])
     compute, first, produce, spans, counts = [], [], [], [], []
-    blocks = {n: [] for n in BLOCK_RANGES}
+    blocks = {n: [] for n in block_ranges}
     periods = []
     for rs in per_tid.values():
         items = profile_items(rs)
@@ -259,8 +259,8 @@ def profile_summary(trace: dict, *, key_blocks: int | None) -> dict:
             if n in blocks:
                 blocks[n].append(b - a)
         for item in items:
-            starts = [a for n, a, _ in rs
-                      if n == "s" and item["start"] <= a <= item["end"]]
+            starts = [a for n, a, _ in rs if block_ranges and n == block_ranges[0]
+                      and item["start"] <= a <= item["end"]]
             periods.extend(y - x for x, y in zip(starts, starts[1:], strict=False))
 
     def med(rows, key):

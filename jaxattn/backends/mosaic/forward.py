@@ -1146,10 +1146,6 @@ class _Forward:
         bn = self.bn = schedule.BLOCK_N
         #: the rows of Q and O (``sq_rows``: fewer than the tiles' ``sq``)
         self.sq_rows = sq if sq_rows is None else sq_rows
-        #: the tiles' rows from here on are padding (MosaicConfig.skip_padding_rows;
-        #: None: none skipped)
-        self.live_rows = (live_rows if cfg.skip_padding_rows and live_rows is not None
-                          and live_rows < sq and position is None else None)
         if per_cta != 1 and (not split_out or carry_in or raw_out or per_cta < 1):
             raise ValueError(f"per_cta (SPLITs a CTA) > 1 is for split_out states without "
                              f"carry_in or raw_out, got {per_cta}")
@@ -1350,9 +1346,12 @@ class _Forward:
         #: gmem_state)
         self.merge_arrive = self.pingpong and not self.ring and (
             self.gmem_state if cfg.merge_arrive is None else cfg.merge_arrive)
-        if self.merge_arrive:  # (its arrivals pair the warpgroups' SPLIT merges, built
-            # for every warpgroup having blocks: skip_padding_rows is not taken there)
-            self.live_rows = None
+        #: the tiles' rows from here on are padding (MosaicConfig.skip_padding_rows;
+        #: None: none skipped). Not with merge_arrive, whose arrivals pair the
+        #: warpgroups' SPLIT merges, built for every warpgroup having blocks.
+        self.live_rows = (live_rows if cfg.skip_padding_rows and live_rows is not None
+                          and live_rows < sq and position is None
+                          and not self.merge_arrive else None)
         #: MosaicConfig.last_merge_arrive with merge_arrive and gmem_state (None: for a
         #: non-causal forward)
         self.last_merge_arrive = self.merge_arrive and self.gmem_state and (
