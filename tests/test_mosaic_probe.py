@@ -1984,6 +1984,31 @@ def test_three_warpgroups_causal_follow_the_work_model(mosaic_fwd):
 
 
 @needs_api
+def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
+    """With ``skip_padding_rows`` the work model counts a warpgroup of padding rows as
+    free: the last 192-row tile of 1024 causal queries (lead 0) holds 64 live rows of
+    192, so its one live warpgroup's blocks are all it costs, and three warpgroups'
+    work over two falls from 1.25 to 1.06 (under ``C3_CAUSAL_GAIN``: three are
+    chosen at every point of the B * S = 32k series). ``live_warpgroups`` follows the
+    tiles' launch order."""
+    live = mosaic_fwd.live_warpgroups(6, 192, 64, 1024, q_order="ascending")
+    assert live.tolist() == [3, 3, 3, 3, 3, 1]
+    assert mosaic_fwd.live_warpgroups(6, 192, 64, 1024 + 63, q_order="descending"
+                                      ).tolist() == [2, 3, 3, 3, 3, 3]
+    assert mosaic_fwd.live_warpgroups(2, 128, 64, 256, q_order="ascending").tolist() == [2, 2]
+    for skip, chosen in ((False, {1024: 2, 2048: 2, 2560: 2, 3072: 3}),
+                         (True, {1024: 3, 2048: 3, 2560: 3, 3072: 3})):
+        cfg = mosaic_fwd.MosaicConfig(skip_padding_rows=skip)
+        assert {s: mosaic_fwd.auto_compute_wgs(
+            cfg, 64, s, gpu=True, states=False, hq=32, causal=True, b=32768 // s, sq=s)
+            for s in chosen} == chosen
+    blocks = np.arange(24, 0, -1)
+    assert mosaic_fwd.persistent_span(blocks, 1, 1, overhead=0) == blocks.sum()
+    assert mosaic_fwd.persistent_span(blocks, 1, 1) == (
+        blocks.sum() + 24 * mosaic_fwd.ITEM_OVERHEAD_BLOCKS)
+
+
+@needs_api
 def test_config_rejects_bad_values(mosaic_fwd):
     for kw in ({"compute_wgs": 4}, {"accumulate": "fma"}, {"rowsum": "tree"},
                {"registers": (232, 44)}, {"registers": (240, 40)},

@@ -3106,7 +3106,10 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     rows) on three is under :data:`C3_CAUSAL_GAIN` times that on two. A 192-row tile
     pads the queries to a multiple of 192 and walks three diagonal blocks where a
     128-row tile walks two, and the items deal onto the CTAs differently: the work of
-    three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024)."""
+    three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024).
+    With ``cfg.skip_padding_rows`` a warpgroup whose rows are all padding costs
+    nothing: a tile's blocks count for its live warpgroups' share (the item's overhead
+    in full), and every point of that series is under 1.07 (this machine's model)."""
     sq = skv if sq is None else sq
     offset = skv - sq if offset is None else offset
     n_cta = cfg.persistent or sm_count()
@@ -3115,10 +3118,29 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     for nwg in (2, 3):
         rows = cfg.block_m * nwg
         lead, sq_pad, _ = padding(sq, skv, True, rows, offset)
-        blocks = prefill_tile_blocks(sq_pad // rows, rows, offset - lead, total,
+        n_tiles = sq_pad // rows
+        blocks = prefill_tile_blocks(n_tiles, rows, offset - lead, total,
                                      causal=True, q_order=cfg.q_order)
-        work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
+        if cfg.skip_padding_rows:  # in warpgroup-blocks: the overhead nwg times
+            live = live_warpgroups(n_tiles, rows, cfg.block_m, lead + sq,
+                                   q_order=cfg.q_order)
+            span = persistent_span(np.repeat(blocks * live, hq), b, n_cta,
+                                   overhead=ITEM_OVERHEAD_BLOCKS * nwg)
+            work[nwg] = span * cfg.block_m
+        else:
+            work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
     return work[3] < C3_CAUSAL_GAIN * work[2]
+
+
+def live_warpgroups(n_tiles: int, rows: int, block_m: int, live_rows: int, *,
+                    q_order: str) -> np.ndarray:
+    """Each of ``n_tiles`` query tiles' (``rows`` rows, in launch order as
+    :func:`prefill_tile_blocks`) compute warpgroups of ``block_m`` rows holding any of
+    the first ``live_rows`` rows: the ones ``MosaicConfig.skip_padding_rows`` runs."""
+    tiles = np.arange(n_tiles, dtype=np.int64)
+    if q_order == "descending":
+        tiles = tiles[::-1]
+    return np.clip(-(-(live_rows - tiles * rows) // block_m), 0, rows // block_m)
 
 
 def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bool:
@@ -3197,10 +3219,11 @@ def prefill_tile_blocks(n_tiles: int, rows: int, offset: int, total: int, *,
     return np.minimum(np.maximum(tiles * rows + (rows - 1) + offset + bn, 0) // bn, total)
 
 
-def _greedy(blocks_per_tile_head, batch: int, n_cta: int):
+def _greedy(blocks_per_tile_head, batch: int, n_cta: int,
+            overhead: int = ITEM_OVERHEAD_BLOCKS):
     """:func:`persistent_schedule`'s deal: ``(per_cta, ends)``, each CTA's items in
-    order and the time (key blocks plus overheads) its last one ends."""
-    cost = np.tile(np.asarray(blocks_per_tile_head, np.int64), batch) + ITEM_OVERHEAD_BLOCKS
+    order and the time (key blocks plus ``overhead`` an item) its last one ends."""
+    cost = np.tile(np.asarray(blocks_per_tile_head, np.int64), batch) + overhead
     heap = [(0, c) for c in range(n_cta)]  # (busy until, cta): already a heap
     per_cta = [[] for _ in range(n_cta)]
     for t, w in enumerate(cost):
@@ -3213,11 +3236,12 @@ def _greedy(blocks_per_tile_head, batch: int, n_cta: int):
     return per_cta, ends
 
 
-def persistent_span(blocks_per_tile_head, batch: int, n_cta: int) -> int:
-    """The persistent grid's estimated length: the key blocks (plus
-    :data:`ITEM_OVERHEAD_BLOCKS` an item) of the CTA whose items end last in
+def persistent_span(blocks_per_tile_head, batch: int, n_cta: int, *,
+                    overhead: int = ITEM_OVERHEAD_BLOCKS) -> int:
+    """The persistent grid's estimated length: the key blocks (plus ``overhead``,
+    :data:`ITEM_OVERHEAD_BLOCKS`, an item) of the CTA whose items end last in
     :func:`persistent_schedule`'s table."""
-    return int(_greedy(blocks_per_tile_head, batch, n_cta)[1].max(initial=0))
+    return int(_greedy(blocks_per_tile_head, batch, n_cta, overhead)[1].max(initial=0))
 
 
 def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
