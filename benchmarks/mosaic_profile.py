@@ -85,17 +85,14 @@ def main(argv):
             try:
                 # The trace's file is named once, when the kernel is lowered, so an
                 # executable writes only its first call's: the same kernel without
-                # the profiler runs twice first (the GPU and its caches warm).
-                # (a function each: jit's caches key on it, not on the profiler)
-                def call(kw=kw):
-                    return functools.partial(mf.forward, causal=FLAGS.causal,
-                                             config=mf.MosaicConfig(**kw))
-
-                warm = jax.jit(call())
+                # the profiler runs twice first (the GPU and its caches warm), then
+                # once traced afresh within the profiler (which clears jit's caches).
+                call = jax.jit(functools.partial(mf.forward, causal=FLAGS.causal,
+                                                 config=mf.MosaicConfig(**kw)))
                 for _ in range(2):
-                    jax.block_until_ready(warm(q, k, v))
+                    jax.block_until_ready(call(q, k, v))
                 with mf.profiling(space, tmp, blocks=FLAGS.blocks):
-                    jax.block_until_ready(jax.jit(call())(q, k, v))
+                    jax.block_until_ready(call(q, k, v))
                 jax.effects_barrier()
                 files = glob.glob(os.path.join(tmp, "*-trace.json"))
                 if len(files) != 1:

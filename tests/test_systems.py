@@ -3,6 +3,8 @@ result). The peers themselves run in the GPU benchmarks."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -168,6 +170,19 @@ def test_mosaic_profile_lowers_into_the_prefill():
         (blocks,) = lowered.modules(lower)
     assert blocks.count("%clock") > prof.count("%clock")  # (the block's four ranges)
     assert mf._PROFILE_BLOCKS is False
+
+    def lower_jitted():  # the public, jitted forward: traced before, within and after
+        try:
+            jax.jit(functools.partial(mf.forward, causal=False)).trace(q, k, k).lower(
+                lowering_platforms=("cuda",))
+        except ValueError:
+            pass
+
+    (before,) = lowered.modules(lower_jitted)
+    with mf.profiling(64, "/tmp/unused"):
+        (within,) = lowered.modules(lower_jitted)
+    (after,) = lowered.modules(lower_jitted)
+    assert "%clock" not in before and "%clock" in within and "%clock" not in after
     with pytest.raises(ValueError, match="space > 0"):
         with mf.profiling(0, "/tmp/unused"):
             pass

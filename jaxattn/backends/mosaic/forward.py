@@ -628,18 +628,22 @@ def profiling(space: int, out_dir: str, *, blocks: bool = False):
     ``epilogue``; the producer's ``produce`` (an item's loads). With ``blocks``, each
     key block's too (:data:`BLOCK_SCOPES`; four more ranges a block, and their clock
     reads sit between the block's instructions: the timeline of a perturbed kernel).
-    A diagnostic (benchmarks/mosaic_profile.py); trace afresh inside (jit caches the
-    kernels traced before). The named scopes record nothing outside."""
+    A diagnostic (benchmarks/mosaic_profile.py). JAX's caches are cleared on entry
+    and on exit (:func:`jax.clear_caches`): :func:`forward` is jitted, and a kernel
+    traced before the context would otherwise run inside it unprofiled, and a profiled
+    one outside it. The named scopes record nothing outside."""
     if not space or not out_dir:
         raise ValueError(f"profiling needs space > 0 and out_dir, got {space!r}, {out_dir!r}")
     global _PROFILE, _PROFILE_BLOCKS
     old = _PROFILE, _PROFILE_BLOCKS
     _PROFILE = {"profile_space": int(space), "profile_dir": out_dir}
     _PROFILE_BLOCKS = bool(blocks)
+    jax.clear_caches()
     try:
         yield
     finally:
         _PROFILE, _PROFILE_BLOCKS = old
+        jax.clear_caches()
 
 
 #: A key block's ranges under ``profiling(blocks=True)`` (:meth:`_Forward.block_step`):
