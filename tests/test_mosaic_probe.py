@@ -1678,7 +1678,7 @@ def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
     """``static_slots=None`` lowers as ``static_slots=True`` for a D=64 prefill on the
     GPU (the H100 measured it 1.02 to 1.06x there, 2026-12-06), but as ``False`` for
     a causal one of three warpgroups on the persistent grid (3072 keys, 32 heads:
-    ``auto_static_slots``; 2048 keys keep two warpgroups) and at D=128 (0.89 to
+    ``auto_static_slots``; 1024 keys keep two warpgroups) and at D=128 (0.89 to
     0.91x), and the option changes the D=64 module. (Equal bits:
     test_static_slots_keep_bits_on_gpu, test_three_warpgroups_keep_bits_on_gpu.)"""
     cfg = mosaic_fwd.MosaicConfig
@@ -1686,9 +1686,9 @@ def test_static_slots_default_is_on_at_d64_only(mosaic_fwd):
     def module(d, c, s=3072):  # (32 heads: three warpgroups at 3072 keys causal)
         return _prefill_lowered(mosaic_modules, mosaic_fwd, s, d, config=c, hq=32, hkv=8)
 
-    d64 = module(64, cfg(), 2048)
-    assert d64 == module(64, cfg(static_slots=True), 2048)
-    assert d64 != module(64, cfg(static_slots=False), 2048)
+    d64 = module(64, cfg(), 1024)
+    assert d64 == module(64, cfg(static_slots=True), 1024)
+    assert d64 != module(64, cfg(static_slots=False), 1024)
     assert module(64, cfg()) == module(64, cfg(static_slots=False))
     assert module(128, cfg()) == module(128, cfg(static_slots=False))
 
@@ -1729,7 +1729,7 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
     ``registers``' 232 and 40. The default (``compute_wgs=None``) takes three for a
     D=64 prefill whose tiles pass the persistent grid's 64 key blocks (4160 keys), for
     a non-causal one on the persistent grid (4096 keys) and a causal one there where
-    ``c3_causal_pays`` (3072 keys, 32 heads), two for a causal one of 2048 keys, at
+    ``c3_causal_pays`` (3072 keys, 32 heads), two for a causal one of 1024 keys, at
     D=128, and where two are asked.
     (Equal bits: the interpreter's test here, and
     test_three_warpgroups_keep_bits_on_gpu.) Those causal items of three warpgroups
@@ -1746,11 +1746,11 @@ def test_three_warpgroups_lower_for_cuda(mosaic_fwd):
                                         persistent=True) is False
     assert auto(None, nwg=2, causal=True, persistent=True, gpu=False) is False
     cases = ((64, 4160, cfg(), True, 512), (64, 3072, cfg(), True, 512),
-             (64, 2048, cfg(), True, 384),
+             (64, 1024, cfg(), True, 384),
              (64, 4096, cfg(), False, 512), (64, 4096, cfg(compute_wgs=3), True, 512),
              (128, 4160, cfg(), True, 384), (128, 4096, cfg(), False, 384),
              (64, 4160, cfg(compute_wgs=2), True, 384))
-    for d, s, c, causal, threads in cases:  # (32 heads: c3_causal_pays at 3072, not 2048)
+    for d, s, c, causal, threads in cases:  # (32 heads: c3_causal_pays at 3072, not 1024)
         q, k = S((1, 32, s, d), jnp.bfloat16), S((1, 8, s, d), jnp.bfloat16)
         texts = lowered.modules(lambda q=q, k=k, c=c, causal=causal:
                                 mosaic_fwd.lower_for_cuda(q, k, k, causal=causal, config=c))
@@ -1961,8 +1961,10 @@ def test_three_warpgroups_causal_follow_the_work_model(mosaic_fwd):
     1536 1.08x, 2048 0.99 to 1.02x, 2560 0.95x, 3072 1.09 to 1.14x, 4096 1.02 to
     1.10x), which no key count gives; ``persistent_span`` is the greedy table's most
     loaded CTA. Non-causal calls, one CTA a tile, D=128, interpret mode and states
-    keep their rules."""
-    auto = functools.partial(mosaic_fwd.auto_compute_wgs, mosaic_fwd.MosaicConfig(), 64,
+    keep their rules. (Every warpgroup counted: ``skip_padding_rows=False``; with the
+    skip, ``test_work_model_counts_padded_warpgroups_free``.)"""
+    auto = functools.partial(mosaic_fwd.auto_compute_wgs,
+                             mosaic_fwd.MosaicConfig(skip_padding_rows=False), 64,
                              gpu=True, states=False, hq=32)
     chosen = {s: auto(s, causal=True, b=32768 // s, sq=s)
               for s in (1024, 1536, 2048, 2560, 3072, 4096)}
@@ -2006,6 +2008,11 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
     assert mosaic_fwd.persistent_span(blocks, 1, 1, overhead=0) == blocks.sum()
     assert mosaic_fwd.persistent_span(blocks, 1, 1) == (
         blocks.sum() + 24 * mosaic_fwd.ITEM_OVERHEAD_BLOCKS)
+    # the kernel's table is dealt with the same costs: with a large overhead every
+    # CTA gets items in turn, with none the short items fill in behind the long ones
+    blocks = np.array([10] + [1] * 9)
+    assert mosaic_fwd.persistent_schedule(blocks, 1, 2, overhead=1000)[:, 0].tolist() == [5, 5]
+    assert mosaic_fwd.persistent_schedule(blocks, 1, 2, overhead=0)[:, 0].tolist() == [1, 9]
 
 
 @needs_api

@@ -355,8 +355,11 @@ class MosaicConfig:
     #: its turns and stores (0, -inf), which the call drops) instead of computing rows
     #: nobody reads. Each row's operations are unchanged: a launch choice. Not with
     #: ``merge_arrive`` (the D=256 ``gmem_state`` kernel), whose arrivals assume
-    #: every warpgroup has blocks.
-    skip_padding_rows: bool = False
+    #: every warpgroup has blocks. On by default since 2026-12-07 (H100: 1.05 to 1.11x
+    #: non-causal D=64 at S=512 to 2560, notes "twenty-ninth stop"); the persistent
+    #: grid's table and the work model (:func:`c3_causal_pays`) then count a tile's
+    #: blocks for its live warpgroups only.
+    skip_padding_rows: bool = True
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
     #: key order (as the Pallas backend's split-KV decode), so a long cache is read by
@@ -2643,8 +2646,19 @@ class _Forward:
         # Constants of the program (numpy arrays).
         ones = ((np.ones((self.bn, self.ones_cols), self.dtype),) if self.use_mma_rowsum
                 else ())
-        table = ((persistent_schedule(np.repeat(self.tile_blocks, hq), b, cfg.persistent),)
-                 if self.greedy else ())
+        if self.greedy and self.live_rows is not None:
+            # (a warpgroup of padding rows visits no block: the deal counts a tile's
+            # blocks for its live warpgroups, in warpgroup-blocks, as the work model)
+            live = live_warpgroups(self.n_tiles, self.rows_cta, self.bm, self.live_rows,
+                                   q_order=cfg.q_order)
+            table = (persistent_schedule(np.repeat(self.tile_blocks * live, hq), b,
+                                         cfg.persistent,
+                                         overhead=ITEM_OVERHEAD_BLOCKS * self.nwg),)
+        elif self.greedy:
+            table = (persistent_schedule(np.repeat(self.tile_blocks, hq), b,
+                                         cfg.persistent),)
+        else:
+            table = ()
 
         def bound(q, k, v, *extra):
             res = call(q, k, v, *ones, *extra, *table)
@@ -3248,14 +3262,15 @@ def persistent_span(blocks_per_tile_head, batch: int, n_cta: int, *,
     return int(_greedy(blocks_per_tile_head, batch, n_cta, overhead)[1].max(initial=0))
 
 
-def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
+def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int, *,
+                        overhead: int = ITEM_OVERHEAD_BLOCKS) -> np.ndarray:
     """The persistent grid's table, int32 ``[n_cta, 1 + most]``: row c is
     ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
     runs them. Items ``t`` are numbered as a plain grid launches them (here: the
     ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
     the batch) and each goes to the CTA whose items so far end first (ties: the lowest
-    CTA), costing its key blocks plus :data:`ITEM_OVERHEAD_BLOCKS`."""
-    per_cta, _ = _greedy(blocks_per_tile_head, batch, n_cta)
+    CTA), costing its key blocks plus ``overhead`` (:data:`ITEM_OVERHEAD_BLOCKS`)."""
+    per_cta, _ = _greedy(blocks_per_tile_head, batch, n_cta, overhead)
     most = max(len(x) for x in per_cta)
     table = np.full((n_cta, 1 + most), -1, np.int32)
     for c, items in enumerate(per_cta):
