@@ -2646,19 +2646,10 @@ class _Forward:
         # Constants of the program (numpy arrays).
         ones = ((np.ones((self.bn, self.ones_cols), self.dtype),) if self.use_mma_rowsum
                 else ())
-        if self.greedy and self.live_rows is not None:
-            # (a warpgroup of padding rows visits no block: the deal counts a tile's
-            # blocks for its live warpgroups, in warpgroup-blocks, as the work model)
-            live = live_warpgroups(self.n_tiles, self.rows_cta, self.bm, self.live_rows,
-                                   q_order=cfg.q_order)
-            table = (persistent_schedule(np.repeat(self.tile_blocks * live, hq), b,
-                                         cfg.persistent,
-                                         overhead=ITEM_OVERHEAD_BLOCKS * self.nwg),)
-        elif self.greedy:
-            table = (persistent_schedule(np.repeat(self.tile_blocks, hq), b,
-                                         cfg.persistent),)
-        else:
-            table = ()
+        # (every warpgroup's blocks counted, padded ones too: dealt by live warpgroups
+        # only, B=8 S=4096 causal D=64 ran 0.94x; notes "twenty-ninth stop")
+        table = ((persistent_schedule(np.repeat(self.tile_blocks, hq), b, cfg.persistent),)
+                 if self.greedy else ())
 
         def bound(q, k, v, *extra):
             res = call(q, k, v, *ones, *extra, *table)
@@ -3113,6 +3104,11 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
 #: blocks of the persistent grid's most loaded CTA), causal D=64 on dynamic slots:
 #: :func:`c3_causal_pays`' threshold (H100, 2026-12-07, notes "twenty-seventh stop").
 C3_CAUSAL_GAIN = 1.08
+#: The same with ``skip_padding_rows`` (padded warpgroups counted free): three won
+#: at ratios 1.016 to 1.097 and lost 2% at 1.028 (B=12 S=2560), B * S = 32k, S 512 to
+#: 4096 (H100, 2026-12-07, notes "twenty-ninth stop"): an ordering of measured
+#: points, not a law.
+C3_CAUSAL_GAIN_SKIP = 1.10
 
 
 def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
@@ -3125,9 +3121,10 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     pads the queries to a multiple of 192 and walks three diagonal blocks where a
     128-row tile walks two, and the items deal onto the CTAs differently: the work of
     three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024).
-    With ``cfg.skip_padding_rows`` a warpgroup whose rows are all padding costs
-    nothing: a tile's blocks count for its live warpgroups' share (the item's overhead
-    in full), and every point of that series is under 1.07 (this machine's model)."""
+    With ``cfg.skip_padding_rows`` (the default) a warpgroup whose rows are all
+    padding counts as free: a tile's blocks count for its live warpgroups' share (the
+    item's overhead in full), against :data:`C3_CAUSAL_GAIN_SKIP` (that series: 1.016
+    to 1.097, three at each point; B=1 two at 1024 keys and under, 1.16 and more)."""
     sq = skv if sq is None else sq
     offset = skv - sq if offset is None else offset
     n_cta = cfg.persistent or sm_count()
@@ -3147,7 +3144,8 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
             work[nwg] = span * cfg.block_m
         else:
             work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
-    return work[3] < C3_CAUSAL_GAIN * work[2]
+    gain = C3_CAUSAL_GAIN_SKIP if cfg.skip_padding_rows else C3_CAUSAL_GAIN
+    return work[3] < gain * work[2]
 
 
 def live_warpgroups(n_tiles: int, rows: int, block_m: int, live_rows: int, *,
@@ -3262,15 +3260,14 @@ def persistent_span(blocks_per_tile_head, batch: int, n_cta: int, *,
     return int(_greedy(blocks_per_tile_head, batch, n_cta, overhead)[1].max(initial=0))
 
 
-def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int, *,
-                        overhead: int = ITEM_OVERHEAD_BLOCKS) -> np.ndarray:
+def persistent_schedule(blocks_per_tile_head, batch: int, n_cta: int) -> np.ndarray:
     """The persistent grid's table, int32 ``[n_cta, 1 + most]``: row c is
     ``[count, item, item, ...]`` (padded with -1), the items of CTA c in the order it
     runs them. Items ``t`` are numbered as a plain grid launches them (here: the
     ``blocks_per_tile_head`` entries, one per (tile, head) with the head fastest, then
     the batch) and each goes to the CTA whose items so far end first (ties: the lowest
-    CTA), costing its key blocks plus ``overhead`` (:data:`ITEM_OVERHEAD_BLOCKS`)."""
-    per_cta, _ = _greedy(blocks_per_tile_head, batch, n_cta, overhead)
+    CTA), costing its key blocks plus :data:`ITEM_OVERHEAD_BLOCKS`."""
+    per_cta, _ = _greedy(blocks_per_tile_head, batch, n_cta)
     most = max(len(x) for x in per_cta)
     table = np.full((n_cta, 1 + most), -1, np.int32)
     for c, items in enumerate(per_cta):
