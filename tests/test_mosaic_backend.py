@@ -449,19 +449,20 @@ def test_skip_padding_rows_keep_bits_on_gpu():
     (the last 128-row tile's second), causal and not, three warpgroups on either
     grid and two, a causal chunk of 100 queries on 1100 keys (40 rows of lead), a key
     padding mask over NaN in the dropped keys' K and V, JAX's layout; D=128 at 960
-    rows causal and not. The first configuration computes the padding rows; the
-    others skip them (the default since 2026-12-07), with the persistent grid's table
-    dealt by live warpgroups."""
+    rows causal and not. The first configuration computes the padding rows, the
+    default skips them where not causal (``skip_padding_rows=None``), the others
+    always."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
-    skip = mf.MosaicConfig
+    skip = functools.partial(mf.MosaicConfig, skip_padding_rows=True)
     noskip = mf.MosaicConfig(skip_padding_rows=False)
     for d, configs, cases in (
-            (64, [noskip, skip(), skip(compute_wgs=2), skip(compute_wgs=3),
-                  skip(compute_wgs=3, persistent=0)],
+            (64, [noskip, mf.MosaicConfig(), skip(), skip(compute_wgs=2),
+                  skip(compute_wgs=3), skip(compute_wgs=3, persistent=0)],
              ((1000, 1000, True), (1000, 1000, False), (960, 960, True),
               (960, 960, False), (100, 1100, True))),
-            (128, [noskip, skip()], ((960, 960, True), (960, 960, False)))):
+            (128, [noskip, mf.MosaicConfig(), skip()],
+             ((960, 960, True), (960, 960, False)))):
         q, k, v = rand_qkv(2, 8, 2, 1100, 1100, d, jnp.bfloat16)
         for sq, skv, causal in cases:
             lo = skv - sq

@@ -2005,6 +2005,13 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
             cfg, 64, s, gpu=True, states=False, hq=32, causal=True, b=32768 // s, sq=s)
             for s in chosen} == chosen
     blocks = np.arange(24, 0, -1)
+    assert mosaic_fwd.auto_skip_padding_rows(None, causal=False) is True
+    assert mosaic_fwd.auto_skip_padding_rows(None, causal=True) is False
+    assert mosaic_fwd.auto_skip_padding_rows(True, causal=True) is True
+    assert mosaic_fwd.auto_skip_padding_rows(False, causal=False) is False
+    assert mosaic_fwd.auto_compute_wgs(  # (the causal default counts every warpgroup)
+        mosaic_fwd.MosaicConfig(), 64, 1024, gpu=True, states=False, hq=32,
+        causal=True, b=32, sq=1024) == 2
     assert mosaic_fwd.persistent_span(blocks, 1, 1, overhead=0) == blocks.sum()
     assert mosaic_fwd.persistent_span(blocks, 1, 1) == (
         blocks.sum() + 24 * mosaic_fwd.ITEM_OVERHEAD_BLOCKS)
@@ -2020,7 +2027,8 @@ def test_config_rejects_bad_values(mosaic_fwd):
                {"fold_slots": 0}, {"fold_slots": 3}, {"fold_cols": 48},
                {"fold_cols": 8}, {"q_boxes": None}, {"kv_boxes": "yes"},
                {"kv_multicast": 1}, {"gmem_state": 1}, {"merge_arrive": 1},
-               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"}):
+               {"last_merge_arrive": "yes"}, {"static_slots": 2}, {"store_wait": "none"},
+               {"skip_padding_rows": 1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             mosaic_fwd.MosaicConfig(**kw)
     # The retired options are gone, not ignored (docs/mosaic.md, retired options).

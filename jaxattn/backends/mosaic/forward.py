@@ -355,11 +355,12 @@ class MosaicConfig:
     #: its turns and stores (0, -inf), which the call drops) instead of computing rows
     #: nobody reads. Each row's operations are unchanged: a launch choice. Not with
     #: ``merge_arrive`` (the D=256 ``gmem_state`` kernel), whose arrivals assume
-    #: every warpgroup has blocks. On by default since 2026-12-07 (H100: 1.05 to 1.11x
-    #: non-causal D=64 at S=512 to 2560, notes "twenty-ninth stop"); the persistent
-    #: grid's table and the work model (:func:`c3_causal_pays`) then count a tile's
-    #: blocks for its live warpgroups only.
-    skip_padding_rows: bool = True
+    #: every warpgroup has blocks. None (:func:`auto_skip_padding_rows`): for a
+    #: non-causal call (H100, 2026-12-07: 1.05 to 1.11x at D=64 S=512 to 2560, notes
+    #: "twenty-ninth stop"), not a causal one (three warpgroups at B=8 S=4096 ran 0.93
+    #: to 0.94x without it). True: the work model (:func:`c3_causal_pays`) counts a
+    #: padded warpgroup free.
+    skip_padding_rows: bool | None = None
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
     #: key order (as the Pallas backend's split-KV decode), so a long cache is read by
@@ -584,11 +585,12 @@ class MosaicConfig:
         for name in ("pdl", "fold_pdl", "split_pdl"):
             check_pdl(name, getattr(self, name), optional=name != "pdl")
         for name in ("smem_state", "pv_split", "gmem_state", "merge_arrive",
-                     "last_merge_arrive", "kv_multicast", "static_slots"):  # None: by shape
+                     "last_merge_arrive", "kv_multicast", "static_slots",
+                     "skip_padding_rows"):  # None: by shape
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes", "defer_store_wait", "skip_padding_rows"):
+        for name in ("kv_boxes", "q_boxes", "defer_store_wait"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -1356,7 +1358,9 @@ class _Forward:
         #: the tiles' rows from here on are padding (MosaicConfig.skip_padding_rows;
         #: None: none skipped). Not with merge_arrive, whose arrivals pair the
         #: warpgroups' SPLIT merges, built for every warpgroup having blocks.
-        self.live_rows = (live_rows if cfg.skip_padding_rows and live_rows is not None
+        self.live_rows = (live_rows if auto_skip_padding_rows(cfg.skip_padding_rows,
+                                                              causal=causal)
+                          and live_rows is not None
                           and live_rows < sq and position is None
                           and not self.merge_arrive else None)
         #: MosaicConfig.last_merge_arrive with merge_arrive and gmem_state (None: for a
@@ -3104,10 +3108,10 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
 #: blocks of the persistent grid's most loaded CTA), causal D=64 on dynamic slots:
 #: :func:`c3_causal_pays`' threshold (H100, 2026-12-07, notes "twenty-seventh stop").
 C3_CAUSAL_GAIN = 1.08
-#: The same with ``skip_padding_rows`` (padded warpgroups counted free): three won
-#: at ratios 1.016 to 1.097 and lost 2% at 1.028 (B=12 S=2560), B * S = 32k, S 512 to
-#: 4096 (H100, 2026-12-07, notes "twenty-ninth stop"): an ordering of measured
-#: points, not a law.
+#: The same with ``skip_padding_rows=True`` (padded warpgroups counted free; not the
+#: causal default): three with it won at ratios 1.020 to 1.097 (S=512 to 2048 and
+#: 3072, B * S = 32k) and lost at 1.028 (S=2560, 2%) and 1.016 (S=4096, 1 to 5%):
+#: no threshold orders these (H100, 2026-12-07, notes "twenty-ninth stop").
 C3_CAUSAL_GAIN_SKIP = 1.10
 
 
@@ -3121,12 +3125,13 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     pads the queries to a multiple of 192 and walks three diagonal blocks where a
     128-row tile walks two, and the items deal onto the CTAs differently: the work of
     three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024).
-    With ``cfg.skip_padding_rows`` (the default) a warpgroup whose rows are all
-    padding counts as free: a tile's blocks count for its live warpgroups' share (the
+    With ``cfg.skip_padding_rows=True`` (not the causal default) a warpgroup whose
+    rows are all padding counts as free: a tile's blocks count for its live warpgroups' share (the
     item's overhead in full), against :data:`C3_CAUSAL_GAIN_SKIP` (that series: 1.016
     to 1.097, three at each point; B=1 two at 1024 keys and under, 1.16 and more)."""
     sq = skv if sq is None else sq
     offset = skv - sq if offset is None else offset
+    skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True)
     n_cta = cfg.persistent or sm_count()
     total = -(-skv // schedule.BLOCK_N)
     work = {}
@@ -3136,7 +3141,7 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
         n_tiles = sq_pad // rows
         blocks = prefill_tile_blocks(n_tiles, rows, offset - lead, total,
                                      causal=True, q_order=cfg.q_order)
-        if cfg.skip_padding_rows:  # in warpgroup-blocks: the overhead nwg times
+        if skip:  # in warpgroup-blocks: the overhead nwg times
             live = live_warpgroups(n_tiles, rows, cfg.block_m, lead + sq,
                                    q_order=cfg.q_order)
             span = persistent_span(np.repeat(blocks * live, hq), b, n_cta,
@@ -3144,7 +3149,7 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
             work[nwg] = span * cfg.block_m
         else:
             work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
-    gain = C3_CAUSAL_GAIN_SKIP if cfg.skip_padding_rows else C3_CAUSAL_GAIN
+    gain = C3_CAUSAL_GAIN_SKIP if skip else C3_CAUSAL_GAIN
     return work[3] < gain * work[2]
 
 
@@ -3163,6 +3168,16 @@ def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bo
     """Whether a plain prefill of ``skv`` keys (whole blocks) runs the persistent grid."""
     return bool(cfg.persistent if cfg.persistent is not None else auto_persistent(
         -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
+
+
+def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool) -> bool:
+    """``MosaicConfig(skip_padding_rows=None)``'s choice (not None: that): for a
+    non-causal prefill, where the H100 measured 1.05 to 1.11x at D=64 (2026-12-07, S=512
+    to 2560, notes "twenty-ninth stop"), not for a causal one: there three warpgroups
+    with it ran 1.03 to 1.11x two at S=512 to 2048 but 0.93 to 0.94x themselves
+    without it at B=8 S=4096 (cause not yet found). A launch choice: the same bits
+    (``test_skip_padding_rows_keep_bits_on_gpu``)."""
+    return (not causal) if skip_padding_rows is None else skip_padding_rows
 
 
 def auto_static_slots(static_slots: bool | None, d: int, *, gpu: bool, nwg: int,
