@@ -1987,12 +1987,14 @@ def test_three_warpgroups_causal_follow_the_work_model(mosaic_fwd):
 
 @needs_api
 def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
-    """With ``skip_padding_rows`` the work model counts a warpgroup of padding rows as
-    free: the last 192-row tile of 1024 causal queries (lead 0) holds 64 live rows of
-    192, so its one live warpgroup's blocks are all it costs, and three warpgroups'
-    work over two falls from 1.25 to 1.06 (under ``C3_CAUSAL_GAIN``: three are
-    chosen at every point of the B * S = 32k series). ``live_warpgroups`` follows the
-    tiles' launch order."""
+    """With ``skip_padding_rows=True`` the work model counts a warpgroup of padding
+    rows as free: the last 192-row tile of 1024 causal queries (lead 0) holds 64 live
+    rows of 192, so its one live warpgroup's blocks are all it costs, and three
+    warpgroups' work over two falls from 1.25 to 1.06 (under ``C3_CAUSAL_GAIN_SKIP``:
+    three are chosen at every point of the B * S = 32k series from 512 keys).
+    ``live_warpgroups`` follows the tiles' launch order. The default
+    (``skip_padding_rows=None``) skips for non-causal calls only, so the causal
+    choice counts every warpgroup."""
     live = mosaic_fwd.live_warpgroups(6, 192, 64, 1024, q_order="ascending")
     assert live.tolist() == [3, 3, 3, 3, 3, 1]
     assert mosaic_fwd.live_warpgroups(6, 192, 64, 1024 + 63, q_order="descending"
@@ -2004,7 +2006,6 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
         assert {s: mosaic_fwd.auto_compute_wgs(
             cfg, 64, s, gpu=True, states=False, hq=32, causal=True, b=32768 // s, sq=s)
             for s in chosen} == chosen
-    blocks = np.arange(24, 0, -1)
     assert mosaic_fwd.auto_skip_padding_rows(None, causal=False) is True
     assert mosaic_fwd.auto_skip_padding_rows(None, causal=True) is False
     assert mosaic_fwd.auto_skip_padding_rows(True, causal=True) is True
@@ -2012,6 +2013,7 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
     assert mosaic_fwd.auto_compute_wgs(  # (the causal default counts every warpgroup)
         mosaic_fwd.MosaicConfig(), 64, 1024, gpu=True, states=False, hq=32,
         causal=True, b=32, sq=1024) == 2
+    blocks = np.arange(24, 0, -1)
     assert mosaic_fwd.persistent_span(blocks, 1, 1, overhead=0) == blocks.sum()
     assert mosaic_fwd.persistent_span(blocks, 1, 1) == (
         blocks.sum() + 24 * mosaic_fwd.ITEM_OVERHEAD_BLOCKS)

@@ -3126,9 +3126,10 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     128-row tile walks two, and the items deal onto the CTAs differently: the work of
     three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024).
     With ``cfg.skip_padding_rows=True`` (not the causal default) a warpgroup whose
-    rows are all padding counts as free: a tile's blocks count for its live warpgroups' share (the
-    item's overhead in full), against :data:`C3_CAUSAL_GAIN_SKIP` (that series: 1.016
-    to 1.097, three at each point; B=1 two at 1024 keys and under, 1.16 and more)."""
+    rows are all padding counts as free: a tile's blocks count for its live
+    warpgroups' share (the item's overhead in full), against
+    :data:`C3_CAUSAL_GAIN_SKIP` (that series: 1.016 to 1.097, three at each point;
+    B=1: two at 1280 keys and under, 1.16 and more)."""
     sq = skv if sq is None else sq
     offset = skv - sq if offset is None else offset
     skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True)
