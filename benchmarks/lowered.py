@@ -74,6 +74,55 @@ def launches(lower) -> list[tuple[int, int]] | None:
     return None if texts is None else [launch_of(t) for t in texts]
 
 
+#: The H100's and H200's SMEM a CTA may hold (Mosaic GPU's ``max_smem_bytes``).
+DEVICE_SMEM = 227 * 1024
+
+
+def profile_space(b: int, s: int, *, hq: int, hkv: int, d: int, causal: bool,
+                  config, blocks: bool, n_sm: int) -> int:
+    """Profiler ranges a warpgroup that ``forward.profiling`` needs for the prefill of
+    ``b`` sequences of ``s`` queries and keys (``hq`` / ``hkv`` heads, head dim ``d``)
+    with ``config`` (a ``MosaicConfig``) on ``n_sm`` SMs: the CTA whose items hold the
+    most ranges (eight an item, five a key block with ``blocks``; the persistent
+    grid's greedy table, else one item a CTA), plus 32. The launch (threads, SMEM) is
+    read from the kernel lowered for CUDA. Raises ValueError where the ranges (16
+    bytes each, for every warpgroup) do not fit beside the kernel's SMEM."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxattn import schedule
+    from jaxattn.backends.mosaic import forward as mf
+    q = jax.ShapeDtypeStruct((b, hq, s, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, hkv, s, d), jnp.bfloat16)
+    texts = modules(lambda: mf.lower_for_cuda(q, k, k, causal=causal, config=config))
+    if not texts:
+        raise ValueError("this JAX does not expose the lowered Mosaic GPU modules")
+    threads, smem = launch_of(texts[0])
+    wgs = threads // 128
+    rows = config.block_m * (wgs - 1)  # (the compute warpgroups' tile)
+    total = -(-s // schedule.BLOCK_N)
+    lead, sq_pad, _ = mf.padding(s, s, causal, rows)
+    n_tiles = sq_pad // rows
+    tile_blocks = mf.prefill_tile_blocks(n_tiles, rows, -lead, total, causal=causal,
+                                         q_order=config.q_order)
+    per_item = np.tile(np.repeat(8 + 5 * tile_blocks * int(blocks), hq), b)
+    if mf._prefill_persistent(config, d, total * schedule.BLOCK_N, gpu=True):
+        table = mf.persistent_schedule(np.repeat(tile_blocks, hq), b,
+                                       config.persistent or n_sm)
+        most = max(int(per_item[r[1:1 + r[0]]].sum()) for r in table)
+    else:
+        most = int(per_item.max())
+    need = most + 32
+    room = (DEVICE_SMEM - smem) // (16 * wgs)
+    if need > room:
+        raise ValueError(
+            f"the profile needs {need} ranges a warpgroup ({need * 16 * wgs} bytes of "
+            f"SMEM for {wgs} warpgroups), {room} fit beside the kernel's {smem} bytes: "
+            f"a smaller B or S{', or no --blocks' if blocks else ''}")
+    return need
+
+
 def shapes():
     """name -> a function of a MosaicConfig that lowers that call for CUDA."""
     import jax

@@ -56,7 +56,7 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import report
+    from benchmarks import lowered, report
     from jaxattn import schedule
     from jaxattn.backends.mosaic import forward as mf
     if jax.default_backend() != "gpu":
@@ -74,15 +74,15 @@ def main(argv):
         v = jax.random.normal(kv, (b, hkv, s, d), jnp.bfloat16)
         for cspec in FLAGS.configs:
             name, kw = report.named_config(cspec)
-            # room for every item of the most loaded CTA (64-row tiles of one
-            # warpgroup bound it), eight ranges an item (and five a key block), and
-            # the rest
-            per_item = 8 + (5 * -(-s // schedule.BLOCK_N) if FLAGS.blocks else 0)
-            space = FLAGS.space or per_item * (-(-b * hq * -(-s // 64) // n_sm)) + 32
             row = {"B": b, "S": s, "D": d, "causal": FLAGS.causal, "config": name,
-                   "space": space, "blocks": FLAGS.blocks}
+                   "blocks": FLAGS.blocks}
             tmp = tempfile.mkdtemp()
             try:
+                # room for every item of the most loaded CTA, refused where it does
+                # not fit beside the kernel's SMEM
+                row["space"] = space = FLAGS.space or lowered.profile_space(
+                    b, s, hq=hq, hkv=hkv, d=d, causal=FLAGS.causal,
+                    config=mf.MosaicConfig(**kw), blocks=FLAGS.blocks, n_sm=n_sm)
                 # The trace's file is named once, when the kernel is lowered, so an
                 # executable writes only its first call's: the same kernel without
                 # the profiler runs twice first (the GPU and its caches warm), then

@@ -188,6 +188,30 @@ def test_mosaic_profile_lowers_into_the_prefill():
             pass
 
 
+def test_profile_space_counts_the_most_loaded_cta():
+    """``lowered.profile_space`` (``mosaic_profile``'s default ``--space``): the ranges
+    of the CTA whose items hold the most, read from the launch lowered for CUDA. D=64
+    non-causal B=1 S=1024: three warpgroups' 192-row tiles, 6 x 32 items on 132 CTAs,
+    so two items of 16 blocks (8 + 5 x 16 ranges each with ``blocks``) and 32; causal
+    B=8 S=4096 without blocks: 22 x 32 x 8 items dealt by the greedy table, 46 at most;
+    S=65536 with blocks (one 1024-block item a CTA) does not fit beside the kernel's
+    SMEM and says so."""
+    from benchmarks import lowered
+    from jaxattn.backends.mosaic import forward as mf
+    space = functools.partial(lowered.profile_space, hq=32, hkv=8, d=64,
+                              config=mf.MosaicConfig(), n_sm=132)
+    try:
+        assert space(1, 1024, causal=False, blocks=True) == 2 * (8 + 5 * 16) + 32
+    except ValueError as e:
+        if "does not expose" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert space(1, 1024, causal=False, blocks=False) == 2 * 8 + 32
+    assert space(8, 4096, causal=True, blocks=False) == 46 * 8 + 32
+    with pytest.raises(ValueError, match="no --blocks"):
+        space(1, 65536, causal=False, blocks=True)
+
+
 def test_named_config_parses_a_launch_variant():
     """``report.named_config`` (the binaries' ``name[:key=value...]`` variants): ints,
     True/False, None, ``a/b`` tuples and strings; a bare name has no field."""
