@@ -258,9 +258,9 @@ def profile_summary(trace: dict, *, key_blocks: int | None,
         for n, a, b in rs:
             if n in blocks:
                 blocks[n].append(b - a)
+        block_starts = [a for n, a, _ in rs if block_ranges and n == block_ranges[0]]
         for item in items:
-            starts = [a for n, a, _ in rs if block_ranges and n == block_ranges[0]
-                      and item["start"] <= a <= item["end"]]
+            starts = [a for a in block_starts if item["start"] <= a <= item["end"]]
             periods.extend(y - x for x, y in zip(starts, starts[1:], strict=False))
 
     def med(rows, key):

@@ -3159,9 +3159,7 @@ def live_warpgroups(n_tiles: int, rows: int, block_m: int, live_rows: int, *,
     """Each of ``n_tiles`` query tiles' (``rows`` rows, in launch order as
     :func:`prefill_tile_blocks`) compute warpgroups of ``block_m`` rows holding any of
     the first ``live_rows`` rows: the ones ``MosaicConfig.skip_padding_rows`` runs."""
-    tiles = np.arange(n_tiles, dtype=np.int64)
-    if q_order == "descending":
-        tiles = tiles[::-1]
+    tiles = launch_tiles(n_tiles, q_order)
     return np.clip(-(-(live_rows - tiles * rows) // block_m), 0, rows // block_m)
 
 
@@ -3236,15 +3234,20 @@ def sm_count() -> int:
 ITEM_OVERHEAD_BLOCKS = 2
 
 
+def launch_tiles(n_tiles: int, q_order: str) -> np.ndarray:
+    """The query tiles' indices in the order a prefill launches them
+    (``MosaicConfig.q_order``)."""
+    tiles = np.arange(n_tiles, dtype=np.int64)
+    return tiles[::-1] if q_order == "descending" else tiles
+
+
 def prefill_tile_blocks(n_tiles: int, rows: int, offset: int, total: int, *,
                         causal: bool, q_order: str) -> np.ndarray:
     """The key blocks ``[0, n)`` each of ``n_tiles`` query tiles of ``rows`` rows
     visits, of ``total``, in launch order (``MosaicConfig.q_order``): :func:`_visited_blocks`
     on the host, causal with the kernel's static ``offset`` (row i sees key j iff ``j <=
     i + offset``), else every block."""
-    tiles = np.arange(n_tiles, dtype=np.int64)
-    if q_order == "descending":
-        tiles = tiles[::-1]
+    tiles = launch_tiles(n_tiles, q_order)
     if not causal:
         return np.full(tiles.shape, total, np.int64)
     bn = schedule.BLOCK_N
