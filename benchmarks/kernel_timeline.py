@@ -1,8 +1,11 @@
-"""The GPU timeline of back-to-back decode steps: each kernel's start, end and the gap
-(or overlap) before it, per Mosaic launch configuration (H200).
+"""The GPU timeline of back-to-back causal calls (decode steps, or prefills with
+``--query_len``): each kernel's start, end and the gap (or overlap) before it, per
+Mosaic launch configuration.
 
     python3 -m benchmarks.kernel_timeline --batch=1 --seq_len=131072 \\
         --configs=default:,off:pdl=off,foldearly:split_pdl=both
+    python3 -m benchmarks.kernel_timeline --batch=8 --seq_len=4096 --query_len=4096 \\
+        --head_dim=64 --configs=c3:compute_wgs=3,c3s:compute_wgs=3:skip_padding_rows=True
 
 Nsight Compute replays each kernel alone, so it cannot show two kernels of a stream
 running at once (programmatic dependent launch, ``MosaicConfig.pdl``); this records
@@ -28,10 +31,12 @@ from benchmarks import report
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 1, "Batch.")
 flags.DEFINE_integer("seq_len", 131072, "Keys (Skv).")
+flags.DEFINE_integer("query_len", 1, "Queries a sequence (Sq): 1 for a decode step, up "
+                     "to --seq_len for a prefill (causal: the last Sq keys' queries).")
 flags.DEFINE_integer("num_q_heads", 32, "Query heads.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dim.")
-flags.DEFINE_integer("steps", 20, "Decode steps timed back to back (two input sets).")
+flags.DEFINE_integer("steps", 20, "Calls timed back to back (two input sets).")
 flags.DEFINE_list("configs", ["default:", "off:pdl=off"], "name:MosaicConfig fields "
                   "(key=value[:key=value...]) per configuration.")
 flags.DEFINE_string("out_dir", None, "Write timeline.json here.")
@@ -56,11 +61,13 @@ def main(argv):
     from jaxattn.backends.mosaic import forward as mf
     if not torch.cuda.is_available():
         raise app.UsageError("kernel_timeline records GPU kernels: no CUDA device here")
-    b, s, d = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim
+    b, s, d, sq = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim, FLAGS.query_len
+    if not 1 <= sq <= s:
+        raise app.UsageError(f"--query_len must be in [1, --seq_len={s}], got {sq}")
     sets = []
     for i in range(2):
         ks = jax.random.split(jax.random.PRNGKey(i), 3)
-        sets.append((jax.random.normal(ks[0], (b, FLAGS.num_q_heads, 1, d), jnp.bfloat16),
+        sets.append((jax.random.normal(ks[0], (b, FLAGS.num_q_heads, sq, d), jnp.bfloat16),
                      jax.random.normal(ks[1], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16),
                      jax.random.normal(ks[2], (b, FLAGS.num_kv_heads, s, d), jnp.bfloat16)))
     results = {}
@@ -93,8 +100,9 @@ def main(argv):
     if FLAGS.out_dir:
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         with open(os.path.join(FLAGS.out_dir, "timeline.json"), "w") as f:
-            json.dump({"B": b, "Skv": s, "Hq": FLAGS.num_q_heads, "Hkv": FLAGS.num_kv_heads,
-                       "D": d, "steps": FLAGS.steps, "results": results}, f)
+            json.dump({"B": b, "Sq": sq, "Skv": s, "Hq": FLAGS.num_q_heads,
+                       "Hkv": FLAGS.num_kv_heads, "D": d, "steps": FLAGS.steps,
+                       "results": results}, f)
 
 
 if __name__ == "__main__":
