@@ -34,7 +34,10 @@
 # (POINTS33="B:S:D:c|n ..."), forward and forward + backward beside JAX and torch cuDNN,
 # a process each; fwd33: issue 33's forward sweep (D=128 and 64, causal and not,
 # S 1k to 32k) beside torch cuDNN and JAX cuDNN, with launch variants and the backward;
-# mprof: where a prefill's time goes per item (benchmarks/mosaic_profile.py, MPROF_*).
+# mprof: where a prefill's time goes per item (benchmarks/mosaic_profile.py, MPROF_*);
+# timeline: each kernel's duration and the gap before it in back-to-back calls, through
+# CUPTI (benchmarks/kernel_timeline.py, TIMELINE_ARGS, e.g. "--batch=8 --seq_len=4096
+# --query_len=4096 --head_dim=64 --configs=c3:compute_wgs=3,c3s:...").
 # Each part writes under $OUT; plots are drawn afterwards on any machine with
 # `python -m benchmarks.plot --results=$OUT/sweep/*/results.json --out_dir=...`.
 set -uo pipefail
@@ -364,6 +367,14 @@ if has mprof; then
         | tee "$OUT/mprof/d$name.txt" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
   done
+fi
+if has timeline; then
+  # Back-to-back calls' kernels as they ran (durations, gaps, PDL overlap):
+  # benchmarks/kernel_timeline.py with TIMELINE_ARGS (a decode step by default).
+  timeout ${TIMELINE_TIMEOUT:-240} $PY -m benchmarks.kernel_timeline ${TIMELINE_ARGS:-} \
+      --out_dir="$OUT/timeline" 2>&1 | grep -v 'Unable to initialize backend' \
+      | tee "$OUT/timeline.txt" | tail -40
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if has ablate; then
   # Where the forward's time goes: benchmarks/ablate.py (ABLATE_ARGS, e.g.
