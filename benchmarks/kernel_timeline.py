@@ -55,15 +55,15 @@ def kernels(prof) -> list[tuple[str, int, int]]:
 
 def main(argv):
     del argv
+    b, s, d, sq = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim, FLAGS.query_len
+    if not 1 <= sq <= s:
+        raise app.UsageError(f"--query_len must be in [1, --seq_len={s}], got {sq}")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from jaxattn.backends.mosaic import forward as mf
     if not torch.cuda.is_available():
         raise app.UsageError("kernel_timeline records GPU kernels: no CUDA device here")
-    b, s, d, sq = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim, FLAGS.query_len
-    if not 1 <= sq <= s:
-        raise app.UsageError(f"--query_len must be in [1, --seq_len={s}], got {sq}")
     sets = []
     for i in range(2):
         ks = jax.random.split(jax.random.PRNGKey(i), 3)

@@ -344,3 +344,14 @@ def test_ablations_apply_to_this_tree_and_the_table_divides_by_the_defaults(tmp_
     # (over torch cuDNN: 330 / 401 over the mean of 300 / 400 and 310 / 399)
     assert lines[3] == "| 64c | 8, 4096 | exp_free (1) | 330.0 | 401.0 | 1.082 | 1.078 |"
     assert lines[2] == "| 64c | 8, 4096 | default (0) | 300.0 | 400.0 | 0.984 | 0.982 |"
+
+
+def test_kernel_timeline_refuses_a_query_length_past_the_keys():
+    """``benchmarks.kernel_timeline --query_len`` (prefills' timelines) is checked before
+    the binary looks for a GPU: past ``--seq_len`` it names the flag and the value."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_timeline",
+                           "--seq_len=4096", "--query_len=4097"], capture_output=True,
+                          text=True, timeout=300, env=cpu_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode != 0
+    assert "--query_len must be in [1, --seq_len=4096], got 4097" in proc.stderr, (
+        proc.stderr[-2000:])
