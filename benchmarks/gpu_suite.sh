@@ -371,10 +371,17 @@ fi
 if has timeline; then
   # Back-to-back calls' kernels as they ran (durations, gaps, PDL overlap):
   # benchmarks/kernel_timeline.py with TIMELINE_ARGS (a decode step by default).
+  # The SM clock, power and throttle reasons are logged beside it every 20 ms
+  # (timeline/clk.csv; with --hold_s the binary prints each configuration's wall times).
+  mkdir -p "$OUT/timeline"
+  nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 20 > "$OUT/timeline/clk.csv" 2>/dev/null &
+  clk_pid=$!
   timeout ${TIMELINE_TIMEOUT:-240} $PY -m benchmarks.kernel_timeline ${TIMELINE_ARGS:-} \
       --out_dir="$OUT/timeline" 2>&1 | grep -v 'Unable to initialize backend' \
       | tee "$OUT/timeline.txt" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
+  kill $clk_pid 2>/dev/null; wait $clk_pid 2>/dev/null
 fi
 if has ablate; then
   # Where the forward's time goes: benchmarks/ablate.py (ABLATE_ARGS, e.g.

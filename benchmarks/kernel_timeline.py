@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,10 @@ flags.DEFINE_integer("head_dim", 128, "Head dim.")
 flags.DEFINE_integer("steps", 20, "Calls timed back to back (two input sets).")
 flags.DEFINE_list("configs", ["default:", "off:pdl=off"], "name:MosaicConfig fields "
                   "(key=value[:key=value...]) per configuration.")
+flags.DEFINE_float("hold_s", 0.0, "Seconds of back-to-back calls before the timed "
+                   "steps (the GPU at its steady clock and power); the wall-clock "
+                   "times of the hold and of the timed steps are printed and kept, "
+                   "so a clock log (nvidia-smi) can be read per configuration.")
 flags.DEFINE_string("out_dir", None, "Write timeline.json here.")
 
 
@@ -53,11 +58,18 @@ def kernels(prof) -> list[tuple[str, int, int]]:
     return sorted(rows, key=lambda r: r[1])
 
 
+def stamp(t: float) -> str:
+    """``t`` (seconds since the epoch) as UTC ``HH:MM:SS.mmm``, as nvidia-smi's log."""
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
 def main(argv):
     del argv
     b, s, d, sq = FLAGS.batch, FLAGS.seq_len, FLAGS.head_dim, FLAGS.query_len
     if not 1 <= sq <= s:
         raise app.UsageError(f"--query_len must be in [1, --seq_len={s}], got {sq}")
+    if FLAGS.hold_s < 0:
+        raise app.UsageError(f"--hold_s must be >= 0, got {FLAGS.hold_s}")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -77,18 +89,28 @@ def main(argv):
         fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(q, k, v, causal=True, config=cfg))
         for x in sets:  # compile and warm up
             jax.block_until_ready(fn(*x))
+        wall = {"hold_start": time.time()}
+        calls = 0
+        while time.time() - wall["hold_start"] < FLAGS.hold_s:
+            jax.block_until_ready([fn(*sets[i % 2]) for i in range(FLAGS.steps)])
+            calls += FLAGS.steps
+        wall["timed_start"] = time.time()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             outs = [fn(*sets[i % 2]) for i in range(FLAGS.steps)]
             jax.block_until_ready(outs)
+        wall["timed_end"] = time.time()
         rows = kernels(prof)
         if not rows:
             raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
                                "with JAX in this process?)")
         results[name] = {"config": fields, "kernels": rows,
                          "summary": report.timeline_summary(rows, FLAGS.steps),
-                         "span_us": (rows[-1][2] - rows[0][1]) / 1e3}
+                         "span_us": (rows[-1][2] - rows[0][1]) / 1e3,
+                         "wall": wall, "hold_calls": calls}
         print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
               f"{results[name]['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)
+        print(f"  wall (UTC): held {calls} calls {stamp(wall['hold_start'])} to "
+              f"{stamp(wall['timed_start'])}, timed to {stamp(wall['timed_end'])}", flush=True)
         summary = dict(results[name]["summary"])
         print(f"  step {summary.pop('step_us') or 0:.2f} us (median)", flush=True)
         for kname, st in summary.items():

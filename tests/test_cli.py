@@ -346,12 +346,17 @@ def test_ablations_apply_to_this_tree_and_the_table_divides_by_the_defaults(tmp_
     assert lines[2] == "| 64c | 8, 4096 | default (0) | 300.0 | 400.0 | 0.984 | 0.982 |"
 
 
-def test_kernel_timeline_refuses_a_query_length_past_the_keys():
-    """``benchmarks.kernel_timeline --query_len`` (prefills' timelines) is checked before
-    the binary looks for a GPU: past ``--seq_len`` it names the flag and the value."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_timeline",
-                           "--seq_len=4096", "--query_len=4097"], capture_output=True,
-                          text=True, timeout=300, env=cpu_env(CUDA_VISIBLE_DEVICES=""))
+@pytest.mark.parametrize("args, message", [
+    (["--seq_len=4096", "--query_len=4097"],
+     "--query_len must be in [1, --seq_len=4096], got 4097"),
+    (["--hold_s=-0.5"], "--hold_s must be >= 0, got -0.5"),
+])
+def test_kernel_timeline_refuses_bad_flags_before_the_gpu(args, message):
+    """``benchmarks.kernel_timeline``'s ``--query_len`` (prefills' timelines) and
+    ``--hold_s`` are checked before the binary looks for a GPU: out of range, the
+    message names the flag and the value."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_timeline", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env=cpu_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode != 0
-    assert "--query_len must be in [1, --seq_len=4096], got 4097" in proc.stderr, (
-        proc.stderr[-2000:])
+    assert message in proc.stderr, proc.stderr[-2000:]
