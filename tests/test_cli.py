@@ -346,16 +346,18 @@ def test_ablations_apply_to_this_tree_and_the_table_divides_by_the_defaults(tmp_
     assert lines[2] == "| 64c | 8, 4096 | default (0) | 300.0 | 400.0 | 0.984 | 0.982 |"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seq_len=4096", "--query_len=4097"],
+@pytest.mark.parametrize("module, args, message", [
+    ("kernel_timeline", ["--seq_len=4096", "--query_len=4097"],
      "--query_len must be in [1, --seq_len=4096], got 4097"),
-    (["--hold_s=-0.5"], "--hold_s must be >= 0, got -0.5"),
+    ("kernel_timeline", ["--hold_s=-0.5"], "--hold_s must be >= 0, got -0.5"),
+    ("mosaic_profile", ["--steady=-1"], "--steady must be >= 0, got -1"),
 ])
-def test_kernel_timeline_refuses_bad_flags_before_the_gpu(args, message):
+def test_gpu_binaries_refuse_bad_flags_before_the_gpu(module, args, message):
     """``benchmarks.kernel_timeline``'s ``--query_len`` (prefills' timelines) and
-    ``--hold_s`` are checked before the binary looks for a GPU: out of range, the
-    message names the flag and the value."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_timeline", *args],
+    ``--hold_s``, and ``benchmarks.mosaic_profile``'s ``--steady``, are checked before
+    the binary looks for a GPU: out of range, the message names the flag and the
+    value."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                           capture_output=True, text=True, timeout=300,
                           env=cpu_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode != 0
