@@ -17,9 +17,10 @@ configuration the summary gives each range's median cycles over the items after 
 CTA's first (the first apart), ``other`` (the item's cycles outside its named ranges),
 ``gap`` (from one item's end to the next one's start), the fold's cycles per key
 block, and a CTA's span (first item's start to last item's end) over its items
-(``report.profile_summary``). Writes ``profile.json`` (the summaries) and each case's
-Perfetto trace to ``--out_dir``; Mosaic GPU's own estimate of the profiler's cost per
-event is subtracted by JAX.
+(``report.profile_summary``). With ``--steady=N`` the profiled call runs right behind
+N unprofiled ones (back to back, as in a benchmark's timed loop). Writes
+``profile.json`` (the summaries) and each case's Perfetto trace to ``--out_dir``;
+Mosaic GPU's own estimate of the profiler's cost per event is subtracted by JAX.
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def main(argv):
                 call = jax.jit(fwd)
                 for _ in range(2):
                     jax.block_until_ready(call(q, k, v))
-                plain = call.lower(q, k, v).compile()
+                plain = call.lower(q, k, v).compile() if FLAGS.steady else None
                 with mf.profiling(space, tmp, blocks=FLAGS.blocks):
-                    if FLAGS.steady:
+                    if plain is not None:
                         traced = jax.jit(fwd).lower(q, k, v).compile()
                         outs = [plain(q, k, v) for _ in range(FLAGS.steady)]
                         outs.append(traced(q, k, v))
