@@ -373,9 +373,13 @@ if has timeline; then
   # benchmarks/kernel_timeline.py with TIMELINE_ARGS (a decode step by default).
   # The SM clock, power and throttle reasons are logged beside it every 20 ms
   # (timeline/clk.csv; with --hold_s the binary prints each configuration's wall times).
+  # (the throttle reasons' field is named clocks_event_reasons since driver 535, and
+  # an unknown field makes nvidia-smi log nothing)
   mkdir -p "$OUT/timeline"
-  nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-      --format=csv -lms 20 > "$OUT/timeline/clk.csv" 2>/dev/null &
+  reasons=clocks_event_reasons.active
+  nvidia-smi --help-query-gpu 2>/dev/null | grep -q "$reasons" || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,temperature.gpu,$reasons \
+      --format=csv -lms 20 > "$OUT/timeline/clk.csv" 2>&1 &
   clk_pid=$!
   timeout ${TIMELINE_TIMEOUT:-240} $PY -m benchmarks.kernel_timeline ${TIMELINE_ARGS:-} \
       --out_dir="$OUT/timeline" 2>&1 | grep -v 'Unable to initialize backend' \
