@@ -373,11 +373,13 @@ if has timeline; then
   # benchmarks/kernel_timeline.py with TIMELINE_ARGS (a decode step by default).
   # The SM clock, power and throttle reasons are logged beside it every 20 ms
   # (timeline/clk.csv; with --hold_s the binary prints each configuration's wall times).
-  # (the throttle reasons' field is named clocks_event_reasons since driver 535, and
-  # an unknown field makes nvidia-smi log nothing)
+  # The throttle reasons' field is clocks_event_reasons since driver 535 (an unknown
+  # field makes nvidia-smi log nothing); the help is read whole, not piped to grep -q
+  # (whose early exit fails the pipe under pipefail).
   mkdir -p "$OUT/timeline"
   reasons=clocks_event_reasons.active
-  nvidia-smi --help-query-gpu 2>/dev/null | grep -q "$reasons" || reasons=clocks_throttle_reasons.active
+  fields=$(nvidia-smi --help-query-gpu 2>/dev/null)
+  [[ $fields == *"$reasons"* ]] || reasons=clocks_throttle_reasons.active
   nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,temperature.gpu,$reasons \
       --format=csv -lms 20 > "$OUT/timeline/clk.csv" 2>&1 &
   clk_pid=$!
