@@ -388,6 +388,10 @@ if has timeline; then
       | tee "$OUT/timeline.txt" | tail -40
   status=$((status | ${PIPESTATUS[0]}))
   kill $clk_pid 2>/dev/null; wait $clk_pid 2>/dev/null
+  # each configuration's hold and timed steps in the clock log
+  [[ -s "$OUT/timeline/timeline.json" ]] && $PY -c 'import sys; from benchmarks import report
+report.print_clock_windows(*sys.argv[1:])' "$OUT/timeline/timeline.json" "$OUT/timeline/clk.csv" \
+      2>&1 | tee -a "$OUT/timeline.txt"
 fi
 if has ablate; then
   # Where the forward's time goes: benchmarks/ablate.py (ABLATE_ARGS, e.g.

@@ -144,6 +144,68 @@ def timeline_summary(rows, steps: int = 1) -> dict:
     return summary
 
 
+def clock_windows(csv_text: str, windows: dict[str, tuple[float, float]]) -> dict:
+    """An nvidia-smi log (``--query-gpu=timestamp,clocks.current.sm,power.draw,...
+    --format=csv``: UTC stamps ``YYYY/MM/DD HH:MM:SS.mmm``, then ``N MHz``, ``N W``
+    and any further columns, the last the throttle reasons' bit mask) read per
+    window: name -> ``(start, end)`` in seconds since the epoch (``kernel_timeline``'s
+    wall times) -> its samples, the SM clock's median and minimum (MHz), the power's
+    median (W) and the reasons' masks seen (other than none). Lines that are not
+    samples (the header, nvidia-smi's errors) are skipped."""
+    import datetime
+    samples = []
+    for line in csv_text.splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        try:
+            t = datetime.datetime.strptime(cols[0], "%Y/%m/%d %H:%M:%S.%f").replace(
+                tzinfo=datetime.UTC).timestamp()
+            mhz, watts = float(cols[1].split()[0]), float(cols[2].split()[0])
+        except (ValueError, IndexError):
+            continue
+        samples.append((t, mhz, watts, cols[-1] if len(cols) > 4 else ""))
+    out = {}
+    for name, (start, end) in windows.items():
+        inside = [x for x in samples if start <= x[0] <= end]
+        out[name] = {
+            "samples": len(inside),
+            "sm_mhz_median": statistics.median(x[1] for x in inside) if inside else None,
+            "sm_mhz_min": min((x[1] for x in inside), default=None),
+            "power_w_median": statistics.median(x[2] for x in inside) if inside else None,
+            "reasons": sorted({x[3] for x in inside if _reasons_mask(x[3])}),
+        }
+    return out
+
+
+def _reasons_mask(text: str) -> int:
+    """nvidia-smi's throttle reasons (``0x...``) as an int; 0 where not a mask."""
+    try:
+        return int(text, 16)
+    except ValueError:
+        return 0
+
+
+def print_clock_windows(timeline_json: str, clock_csv: str) -> dict:
+    """:func:`clock_windows` of ``kernel_timeline``'s ``timeline.json`` (each
+    configuration's hold, from ``hold_start`` to ``timed_start``, and its timed steps)
+    in the log ``clock_csv``, a line each; returned too."""
+    with open(timeline_json) as f:
+        results = json.load(f)["results"]
+    windows = {}
+    for name, r in results.items():
+        wall = r.get("wall") or {}
+        if wall.get("timed_start", 0) > wall.get("hold_start", 0):
+            windows[f"{name} hold"] = (wall["hold_start"], wall["timed_start"])
+        if "timed_end" in wall:
+            windows[f"{name} timed"] = (wall["timed_start"], wall["timed_end"])
+    with open(clock_csv) as f:
+        got = clock_windows(f.read(), windows)
+    for name, w in got.items():
+        print(f"  clock {name}: {w['samples']} samples, SM median {w['sm_mhz_median']} "
+              f"MHz (min {w['sm_mhz_min']}), power median {w['power_w_median']} W, "
+              f"reasons {', '.join(w['reasons']) or 'none'}", flush=True)
+    return got
+
+
 def attention_flops(b, hq, sq, skv, d, causal: bool) -> float:
     """Matmul FLOPs of one forward (2 matmuls), counting visible pairs only when causal."""
     if causal:

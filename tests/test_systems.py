@@ -60,6 +60,43 @@ def test_jaxattn_backend_off_its_platform_is_unsupported():
         systems.make("jaxattn:mosaic:splits_per_cat=None")
 
 
+def test_clock_windows_reads_an_nvidia_smi_log_per_window(tmp_path):
+    """``report.clock_windows`` (the ``timeline`` stage's clock log read per
+    configuration): the samples whose UTC stamps fall in each window, the SM clock's
+    median and minimum, the power's median and the throttle reasons' masks other than
+    none; the header and nvidia-smi's error lines skipped. ``print_clock_windows``
+    takes each configuration's hold and timed windows from ``timeline.json``."""
+    import datetime
+    import json
+
+    from benchmarks import report
+    t0 = datetime.datetime(2026, 12, 7, 19, 5, 25, tzinfo=datetime.UTC).timestamp()
+    log = "\n".join([
+        "timestamp, clocks.current.sm [MHz], power.draw [W], temperature.gpu, "
+        "clocks_event_reasons.active",
+        "2026/12/07 19:05:25.000, 1980 MHz, 300.00 W, 50, 0x0000000000000000",
+        "2026/12/07 19:05:25.500, 1830 MHz, 690.50 W, 60, 0x0000000000000004",
+        "2026/12/07 19:05:26.000, 1900 MHz, 700.00 W, 61, 0x0000000000000000",
+        "Unable to determine the device handle for GPU 0: Unknown Error",
+        "2026/12/07 19:05:27.000, 1755 MHz, 710.00 W, 62, [N/A]",
+    ])
+    got = report.clock_windows(log, {"a": (t0 + 0.4, t0 + 1.0), "b": (t0 + 1.5, t0 + 3),
+                                     "none": (t0 - 10, t0 - 5)})
+    assert got["a"] == {"samples": 2, "sm_mhz_median": 1865.0, "sm_mhz_min": 1830.0,
+                        "power_w_median": 695.25, "reasons": ["0x0000000000000004"]}
+    assert got["b"] == {"samples": 1, "sm_mhz_median": 1755.0, "sm_mhz_min": 1755.0,
+                        "power_w_median": 710.0, "reasons": []}
+    assert got["none"] == {"samples": 0, "sm_mhz_median": None, "sm_mhz_min": None,
+                           "power_w_median": None, "reasons": []}
+    (tmp_path / "clk.csv").write_text(log)
+    wall = {"hold_start": t0 - 0.1, "timed_start": t0 + 0.75, "timed_end": t0 + 1.2}
+    (tmp_path / "timeline.json").write_text(json.dumps({"results": {"c3": {"wall": wall}}}))
+    got = report.print_clock_windows(str(tmp_path / "timeline.json"),
+                                     str(tmp_path / "clk.csv"))
+    assert [got["c3 hold"]["samples"], got["c3 timed"]["samples"]] == [2, 1]
+    assert got["c3 timed"]["sm_mhz_median"] == 1900.0
+
+
 def test_timeline_summary_counts_gaps_and_overlaps():
     """``report.timeline_summary`` (``benchmarks/kernel_timeline.py``'s): per kernel of
     a step, keyed by its place (kernels of one name told apart), the launches, the
