@@ -5,6 +5,7 @@ inputs, and the FLOP count of an attention forward."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -152,7 +153,6 @@ def clock_windows(csv_text: str, windows: dict[str, tuple[float, float]]) -> dic
     wall times) -> its samples, the SM clock's median and minimum (MHz), the power's
     median (W) and the reasons' masks seen (other than none). Lines that are not
     samples (the header, nvidia-smi's errors) are skipped."""
-    import datetime
     samples = []
     for line in csv_text.splitlines():
         cols = [c.strip() for c in line.split(",")]
