@@ -94,24 +94,19 @@ def main(argv):
                 # The trace's file is named once, when the kernel is lowered, so an
                 # executable writes only its first call's: the same kernel without
                 # the profiler runs twice first (the GPU and its caches warm), then
-                # once traced afresh within the profiler (which clears jit's caches).
-                # With --steady the profiled executable is compiled first (its
-                # trace is written at its first run), then enqueued right behind
-                # that many unprofiled calls.
-                fwd = functools.partial(mf.forward, causal=FLAGS.causal, config=cfg)
-                call = jax.jit(fwd)
+                # it is lowered afresh within the profiler (which clears jit's
+                # caches), compiled, and run once, right behind --steady unprofiled
+                # calls (none by default).
+                call = jax.jit(functools.partial(mf.forward, causal=FLAGS.causal,
+                                                 config=cfg))
                 for _ in range(2):
                     jax.block_until_ready(call(q, k, v))
                 plain = call.lower(q, k, v).compile() if FLAGS.steady else None
                 with mf.profiling(space, tmp, blocks=FLAGS.blocks):
-                    if plain is not None:
-                        traced = jax.jit(fwd).lower(q, k, v).compile()
-                        outs = [plain(q, k, v) for _ in range(FLAGS.steady)]
-                        outs.append(traced(q, k, v))
-                        jax.block_until_ready(outs)
-                        del outs
-                    else:
-                        jax.block_until_ready(call(q, k, v))
+                    traced = call.lower(q, k, v).compile()
+                    outs = [plain(q, k, v) for _ in range(FLAGS.steady)]
+                    jax.block_until_ready([*outs, traced(q, k, v)])
+                    del outs
                 jax.effects_barrier()
                 files = glob.glob(os.path.join(tmp, "*-trace.json"))
                 if len(files) != 1:
