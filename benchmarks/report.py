@@ -186,14 +186,15 @@ def _reasons_mask(text: str) -> int:
 
 def print_clock_windows(timeline_json: str, clock_csv: str) -> dict:
     """:func:`clock_windows` of ``kernel_timeline``'s ``timeline.json`` (each
-    configuration's hold, from ``hold_start`` to ``timed_start``, and its timed steps)
+    configuration's hold where it held calls, from ``hold_start`` to ``timed_start``,
+    and its timed steps)
     in the log ``clock_csv``, a line each; returned too."""
     with open(timeline_json) as f:
         results = json.load(f)["results"]
     windows = {}
     for name, r in results.items():
         wall = r.get("wall") or {}
-        if wall.get("timed_start", 0) > wall.get("hold_start", 0):
+        if r.get("hold_calls"):  # (--hold_s ran calls)
             windows[f"{name} hold"] = (wall["hold_start"], wall["timed_start"])
         if "timed_end" in wall:
             windows[f"{name} timed"] = (wall["timed_start"], wall["timed_end"])

@@ -90,11 +90,13 @@ def test_clock_windows_reads_an_nvidia_smi_log_per_window(tmp_path):
                            "power_w_median": None, "reasons": []}
     (tmp_path / "clk.csv").write_text(log)
     wall = {"hold_start": t0 - 0.1, "timed_start": t0 + 0.75, "timed_end": t0 + 1.2}
-    (tmp_path / "timeline.json").write_text(json.dumps({"results": {"c3": {"wall": wall}}}))
+    (tmp_path / "timeline.json").write_text(json.dumps({"results": {
+        "c3": {"wall": wall, "hold_calls": 20}, "c2": {"wall": wall, "hold_calls": 0}}}))
     got = report.print_clock_windows(str(tmp_path / "timeline.json"),
                                      str(tmp_path / "clk.csv"))
     assert [got["c3 hold"]["samples"], got["c3 timed"]["samples"]] == [2, 1]
     assert got["c3 timed"]["sm_mhz_median"] == 1900.0
+    assert "c2 hold" not in got and got["c2 timed"]["samples"] == 1  # (no calls held)
 
 
 def test_timeline_summary_counts_gaps_and_overlaps():
