@@ -18,7 +18,10 @@ CTA's first (the first apart), ``other`` (the item's cycles outside its named ra
 ``gap`` (from one item's end to the next one's start), the fold's cycles per key
 block, and a CTA's span (first item's start to last item's end) over its items
 (``report.profile_summary``). With ``--steady=N`` the profiled call runs right behind
-N unprofiled ones (back to back, as in a benchmark's timed loop). Writes
+N unprofiled ones (back to back, as in a benchmark's timed loop). With
+``--time_calls=N`` the unprofiled and the profiled executables are then each timed
+over N calls back to back (wall time over N, after the trace's call: ``plain_us``,
+``traced_us``), whether the profiler's own code changes the kernel's length. Writes
 ``profile.json`` (the summaries) and each case's Perfetto trace to ``--out_dir``;
 Mosaic GPU's own estimate of the profiler's cost per event is subtracted by JAX.
 """
@@ -51,7 +54,21 @@ flags.DEFINE_integer("steady", 0, "Unprofiled calls enqueued right before the pr
                      "one (compiled ahead), so that it runs back to back after them, the "
                      "GPU at its steady clock and power; 0: the profiled call alone, "
                      "after two warm-up calls.")
+flags.DEFINE_integer("time_calls", 0, "After the profiled call, time N calls back to "
+                     "back of the unprofiled and of the profiled executable (the row's "
+                     "plain_us and traced_us: wall time over N); 0: none.")
 flags.DEFINE_string("out_dir", None, "Write profile.json and the traces here.")
+
+
+def _time_calls(exe, args, n: int) -> float:
+    """Microseconds a call of ``exe(*args)`` over ``n`` calls back to back (after one)."""
+    import time
+
+    import jax
+    jax.block_until_ready(exe(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready([exe(*args) for _ in range(n)])
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main(argv):
@@ -64,8 +81,9 @@ def main(argv):
     from benchmarks import lowered, report
     from jaxattn import schedule
     from jaxattn.backends.mosaic import forward as mf
-    if FLAGS.steady < 0:
-        raise app.UsageError(f"--steady must be >= 0, got {FLAGS.steady}")
+    for name in ("steady", "time_calls"):
+        if FLAGS[name].value < 0:
+            raise app.UsageError(f"--{name} must be >= 0, got {FLAGS[name].value}")
     if jax.default_backend() != "gpu":
         raise app.UsageError("the on-device profiler records GPU kernels: no GPU here")
     hq, hkv, d = FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
@@ -101,12 +119,16 @@ def main(argv):
                                                  config=cfg))
                 for _ in range(2):
                     jax.block_until_ready(call(q, k, v))
-                plain = call.lower(q, k, v).compile() if FLAGS.steady else None
+                plain = (call.lower(q, k, v).compile()
+                         if FLAGS.steady or FLAGS.time_calls else None)
                 with mf.profiling(space, tmp, blocks=FLAGS.blocks):
                     traced = call.lower(q, k, v).compile()
                     outs = [plain(q, k, v) for _ in range(FLAGS.steady)]
                     jax.block_until_ready([*outs, traced(q, k, v)])
                     del outs
+                    for key, exe in (("plain_us", plain), ("traced_us", traced)):
+                        if FLAGS.time_calls:
+                            row[key] = _time_calls(exe, (q, k, v), FLAGS.time_calls)
                 jax.effects_barrier()
                 files = glob.glob(os.path.join(tmp, "*-trace.json"))
                 if len(files) != 1:
