@@ -19,8 +19,10 @@ times to ``--out_dir``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -44,6 +46,11 @@ flags.DEFINE_float("hold_s", 0.0, "Seconds of back-to-back calls before the time
                    "steps (the GPU at its steady clock and power); the wall-clock "
                    "times of the hold and of the timed steps are printed and kept, "
                    "so a clock log (nvidia-smi) can be read per configuration.")
+flags.DEFINE_integer("profile_space", 0, "Each configuration's kernel built and run "
+                     "with Mosaic GPU's on-device profiler in it (forward.profiling, "
+                     "this many ranges a warpgroup; the trace of its first call kept "
+                     "under --out_dir): the timeline of the profiled kernel, which "
+                     "benchmarks.mosaic_profile reads; 0: the plain kernel.")
 flags.DEFINE_string("out_dir", None, "Write timeline.json here.")
 
 
@@ -70,8 +77,9 @@ def main(argv):
         raise app.UsageError(f"--query_len must be in [1, --seq_len={s}], got {sq}")
     if FLAGS.hold_s < 0:
         raise app.UsageError(f"--hold_s must be >= 0, got {FLAGS.hold_s}")
+    if FLAGS.profile_space < 0:
+        raise app.UsageError(f"--profile_space must be >= 0, got {FLAGS.profile_space}")
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from jaxattn.backends.mosaic import forward as mf
     if not torch.cuda.is_available():
@@ -86,45 +94,65 @@ def main(argv):
     for spec in FLAGS.configs:
         name, fields = report.named_config(spec)
         cfg = mf.MosaicConfig(**fields)
-        fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(q, k, v, causal=True, config=cfg))
-        for x in sets:  # compile and warm up
-            jax.block_until_ready(fn(*x))
-        wall = {"hold_start": time.time()}
-        calls = 0
-        while time.time() - wall["hold_start"] < FLAGS.hold_s:
-            jax.block_until_ready([fn(*sets[i % 2]) for i in range(FLAGS.steps)])
-            calls += FLAGS.steps
-        wall["timed_start"] = time.time()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            outs = [fn(*sets[i % 2]) for i in range(FLAGS.steps)]
-            jax.block_until_ready(outs)
-        wall["timed_end"] = time.time()
-        rows = kernels(prof)
-        if not rows:
-            raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
-                               "with JAX in this process?)")
-        results[name] = {"config": fields, "kernels": rows,
-                         "summary": report.timeline_summary(rows, FLAGS.steps),
-                         "span_us": (rows[-1][2] - rows[0][1]) / 1e3,
-                         "wall": wall, "hold_calls": calls}
-        print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
-              f"{results[name]['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)
-        print(f"  wall (UTC): held {calls} calls {stamp(wall['hold_start'])} to "
-              f"{stamp(wall['timed_start'])}, timed to {stamp(wall['timed_end'])}", flush=True)
-        summary = dict(results[name]["summary"])
-        print(f"  step {summary.pop('step_us') or 0:.2f} us (median)", flush=True)
-        for kname, st in summary.items():
-            gap, end = st["median_gap_before_us"], st["median_end_after_us"]
-            print(f"  {st['launches']:4d} x {st['median_us']:9.2f} us, gap before "
-                  f"{'-' if gap is None else f'{gap:8.2f}'} us, ends "
-                  f"{'-' if end is None else f'{end:8.2f}'} us after the one before  "
-                  f"{kname[:80]}", flush=True)
+        with contextlib.ExitStack() as stack:
+            if FLAGS.profile_space:
+                where = FLAGS.out_dir or tempfile.mkdtemp()
+                where = os.path.join(where, f"profile-{name}")
+                os.makedirs(where, exist_ok=True)
+                stack.enter_context(mf.profiling(FLAGS.profile_space, where))
+            results[name] = run_config(mf, cfg, fields, sets)
+        print_config(name, fields, results[name])
     if FLAGS.out_dir:
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         with open(os.path.join(FLAGS.out_dir, "timeline.json"), "w") as f:
             json.dump({"B": b, "Sq": sq, "Skv": s, "Hq": FLAGS.num_q_heads,
                        "Hkv": FLAGS.num_kv_heads, "D": d, "steps": FLAGS.steps,
-                       "results": results}, f)
+                       "profile_space": FLAGS.profile_space, "results": results}, f)
+
+
+def run_config(mf, cfg, fields, sets) -> dict:
+    """One configuration's warm-up, hold (``--hold_s``) and timed steps: its
+    ``timeline.json`` entry."""
+    from torch.profiler import ProfilerActivity, profile
+    fn = jax.jit(lambda q, k, v, cfg=cfg: mf.forward(q, k, v, causal=True, config=cfg))
+    for x in sets:  # compile and warm up
+        jax.block_until_ready(fn(*x))
+    wall = {"hold_start": time.time()}
+    calls = 0
+    while time.time() - wall["hold_start"] < FLAGS.hold_s:
+        jax.block_until_ready([fn(*sets[i % 2]) for i in range(FLAGS.steps)])
+        calls += FLAGS.steps
+    wall["timed_start"] = time.time()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = [fn(*sets[i % 2]) for i in range(FLAGS.steps)]
+        jax.block_until_ready(outs)
+    wall["timed_end"] = time.time()
+    rows = kernels(prof)
+    if not rows:
+        raise RuntimeError("the profiler recorded no CUDA kernel (CUPTI not shared "
+                           "with JAX in this process?)")
+    return {"config": fields, "kernels": rows,
+            "summary": report.timeline_summary(rows, FLAGS.steps),
+            "span_us": (rows[-1][2] - rows[0][1]) / 1e3,
+            "wall": wall, "hold_calls": calls}
+
+
+def print_config(name: str, fields: dict, res: dict) -> None:
+    """The configuration's lines: its kernels' span, the wall times, the step's period
+    and each kernel's median duration, gap and end."""
+    rows, calls, wall = res["kernels"], res["hold_calls"], res["wall"]
+    print(f"== {name} ({fields or 'defaults'}): {len(rows)} kernels in "
+          f"{res['span_us']:.1f} us, {FLAGS.steps} steps", flush=True)
+    print(f"  wall (UTC): held {calls} calls {stamp(wall['hold_start'])} to "
+          f"{stamp(wall['timed_start'])}, timed to {stamp(wall['timed_end'])}", flush=True)
+    summary = dict(res["summary"])
+    print(f"  step {summary.pop('step_us') or 0:.2f} us (median)", flush=True)
+    for kname, st in summary.items():
+        gap, end = st["median_gap_before_us"], st["median_end_after_us"]
+        print(f"  {st['launches']:4d} x {st['median_us']:9.2f} us, gap before "
+              f"{'-' if gap is None else f'{gap:8.2f}'} us, ends "
+              f"{'-' if end is None else f'{end:8.2f}'} us after the one before  "
+              f"{kname[:80]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -350,12 +350,13 @@ def test_ablations_apply_to_this_tree_and_the_table_divides_by_the_defaults(tmp_
     ("kernel_timeline", ["--seq_len=4096", "--query_len=4097"],
      "--query_len must be in [1, --seq_len=4096], got 4097"),
     ("kernel_timeline", ["--hold_s=-0.5"], "--hold_s must be >= 0, got -0.5"),
+    ("kernel_timeline", ["--profile_space=-1"], "--profile_space must be >= 0, got -1"),
     ("mosaic_profile", ["--steady=-1"], "--steady must be >= 0, got -1"),
     ("mosaic_profile", ["--time_calls=-2"], "--time_calls must be >= 0, got -2"),
 ])
 def test_gpu_binaries_refuse_bad_flags_before_the_gpu(module, args, message):
-    """``benchmarks.kernel_timeline``'s ``--query_len`` (prefills' timelines) and
-    ``--hold_s``, and ``benchmarks.mosaic_profile``'s ``--steady`` and
+    """``benchmarks.kernel_timeline``'s ``--query_len`` (prefills' timelines),
+    ``--hold_s`` and ``--profile_space``, and ``benchmarks.mosaic_profile``'s ``--steady`` and
     ``--time_calls``, are checked before the binary looks for a GPU: out of range, the
     message names the flag and the value."""
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
