@@ -3174,7 +3174,11 @@ def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool) -> b
     non-causal prefill, where the H100 measured 1.05 to 1.11x at D=64 (2026-12-07, S=512
     to 2560, notes "twenty-ninth stop"), not for a causal one: there three warpgroups
     with it ran 1.03 to 1.11x two at S=512 to 2048 but 0.93 to 0.94x themselves
-    without it at B=8 S=4096 (cause not yet found). A launch choice: the same bits
+    without it at B=8 S=4096. Its cause is not yet found: not the early launch of
+    the next kernel (0.93x with ``pdl="off"`` too) nor the clock (the skip's kernel
+    ran unthrottled at 1980 MHz, the one without it at the power cap), and the kernel
+    built with the on-device profiler does not show it (equal cycles; notes
+    "thirty-second stop"). A launch choice: the same bits
     (``test_skip_padding_rows_keep_bits_on_gpu``)."""
     return (not causal) if skip_padding_rows is None else skip_padding_rows
 
