@@ -450,8 +450,8 @@ def test_skip_padding_rows_keep_bits_on_gpu():
     grid and two, a causal chunk of 100 queries on 1100 keys (40 rows of lead), a key
     padding mask over NaN in the dropped keys' K and V, JAX's layout; D=128 at 960
     rows causal and not. The first configuration computes the padding rows, the
-    default skips them where not causal (``skip_padding_rows=None``), the others
-    always."""
+    default skips them where not causal and, causal, for three warpgroups over at most
+    32 key blocks (``skip_padding_rows=None``), the others always."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     skip = functools.partial(mf.MosaicConfig, skip_padding_rows=True)

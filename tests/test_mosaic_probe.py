@@ -1993,8 +1993,11 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
     warpgroups' work over two falls from 1.25 to 1.06 (under ``C3_CAUSAL_GAIN_SKIP``:
     three are chosen at every point of the B * S = 32k series from 512 keys).
     ``live_warpgroups`` follows the tiles' launch order. The default
-    (``skip_padding_rows=None``) skips for non-causal calls only, so the causal
-    choice counts every warpgroup."""
+    (``skip_padding_rows=None``) skips for non-causal calls and for causal ones of
+    three warpgroups over at most ``C3_CAUSAL_SKIP_MAX_BLOCKS`` (32) key blocks: so the
+    causal choice counts three's padded warpgroups free up to 2048 keys (three from
+    512 keys at B * S = 32k), every warpgroup past them (two at 2560), and two's
+    always (their skip not measured causal)."""
     live = mosaic_fwd.live_warpgroups(6, 192, 64, 1024, q_order="ascending")
     assert live.tolist() == [3, 3, 3, 3, 3, 1]
     assert mosaic_fwd.live_warpgroups(6, 192, 64, 1024 + 63, q_order="descending"
@@ -2006,13 +2009,20 @@ def test_work_model_counts_padded_warpgroups_free(mosaic_fwd):
         assert {s: mosaic_fwd.auto_compute_wgs(
             cfg, 64, s, gpu=True, states=False, hq=32, causal=True, b=32768 // s, sq=s)
             for s in chosen} == chosen
-    assert mosaic_fwd.auto_skip_padding_rows(None, causal=False) is True
-    assert mosaic_fwd.auto_skip_padding_rows(None, causal=True) is False
-    assert mosaic_fwd.auto_skip_padding_rows(True, causal=True) is True
-    assert mosaic_fwd.auto_skip_padding_rows(False, causal=False) is False
-    assert mosaic_fwd.auto_compute_wgs(  # (the causal default counts every warpgroup)
-        mosaic_fwd.MosaicConfig(), 64, 1024, gpu=True, states=False, hq=32,
-        causal=True, b=32, sq=1024) == 2
+    skip_rows = mosaic_fwd.auto_skip_padding_rows
+    assert mosaic_fwd.C3_CAUSAL_SKIP_MAX_BLOCKS == 32
+    assert skip_rows(None, causal=False) is True
+    assert skip_rows(None, causal=True) is False
+    assert skip_rows(None, causal=True, nwg=3, blocks=32) is True
+    assert skip_rows(None, causal=True, nwg=3, blocks=33) is False
+    assert skip_rows(None, causal=True, nwg=2, blocks=8) is False
+    assert skip_rows(True, causal=True) is True
+    assert skip_rows(False, causal=False) is False
+    assert skip_rows(False, causal=True, nwg=3, blocks=8) is False
+    assert {s: mosaic_fwd.auto_compute_wgs(
+        mosaic_fwd.MosaicConfig(), 64, s, gpu=True, states=False, hq=32, causal=True,
+        b=32768 // s, sq=s) for s in (512, 1024, 2048, 2560, 3072, 4096)} == {
+            512: 3, 1024: 3, 2048: 3, 2560: 2, 3072: 3, 4096: 3}
     blocks = np.arange(24, 0, -1)
     assert mosaic_fwd.persistent_span(blocks, 1, 1, overhead=0) == blocks.sum()
     assert mosaic_fwd.persistent_span(blocks, 1, 1) == (

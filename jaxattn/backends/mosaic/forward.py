@@ -357,9 +357,10 @@ class MosaicConfig:
     #: ``merge_arrive`` (the D=256 ``gmem_state`` kernel), whose arrivals assume
     #: every warpgroup has blocks. None (:func:`auto_skip_padding_rows`): for a
     #: non-causal call (H100, 2026-12-07: 1.05 to 1.11x at D=64 S=512 to 2560, notes
-    #: "twenty-ninth stop"), not a causal one (three warpgroups at B=8 S=4096 ran 0.93
-    #: to 0.94x without it). True: the work model (:func:`c3_causal_pays`) counts a
-    #: padded warpgroup free.
+    #: "twenty-ninth stop"), and for a causal one of three warpgroups over at most
+    #: :data:`C3_CAUSAL_SKIP_MAX_BLOCKS` key blocks (S <= 2048; past them three
+    #: warpgroups at B=8 S=4096 ran 0.93 to 0.94x without it). Where it is on, the
+    #: work model (:func:`c3_causal_pays`) counts a padded warpgroup free.
     skip_padding_rows: bool | None = None
     #: Decode (the stacked GQA group) over more than one SPLIT of keys: one CTA per
     #: split writes the split's partial state and :func:`fold_partials` folds them in
@@ -1358,8 +1359,9 @@ class _Forward:
         #: the tiles' rows from here on are padding (MosaicConfig.skip_padding_rows;
         #: None: none skipped). Not with merge_arrive, whose arrivals pair the
         #: warpgroups' SPLIT merges, built for every warpgroup having blocks.
-        self.live_rows = (live_rows if auto_skip_padding_rows(cfg.skip_padding_rows,
-                                                              causal=causal)
+        self.live_rows = (live_rows if auto_skip_padding_rows(
+                              cfg.skip_padding_rows, causal=causal, nwg=self.nwg,
+                              blocks=self.total)
                           and live_rows is not None
                           and live_rows < sq and position is None
                           and not self.merge_arrive else None)
@@ -3108,11 +3110,18 @@ def auto_compute_wgs(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool,
 #: blocks of the persistent grid's most loaded CTA), causal D=64 on dynamic slots:
 #: :func:`c3_causal_pays`' threshold (H100, 2026-12-07, notes "twenty-seventh stop").
 C3_CAUSAL_GAIN = 1.08
-#: The same with ``skip_padding_rows=True`` (padded warpgroups counted free; not the
-#: causal default): three with it won at ratios 1.020 to 1.097 (S=512 to 2048 and
-#: 3072, B * S = 32k) and lost at 1.028 (S=2560, 2%) and 1.016 (S=4096, 1 to 5%):
-#: no threshold orders these (H100, 2026-12-07, notes "twenty-ninth stop").
+#: The same where three warpgroups skip padded ones (padded warpgroups counted free):
+#: three with it won at ratios 1.020 to 1.097 (S=512 to 2048 and 3072, B * S = 32k)
+#: and lost at 1.028 (S=2560, 2%) and 1.016 (S=4096, 1 to 5%): no threshold orders
+#: these (H100, 2026-12-07, notes "twenty-ninth stop"); the skip's loss lies past
+#: :data:`C3_CAUSAL_SKIP_MAX_BLOCKS`, where the default does not skip.
 C3_CAUSAL_GAIN_SKIP = 1.10
+#: The most key blocks of a causal call whose padded warpgroups of three the default
+#: skips (:func:`auto_skip_padding_rows`): in every measured row (H100, 2026-12-07,
+#: notes "twenty-ninth stop" and "thirty-second stop", bits equal) three with the skip
+#: ran 1.02 to 1.22x the default of two at S=512 to 2048 (B * S = 32k) and 0.98x two
+#: at 2560, 0.92 to 0.94x three without it at 4096.
+C3_CAUSAL_SKIP_MAX_BLOCKS = 32
 
 
 def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
@@ -3125,18 +3134,21 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     pads the queries to a multiple of 192 and walks three diagonal blocks where a
     128-row tile walks two, and the items deal onto the CTAs differently: the work of
     three over two ranges from 1.02 (S=3072, B * S = 32k) to 1.24 (S=1024).
-    With ``cfg.skip_padding_rows=True`` (not the causal default) a warpgroup whose
-    rows are all padding counts as free: a tile's blocks count for its live
+    Where the kernel of ``nwg`` warpgroups skips padded ones
+    (:func:`auto_skip_padding_rows`: ``cfg.skip_padding_rows=True``, or by default
+    three over at most :data:`C3_CAUSAL_SKIP_MAX_BLOCKS` key blocks) a warpgroup
+    whose rows are all padding counts as free: a tile's blocks count for its live
     warpgroups' share (the item's overhead in full), against
-    :data:`C3_CAUSAL_GAIN_SKIP` (that series: 1.016 to 1.097, three at each point;
-    B=1: two at 1280 keys and under, 1.16 and more)."""
+    :data:`C3_CAUSAL_GAIN_SKIP` where three skip (that series: 1.016 to 1.097, three
+    at each point; B=1: two at 1280 keys and under, 1.16 and more)."""
     sq = skv if sq is None else sq
     offset = skv - sq if offset is None else offset
-    skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True)
     n_cta = cfg.persistent or sm_count()
     total = -(-skv // schedule.BLOCK_N)
     work = {}
     for nwg in (2, 3):
+        skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True, nwg=nwg,
+                                      blocks=total)
         rows = cfg.block_m * nwg
         lead, sq_pad, _ = padding(sq, skv, True, rows, offset)
         n_tiles = sq_pad // rows
@@ -3150,7 +3162,7 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
             work[nwg] = span * cfg.block_m
         else:
             work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
-    gain = C3_CAUSAL_GAIN_SKIP if skip else C3_CAUSAL_GAIN
+    gain = C3_CAUSAL_GAIN_SKIP if skip else C3_CAUSAL_GAIN  # (three's)
     return work[3] < gain * work[2]
 
 
@@ -3169,18 +3181,26 @@ def _prefill_persistent(cfg: MosaicConfig, d: int, skv: int, *, gpu: bool) -> bo
         -(-skv // schedule.BLOCK_N), d, gpu=gpu, decode=False, split_out=False))
 
 
-def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool) -> bool:
-    """``MosaicConfig(skip_padding_rows=None)``'s choice (not None: that): for a
-    non-causal prefill, where the H100 measured 1.05 to 1.11x at D=64 (2026-12-07, S=512
-    to 2560, notes "twenty-ninth stop"), not for a causal one: there three warpgroups
-    with it ran 1.03 to 1.11x two at S=512 to 2048 but 0.93 to 0.94x themselves
-    without it at B=8 S=4096. Its cause is not yet found: not the early launch of
-    the next kernel (0.93x with ``pdl="off"`` too) nor the clock (the skip's kernel
-    ran unthrottled at 1980 MHz, the one without it at the power cap), and the kernel
-    built with the on-device profiler does not show it (equal cycles; notes
-    "thirty-second stop"). A launch choice: the same bits
+def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool,
+                           nwg: int | None = None, blocks: int | None = None) -> bool:
+    """``MosaicConfig(skip_padding_rows=None)``'s choice (not None: that) for a kernel
+    of ``nwg`` compute warpgroups over ``blocks`` key blocks: for a non-causal prefill,
+    where the H100 measured 1.05 to 1.11x at D=64 (2026-12-07, S=512 to 2560, notes
+    "twenty-ninth stop"), and for a causal one of three warpgroups over at most
+    :data:`C3_CAUSAL_SKIP_MAX_BLOCKS` blocks: there three with it ran 1.02 to 1.22x
+    the default of two at S=512 to 2048 (notes "twenty-ninth stop" and "thirty-second
+    stop"), but 0.98x two at 2560 and 0.93 to 0.94x themselves without it at B=8
+    S=4096; two causal warpgroups were not measured with it. The loss's cause is not
+    yet found: not the early launch of the next kernel (0.93x with ``pdl="off"`` too)
+    nor the clock (the skip's kernel ran unthrottled at 1980 MHz, the one without it
+    at the power cap), and the kernel built with the on-device profiler does not show
+    it (equal cycles; notes "thirty-second stop"). A launch choice: the same bits
     (``test_skip_padding_rows_keep_bits_on_gpu``)."""
-    return (not causal) if skip_padding_rows is None else skip_padding_rows
+    if skip_padding_rows is not None:
+        return skip_padding_rows
+    if not causal:
+        return True
+    return nwg == 3 and blocks is not None and blocks <= C3_CAUSAL_SKIP_MAX_BLOCKS
 
 
 def auto_static_slots(static_slots: bool | None, d: int, *, gpu: bool, nwg: int,
