@@ -21,7 +21,8 @@ block, and a CTA's span (first item's start to last item's end) over its items
 N unprofiled ones (back to back, as in a benchmark's timed loop). With
 ``--time_calls=N`` the unprofiled and the profiled executables are then each timed
 over N calls back to back (wall time over N, after the trace's call: ``plain_us``,
-``traced_us``), whether the profiler's own code changes the kernel's length. Writes
+``traced_us``; the profiled one's include its host-side trace dump after each call,
+so the profiled kernel's own duration is ``kernel_timeline --profile_space``'s). Writes
 ``profile.json`` (the summaries) and each case's Perfetto trace to ``--out_dir``;
 Mosaic GPU's own estimate of the profiler's cost per event is subtracted by JAX.
 """
@@ -126,8 +127,8 @@ def main(argv):
                     outs = [plain(q, k, v) for _ in range(FLAGS.steady)]
                     jax.block_until_ready([*outs, traced(q, k, v)])
                     del outs
-                    for key, exe in (("plain_us", plain), ("traced_us", traced)):
-                        if FLAGS.time_calls:
+                    if FLAGS.time_calls:
+                        for key, exe in (("plain_us", plain), ("traced_us", traced)):
                             row[key] = _time_calls(exe, (q, k, v), FLAGS.time_calls)
                 jax.effects_barrier()
                 files = glob.glob(os.path.join(tmp, "*-trace.json"))

@@ -3145,10 +3145,10 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
     offset = skv - sq if offset is None else offset
     n_cta = cfg.persistent or sm_count()
     total = -(-skv // schedule.BLOCK_N)
-    work = {}
+    work, skips = {}, {}
     for nwg in (2, 3):
-        skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True, nwg=nwg,
-                                      blocks=total)
+        skips[nwg] = skip = auto_skip_padding_rows(cfg.skip_padding_rows, causal=True,
+                                                   nwg=nwg, blocks=total)
         rows = cfg.block_m * nwg
         lead, sq_pad, _ = padding(sq, skv, True, rows, offset)
         n_tiles = sq_pad // rows
@@ -3162,7 +3162,7 @@ def c3_causal_pays(cfg: MosaicConfig, skv: int, *, b: int, hq: int,
             work[nwg] = span * cfg.block_m
         else:
             work[nwg] = persistent_span(np.repeat(blocks, hq), b, n_cta) * rows
-    gain = C3_CAUSAL_GAIN_SKIP if skip else C3_CAUSAL_GAIN  # (three's)
+    gain = C3_CAUSAL_GAIN_SKIP if skips[3] else C3_CAUSAL_GAIN
     return work[3] < gain * work[2]
 
 
