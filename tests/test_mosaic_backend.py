@@ -451,14 +451,16 @@ def test_skip_padding_rows_keep_bits_on_gpu():
     padding mask over NaN in the dropped keys' K and V, JAX's layout; D=128 at 960
     rows causal and not. The first configuration computes the padding rows, the
     default skips them where not causal and, causal, for three warpgroups over at most
-    32 key blocks (``skip_padding_rows=None``), the others always."""
+    32 key blocks (``skip_padding_rows=None``), the others always (the last with
+    ``opaque_bounds``, the item's bounds behind an optimisation barrier)."""
     from jaxattn.backends.mosaic import forward as mf
     rng = np.random.default_rng()
     skip = functools.partial(mf.MosaicConfig, skip_padding_rows=True)
     noskip = mf.MosaicConfig(skip_padding_rows=False)
     for d, configs, cases in (
             (64, [noskip, mf.MosaicConfig(), skip(), skip(compute_wgs=2),
-                  skip(compute_wgs=3), skip(compute_wgs=3, persistent=0)],
+                  skip(compute_wgs=3), skip(compute_wgs=3, persistent=0),
+                  skip(compute_wgs=3, opaque_bounds=True)],
              ((1000, 1000, True), (1000, 1000, False), (960, 960, True),
               (960, 960, False), (100, 1100, True))),
             (128, [noskip, mf.MosaicConfig(), skip()],

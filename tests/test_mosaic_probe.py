@@ -277,6 +277,37 @@ def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
     assert text(384, True) == text(384, False)
 
 
+def test_interpret_opaque_bounds_keep_bits(mosaic_fwd):
+    """``opaque_bounds`` (an optimisation barrier on each item's block bounds, for the
+    compiler's scheduling only) keeps every row's bits, out and lse, no NaN: three
+    warpgroups causal at 200 rows skipping the padded ones on a persistent grid of
+    three CTAs, and two non-causal at 192; it is in the module lowered for CUDA (which
+    it changes) and refused unless True or False."""
+    from benchmarks import lowered
+    cfg = mosaic_fwd.MosaicConfig
+    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
+    for s, causal, kw in ((200, True, {"compute_wgs": 3, "persistent": 3,
+                                        "skip_padding_rows": True}),
+                          (192, False, {"compute_wgs": 2})):
+        qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
+        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
+                                          config=cfg(opaque_bounds=on, **kw))
+                       for on in (False, True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{s} seed {seed}")
+    S = jax.ShapeDtypeStruct
+    q, k = S((1, 4, 1000, 64), jnp.bfloat16), S((1, 2, 1000, 64), jnp.bfloat16)
+    texts = [lowered.modules(lambda on=on: mosaic_fwd.lower_for_cuda(
+        q, k, k, causal=True, config=cfg(compute_wgs=3, opaque_bounds=on)))
+        for on in (False, True)]
+    if None in texts:
+        pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
+    assert texts[0] != texts[1]
+    with pytest.raises(ValueError, match="opaque_bounds must be True or False, got None"):
+        cfg(opaque_bounds=None)
+
+
 # CI time (a launch choice of the GPU, off in the interpreter by default):
 # test_static_slots_keep_bits_on_gpu
 @pytest.mark.slow

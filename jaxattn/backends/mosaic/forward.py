@@ -414,6 +414,16 @@ class MosaicConfig:
     #: sum, row max, P) before the ping-pong hand-off, as JAX's ``attention_mgpu``
     #: (which found the order of that code to matter): scheduling only, the same bits.
     fence: bool = True
+    #: An optimisation barrier on each item's block bounds (``hi``, the blocks it
+    #: visits, and ``full``, those without a mask), so the compiler treats them alike
+    #: whatever they were computed from: scheduling only, the same bits. Built because
+    #: ptxas gives D=64's three-warpgroup main loop two forms by shape, 289 (or 285)
+    #: instructions or 294 with three more uniform ops (a register swap between the
+    #: P V products, in the ring's turn): with ``skip_padding_rows`` the 294 at B=8
+    #: S=4096, where that kernel measured 0.93x the one without (289), and the profiled
+    #: one (289) no loss; with the barrier every measured shape's loop is 289 (this
+    #: machine's ptxas; notes "thirty-second stop"). Off until measured on the GPU.
+    opaque_bounds: bool = False
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
     #: the split's finalize costs a division per element otherwise, every SPLIT of
@@ -591,7 +601,7 @@ class MosaicConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes", "defer_store_wait"):
+        for name in ("kv_boxes", "q_boxes", "defer_store_wait", "opaque_bounds"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -2031,6 +2041,8 @@ class _Forward:
             it.hi = jnp.where(it.q0 >= self.live_rows, jnp.int32(0), it.hi)
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
+        if self.cfg.opaque_bounds:
+            it.hi, it.full = lax.optimization_barrier((it.hi, it.full))
 
     def split(self, it: _Item, n_steps, si, state, init=None, more=None):
         """SPLIT ``si``: its blocks [lo, end) in key order from a fresh state (or from
