@@ -240,6 +240,22 @@ def test_interpret_three_warpgroups_keep_bits(mosaic_fwd, small_split):
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed {seed}")
 
 
+def _option_keeps_bits(mosaic_fwd, field, cases):
+    """The interpreter's rows with ``MosaicConfig`` launch option ``field`` on against
+    off, equal in raw bits, out and lse, and free of NaN, for each case ``(s, causal,
+    other fields)`` of one random 200-row sequence cut to ``s`` rows (D=64)."""
+    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
+    for s, causal, kw in cases:
+        qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
+        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
+                                          config=mosaic_fwd.MosaicConfig(**{field: on},
+                                                                         **kw))
+                       for on in (False, True))
+        for x, y in zip(base, other, strict=True):
+            assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{s} seed {seed}")
+
+
 @needs_threads
 @needs_interpret
 def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
@@ -253,16 +269,9 @@ def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
     a warpgroup's rows can all be padding (lowered for CUDA: 384 rows, none)."""
     from benchmarks import lowered
     cfg = mosaic_fwd.MosaicConfig
-    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
-    for s, causal, kw in ((200, True, {"compute_wgs": 3, "persistent": 3}),
-                          (192, False, {"compute_wgs": 2}), (192, True, {"compute_wgs": 2})):
-        qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
-        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
-                                          config=cfg(skip_padding_rows=on, **kw))
-                       for on in (False, True))
-        for x, y in zip(base, other, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{s} seed {seed}")
+    _option_keeps_bits(mosaic_fwd, "skip_padding_rows", (
+        (200, True, {"compute_wgs": 3, "persistent": 3}),
+        (192, False, {"compute_wgs": 2}), (192, True, {"compute_wgs": 2})))
     S = jax.ShapeDtypeStruct
 
     def text(s, on):
@@ -277,6 +286,8 @@ def test_interpret_skip_padding_rows_keep_bits(mosaic_fwd):
     assert text(384, True) == text(384, False)
 
 
+@needs_threads
+@needs_interpret
 def test_interpret_opaque_bounds_keep_bits(mosaic_fwd):
     """``opaque_bounds`` (an optimisation barrier on each item's block bounds, for the
     compiler's scheduling only) keeps every row's bits, out and lse, no NaN: three
@@ -285,17 +296,9 @@ def test_interpret_opaque_bounds_keep_bits(mosaic_fwd):
     it changes) and refused unless True or False."""
     from benchmarks import lowered
     cfg = mosaic_fwd.MosaicConfig
-    seed, q, k, v = _inputs(1, 2, 1, 200, 200, 64)
-    for s, causal, kw in ((200, True, {"compute_wgs": 3, "persistent": 3,
-                                        "skip_padding_rows": True}),
-                          (192, False, {"compute_wgs": 2})):
-        qs, ks, vs = q[:, :, :s], k[:, :, :s], v[:, :, :s]
-        base, other = (mosaic_fwd.forward(qs, ks, vs, causal=causal, interpret=True,
-                                          config=cfg(opaque_bounds=on, **kw))
-                       for on in (False, True))
-        for x, y in zip(base, other, strict=True):
-            assert not np.isnan(np.asarray(y, np.float32)).any(), f"seed {seed}"
-            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"{s} seed {seed}")
+    _option_keeps_bits(mosaic_fwd, "opaque_bounds", (
+        (200, True, {"compute_wgs": 3, "persistent": 3, "skip_padding_rows": True}),
+        (192, False, {"compute_wgs": 2})))
     S = jax.ShapeDtypeStruct
     q, k = S((1, 4, 1000, 64), jnp.bfloat16), S((1, 2, 1000, 64), jnp.bfloat16)
     texts = [lowered.modules(lambda on=on: mosaic_fwd.lower_for_cuda(
