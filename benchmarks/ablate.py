@@ -53,6 +53,13 @@ ABLATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         [(FORWARD,
           "        else:\n            raw_max = s.max(axis=1)\n",
           "        else:\n            raw_max = self.rows_init(0.0)\n")]),
+    "no_rowsum": (
+        "the running row sum's block term (its per-thread adds and cross-lane shuffles): "
+        "l only rescaled, so the bound of what a row sum without per-block shuffles "
+        "(per-lane partial sums, reduced once at the end) could gain",
+        [(FORWARD,
+          "    return l * alpha + p32.sum(axis=1)\n",
+          "    return l * alpha\n")]),
     "no_merge_loads": (
         "gmem_state's reads of the running state between SPLITs (the merge takes zeros "
         "for it; the math and the scratch's stores kept: taking the stores away lets "
