@@ -478,6 +478,29 @@ def test_skip_padding_rows_keep_bits_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+def test_opaque_bounds_keep_bits_on_gpu():
+    """On sm90, ``opaque_bounds`` (the item's block bounds behind an optimisation
+    barrier; by default on for D=64 causal prefills on the persistent grid past 16 key
+    blocks) gives the bits without it, out and lse, no NaN: D=64 causal at 1100 keys
+    (18 blocks: the default's barrier, two warpgroups) and 2100 (33: three), a chunk of
+    300 queries on 2100 keys, and non-causal at 2100 (the default without it); two and
+    three warpgroups with it, the latter skipping padding rows."""
+    from jaxattn.backends.mosaic import forward as mf
+    configs = [mf.MosaicConfig(opaque_bounds=False), mf.MosaicConfig(),
+               mf.MosaicConfig(opaque_bounds=True, compute_wgs=2),
+               mf.MosaicConfig(opaque_bounds=True, compute_wgs=3, skip_padding_rows=True)]
+    q, k, v = rand_qkv(2, 8, 2, 2100, 2100, 64, jnp.bfloat16)
+    for sq, skv, causal in ((1100, 1100, True), (2100, 2100, True), (300, 2100, True),
+                            (2100, 2100, False)):
+        lo = skv - sq
+        _configs_agree_in_bits(mf.forward, configs, (64, sq, skv, causal),
+                               q[:, :, lo:lo + sq], k[:, :, :skv], v[:, :, :skv],
+                               causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_q_boxes_keep_bits_on_gpu():
     """On sm90, ``MosaicConfig(q_boxes=True)`` (the default: Q and O at Sq rows, the
     last tile's rows past Sq TMA's zeros and a clipped store; the lse sliced) gives the

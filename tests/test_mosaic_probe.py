@@ -293,22 +293,45 @@ def test_interpret_opaque_bounds_keep_bits(mosaic_fwd):
     compiler's scheduling only) keeps every row's bits, out and lse, no NaN: three
     warpgroups causal at 200 rows skipping the padded ones on a persistent grid of
     three CTAs, and two non-causal at 192; it is in the module lowered for CUDA (which
-    it changes) and refused unless True or False."""
+    it changes) and refused unless None, True or False; by default
+    (:func:`auto_opaque_bounds`) on the GPU for a D=64 causal prefill on the persistent
+    grid past 16 key blocks only."""
     from benchmarks import lowered
     cfg = mosaic_fwd.MosaicConfig
     _option_keeps_bits(mosaic_fwd, "opaque_bounds", (
         (200, True, {"compute_wgs": 3, "persistent": 3, "skip_padding_rows": True}),
         (192, False, {"compute_wgs": 2})))
     S = jax.ShapeDtypeStruct
-    q, k = S((1, 4, 1000, 64), jnp.bfloat16), S((1, 2, 1000, 64), jnp.bfloat16)
-    texts = [lowered.modules(lambda on=on: mosaic_fwd.lower_for_cuda(
-        q, k, k, causal=True, config=cfg(compute_wgs=3, opaque_bounds=on)))
-        for on in (False, True)]
+
+    def text(s, on):
+        q, k = S((1, 4, s, 64), jnp.bfloat16), S((1, 2, s, 64), jnp.bfloat16)
+        return lowered.modules(lambda: mosaic_fwd.lower_for_cuda(
+            q, k, k, causal=True, config=cfg(compute_wgs=3, opaque_bounds=on)))
+
+    texts = [text(1000, on) for on in (False, True, None)]
     if None in texts:
         pytest.skip("this JAX does not expose the lowered Mosaic GPU modules")
     assert texts[0] != texts[1]
-    with pytest.raises(ValueError, match="opaque_bounds must be True or False, got None"):
-        cfg(opaque_bounds=None)
+    assert texts[2] == texts[0]  # 16 key blocks: the default's off
+    assert text(1100, None) == text(1100, True)  # 18: on
+    with pytest.raises(ValueError, match="opaque_bounds must be None, True or False, got 1"):
+        cfg(opaque_bounds=1)
+    auto = functools.partial(mosaic_fwd.auto_opaque_bounds, None, gpu=True, causal=True,
+                             persistent=True)
+    assert mosaic_fwd.OPAQUE_BOUNDS_ABOVE_BLOCKS == 16
+    assert [auto(64, blocks=n) for n in (8, 16, 17, 32, 64)] == [
+        False, False, True, True, True]
+    assert not auto(128, blocks=64)
+    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=False, causal=True,
+                                             persistent=True, blocks=64)
+    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=True, causal=False,
+                                             persistent=True, blocks=64)
+    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=True, causal=True,
+                                             persistent=False, blocks=64)
+    assert mosaic_fwd.auto_opaque_bounds(True, 128, gpu=False, causal=False,
+                                         persistent=False, blocks=1)
+    assert not mosaic_fwd.auto_opaque_bounds(False, 64, gpu=True, causal=True,
+                                             persistent=True, blocks=64)
 
 
 # CI time (a launch choice of the GPU, off in the interpreter by default):

@@ -422,8 +422,12 @@ class MosaicConfig:
     #: P V products, in the ring's turn): with ``skip_padding_rows`` the 294 at B=8
     #: S=4096, where that kernel measured 0.93x the one without (289), and the profiled
     #: one (289) no loss; with the barrier every measured shape's loop is 289 (this
-    #: machine's ptxas; notes "thirty-second stop"). Off until measured on the GPU.
-    opaque_bounds: bool = False
+    #: machine's ptxas; notes "thirty-second stop"). None (the default,
+    #: :func:`auto_opaque_bounds`): on for a D=64 causal prefill on the persistent grid
+    #: past :data:`OPAQUE_BOUNDS_ABOVE_BLOCKS` key blocks, where the H100 measured
+    #: 1.05x at S=2048, 1.02 to 1.04x at 2560 and 1.00 to 1.02x at 4096, against 0.93x
+    #: at 512 and 0.93 to 0.96x at 1024 (notes "thirty-third stop").
+    opaque_bounds: bool | None = None
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
     #: the split's finalize costs a division per element otherwise, every SPLIT of
@@ -597,11 +601,11 @@ class MosaicConfig:
             check_pdl(name, getattr(self, name), optional=name != "pdl")
         for name in ("smem_state", "pv_split", "gmem_state", "merge_arrive",
                      "last_merge_arrive", "kv_multicast", "static_slots",
-                     "skip_padding_rows"):  # None: by shape
+                     "skip_padding_rows", "opaque_bounds"):  # None: by shape
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
-        for name in ("kv_boxes", "q_boxes", "defer_store_wait", "opaque_bounds"):
+        for name in ("kv_boxes", "q_boxes", "defer_store_wait"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
@@ -1395,6 +1399,10 @@ class _Forward:
                                                    gpu=interpret is None, nwg=self.nwg,
                                                    causal=causal,
                                                    persistent=bool(persistent)))
+        #: MosaicConfig.opaque_bounds (None: :func:`auto_opaque_bounds`)
+        self.opaque_bounds = auto_opaque_bounds(
+            cfg.opaque_bounds, d, gpu=interpret is None, causal=causal,
+            persistent=bool(persistent), blocks=self.total)
         self.n_splits_all = -(-self.total // self.per_split)
         if split_out and (self.nwg != 1 or cfg.persistent):
             raise ValueError("split_out needs one compute warpgroup and no persistent "
@@ -2041,7 +2049,7 @@ class _Forward:
             it.hi = jnp.where(it.q0 >= self.live_rows, jnp.int32(0), it.hi)
         it.full = _full_blocks(p0, it.hi, offset=it.offset, whole=self.whole,
                                causal=self.causal)
-        if self.cfg.opaque_bounds:
+        if self.opaque_bounds:
             it.hi, it.full = lax.optimization_barrier((it.hi, it.full))
 
     def split(self, it: _Item, n_steps, si, state, init=None, more=None):
@@ -3213,6 +3221,32 @@ def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool,
     if not causal:
         return True
     return nwg == 3 and blocks is not None and blocks <= C3_CAUSAL_SKIP_MAX_BLOCKS
+
+
+#: :func:`auto_opaque_bounds` puts the item's bounds behind the barrier past this many
+#: key blocks (S > 1024): the H100's rows (2026-12-07, two calls, tree ``4083eb9``, one
+#: process each, bits equal) gained at 32, 40 and 64 blocks and lost at 8 and 16.
+OPAQUE_BOUNDS_ABOVE_BLOCKS = 16
+
+
+def auto_opaque_bounds(opaque_bounds: bool | None, d: int, *, gpu: bool, causal: bool,
+                       persistent: bool, blocks: int) -> bool:
+    """``MosaicConfig(opaque_bounds=None)``'s choice (not None: that) for a kernel over
+    ``blocks`` key blocks: on the GPU for a D=64 causal prefill on the persistent grid
+    past :data:`OPAQUE_BOUNDS_ABOVE_BLOCKS` blocks. There ptxas gives the main loop the
+    longer of its two forms (294 instructions against 289; notes "thirty-second
+    stop") and the barrier the shorter: the H100 measured, against the default without
+    it (one process per call, two calls), 1.05x at B=16 S=2048 (three warpgroups with
+    ``skip_padding_rows``), 1.02 to 1.04x at B=12 S=2560 (two), 1.00 to 1.02x at B=8
+    S=4096 (three), and 0.93x at B=64 S=512 and 0.93 to 0.96x at B=32 S=1024, where
+    the loop's form is already the short one (285: the barrier makes it 289). Not
+    measured elsewhere (non-causal, D=128 and 256, one CTA a tile: there it changes
+    the code too, notes "thirty-second stop"). A launch choice: the same bits
+    (``test_opaque_bounds_keep_bits_on_gpu``)."""
+    if opaque_bounds is not None:
+        return opaque_bounds
+    return (gpu and d == 64 and causal and persistent
+            and blocks > OPAQUE_BOUNDS_ABOVE_BLOCKS)
 
 
 def auto_static_slots(static_slots: bool | None, d: int, *, gpu: bool, nwg: int,
