@@ -419,14 +419,14 @@ class MosaicConfig:
     #: whatever they were computed from: scheduling only, the same bits. Built because
     #: ptxas gives D=64's three-warpgroup main loop two forms by shape, 289 (or 285)
     #: instructions or 294 with three more uniform ops (a register swap between the
-    #: P V products, in the ring's turn): with ``skip_padding_rows`` the 294 at B=8
-    #: S=4096, where that kernel measured 0.93x the one without (289), and the profiled
-    #: one (289) no loss; with the barrier every measured shape's loop is 289 (this
-    #: machine's ptxas; notes "thirty-second stop"). None (the default,
+    #: P V products, in the ring's turn); with the barrier every measured shape's loop
+    #: is 289 (this machine's ptxas; notes "thirty-second stop"). None (the default,
     #: :func:`auto_opaque_bounds`): on for a D=64 causal prefill on the persistent grid
     #: past :data:`OPAQUE_BOUNDS_ABOVE_BLOCKS` key blocks, where the H100 measured
-    #: 1.05x at S=2048, 1.02 to 1.04x at 2560 and 1.00 to 1.02x at 4096, against 0.93x
-    #: at 512 and 0.93 to 0.96x at 1024 (notes "thirty-third stop").
+    #: 1.05 to 1.07x at S=1536 and 2048, 1.01 to 1.04x at 2560 and 3072 and 1.00 to
+    #: 1.02x at 4096, against 0.93x at 512 and 0.93 to 0.96x at 1024 (notes
+    #: "thirty-third stop"). It does not mend ``skip_padding_rows``' causal loss past
+    #: 32 blocks (0.95x with both at B=8 S=4096).
     opaque_bounds: bool | None = None
     #: A split's output normalisation: "divide" (``acc / l``, each element) or
     #: "reciprocal" (``acc * (1 / l)``: one division per row, a product per element;
@@ -3214,7 +3214,8 @@ def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool,
     yet found: not the early launch of the next kernel (0.93x with ``pdl="off"`` too)
     nor the clock (the skip's kernel ran unthrottled at 1980 MHz, the one without it
     at the power cap), and the kernel built with the on-device profiler does not show
-    it (equal cycles; notes "thirty-second stop"). A launch choice: the same bits
+    it (equal cycles; notes "thirty-second stop"), nor the main loop's form (with
+    ``opaque_bounds`` still 0.95x; "thirty-third stop"). A launch choice: the same bits
     (``test_skip_padding_rows_keep_bits_on_gpu``)."""
     if skip_padding_rows is not None:
         return skip_padding_rows
@@ -3233,16 +3234,17 @@ def auto_opaque_bounds(opaque_bounds: bool | None, d: int, *, gpu: bool, causal:
                        persistent: bool, blocks: int) -> bool:
     """``MosaicConfig(opaque_bounds=None)``'s choice (not None: that) for a kernel over
     ``blocks`` key blocks: on the GPU for a D=64 causal prefill on the persistent grid
-    past :data:`OPAQUE_BOUNDS_ABOVE_BLOCKS` blocks. There ptxas gives the main loop the
-    longer of its two forms (294 instructions against 289; notes "thirty-second
-    stop") and the barrier the shorter: the H100 measured, against the default without
-    it (one process per call, two calls), 1.05x at B=16 S=2048 (three warpgroups with
-    ``skip_padding_rows``), 1.02 to 1.04x at B=12 S=2560 (two), 1.00 to 1.02x at B=8
-    S=4096 (three), and 0.93x at B=64 S=512 and 0.93 to 0.96x at B=32 S=1024, where
-    the loop's form is already the short one (285: the barrier makes it 289). Not
-    measured elsewhere (non-causal, D=128 and 256, one CTA a tile: there it changes
-    the code too, notes "thirty-second stop"). A launch choice: the same bits
-    (``test_opaque_bounds_keep_bits_on_gpu``)."""
+    past :data:`OPAQUE_BOUNDS_ABOVE_BLOCKS` blocks. Past 16 blocks ptxas gives three
+    warpgroups' main loop the longer of its two forms where the bounds are plain (294
+    instructions against 289; notes "thirty-second stop") and the barrier the
+    shorter. The H100 measured, against the same launch without it (one process a
+    call, three calls, 2026-12-08), 1.07x at B=21 S=1536 and 1.05x at B=16 S=2048
+    (three warpgroups with ``skip_padding_rows``), 1.01 to 1.04x at B=12 S=2560 (two)
+    and B=10 S=3072, 1.00 to 1.02x at B=8 S=4096 (three); and 0.93x at B=64 S=512 and
+    0.93 to 0.96x at B=32 S=1024, where the loop's form is already the short one (285:
+    the barrier makes it 289). Not measured elsewhere (non-causal, D=128 and 256, one
+    CTA a tile: there it changes the code too, notes "thirty-second stop"). A launch
+    choice: the same bits (``test_opaque_bounds_keep_bits_on_gpu``)."""
     if opaque_bounds is not None:
         return opaque_bounds
     return (gpu and d == 64 and causal and persistent
