@@ -482,9 +482,9 @@ def test_opaque_bounds_keep_bits_on_gpu():
     """On sm90, ``opaque_bounds`` (the item's block bounds behind an optimisation
     barrier; by default on for D=64 causal prefills on the persistent grid past 16 key
     blocks) gives the bits without it, out and lse, no NaN: D=64 causal at 1100 keys
-    (18 blocks: the default's barrier, two warpgroups) and 2100 (33: three), a chunk of
-    300 queries on 2100 keys, and non-causal at 2100 (the default without it); two and
-    three warpgroups with it, the latter skipping padding rows."""
+    (18 blocks: the default takes the barrier) and 2100 (33), a chunk of 300 queries
+    on 2100 keys, and non-causal at 2100 (the default without it); the default, and
+    two and three warpgroups with it, the latter skipping padding rows."""
     from jaxattn.backends.mosaic import forward as mf
     configs = [mf.MosaicConfig(opaque_bounds=False), mf.MosaicConfig(),
                mf.MosaicConfig(opaque_bounds=True, compute_wgs=2),

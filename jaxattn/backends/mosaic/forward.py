@@ -3225,8 +3225,9 @@ def auto_skip_padding_rows(skip_padding_rows: bool | None, *, causal: bool,
 
 
 #: :func:`auto_opaque_bounds` puts the item's bounds behind the barrier past this many
-#: key blocks (S > 1024): the H100's rows (2026-12-07, two calls, tree ``4083eb9``, one
-#: process each, bits equal) gained at 32, 40 and 64 blocks and lost at 8 and 16.
+#: key blocks (S > 1024): the H100's rows (2026-12-08, trees ``f71c1ce`` and ``6ee3de9``,
+#: three calls, one process each, bits equal) gained at 24, 32, 40, 48 and 64 blocks
+#: and lost at 8 and 16.
 OPAQUE_BOUNDS_ABOVE_BLOCKS = 16
 
 
