@@ -316,22 +316,15 @@ def test_interpret_opaque_bounds_keep_bits(mosaic_fwd):
     assert text(1100, None) == text(1100, True)  # 18: on
     with pytest.raises(ValueError, match="opaque_bounds must be None, True or False, got 1"):
         cfg(opaque_bounds=1)
-    auto = functools.partial(mosaic_fwd.auto_opaque_bounds, None, gpu=True, causal=True,
-                             persistent=True)
+    auto = functools.partial(mosaic_fwd.auto_opaque_bounds, d=64, gpu=True, causal=True,
+                             persistent=True, blocks=64)
     assert mosaic_fwd.OPAQUE_BOUNDS_ABOVE_BLOCKS == 16
-    assert [auto(64, blocks=n) for n in (8, 16, 17, 32, 64)] == [
+    assert [auto(None, blocks=n) for n in (8, 16, 17, 32, 64)] == [
         False, False, True, True, True]
-    assert not auto(128, blocks=64)
-    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=False, causal=True,
-                                             persistent=True, blocks=64)
-    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=True, causal=False,
-                                             persistent=True, blocks=64)
-    assert not mosaic_fwd.auto_opaque_bounds(None, 64, gpu=True, causal=True,
-                                             persistent=False, blocks=64)
-    assert mosaic_fwd.auto_opaque_bounds(True, 128, gpu=False, causal=False,
-                                         persistent=False, blocks=1)
-    assert not mosaic_fwd.auto_opaque_bounds(False, 64, gpu=True, causal=True,
-                                             persistent=True, blocks=64)
+    for other in ({"d": 128}, {"gpu": False}, {"causal": False}, {"persistent": False}):
+        assert not auto(None, **other), other
+    assert auto(True, d=128, gpu=False, causal=False, persistent=False, blocks=1)
+    assert not auto(False)
 
 
 # CI time (a launch choice of the GPU, off in the interpreter by default):
