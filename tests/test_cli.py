@@ -364,3 +364,24 @@ def test_gpu_binaries_refuse_bad_flags_before_the_gpu(module, args, message):
                           env=cpu_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_dq_order_model_counts_the_lag_as_idle():
+    """benchmarks.dq_order_model: with no lag the greedy deal is within 2% of perfect
+    balance; a lag only delays starts (never below balance, never faster); a hand count
+    of two heads of two pairs on two CTAs; non-causal pairs are equal items."""
+    from benchmarks import dq_order_model as m
+
+    end0, bal = m.makespan(64, 16, 4, 132, 0)
+    assert bal == 16 * 4 * sum(64 - 2 * p for p in range(32)) / 132
+    assert bal <= end0 <= 1.02 * bal
+    end9, _ = m.makespan(64, 16, 4, 132, 9)
+    end17, _ = m.makespan(64, 16, 4, 132, 17)
+    assert end0 < end9 < end17
+    # 4 tiles, one query head: pair 0 has 4 steps, pair 1 has 2; two heads, two CTAs.
+    # Pairs 0 start at 0 on both CTAs; each pair 1 goes where a pair 0 ends (t = 4),
+    # a lag of 5 holds it to t = 5: the last end is 7 (without the lag, 6).
+    assert m.makespan(4, 2, 1, 2, 5) == (7.0, 6.0)
+    assert m.makespan(4, 2, 1, 2, 0) == (6.0, 6.0)
+    end, bal = m.makespan(8, 3, 2, 4, 0, causal=False)
+    assert (end, bal) == (48.0, 48.0)  # 12 equal items of 2 * 8 steps on 4 CTAs: 3 rounds

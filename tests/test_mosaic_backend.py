@@ -569,6 +569,90 @@ def test_static_slots_keep_backward_bits_on_gpu(d):
                                                  (1000, 300, True, False)))
 
 
+def _transposed_products(d):
+    """A kernel of one warpgroup over ``q, k [64, d]``, ``x, xt [64, 64]`` bf16 (``xt``
+    = ``x``'s transpose) that returns ``(Q K^T, K Q^T, x K, xt^T K)`` fp32: the dQ
+    kernel's scores (Q by K^T, both from SMEM), the dK/dV kernel's (K by Q^T), the dQ
+    kernel's product dS K (dS in registers) and that product with dS^T staged in SMEM
+    as the dK/dV kernel holds it, read through a transposed view (what a dQ formed in
+    the dK/dV kernel would issue)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from jaxattn.backends.mosaic import backward as mb
+    from jaxattn.backends.mosaic import forward as mf
+    n, bf16, f32 = 64, jnp.bfloat16, jnp.float32
+
+    def body(q_ref, k_ref, x_ref, xt_ref, s_ref, st_ref, y_ref, yt_ref):
+        def scoped(q_s, k_s, x_s, xt_s, o_nn, o_nd, bars):
+            for i, (src, dst) in enumerate(((q_ref, q_s), (k_ref, k_s), (x_ref, x_s),
+                                            (xt_ref, xt_s))):
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+            for i in range(4):
+                plgpu.barrier_wait(bars.at[i])
+            x = mf.load_ref(x_s, layout=plgpu.Layout.WGMMA)
+            for (a, b, cols), buf, out in (((q_s, mb._t(k_s), n), o_nn, s_ref),
+                                           ((k_s, mb._t(q_s), n), o_nn, st_ref),
+                                           ((x, k_s, d), o_nd, y_ref),
+                                           ((mb._t(xt_s), k_s, d), o_nd, yt_ref)):
+                buf[...] = mb._wgmma(a, b, (n, cols))  # one product live at a time
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, out)
+                plgpu.wait_smem_to_gmem(0)
+
+        tile = lambda cols: plgpu.SMEM((n, cols), bf16,
+                                       transforms=mf._smem_transforms(cols, 2))
+        pl.run_scoped(scoped, tile(d), tile(d), tile(n), tile(n), plgpu.SMEM((n, n), f32),
+                      plgpu.SMEM((n, d), f32), plgpu.Barrier(num_barriers=4))
+
+    return plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((n, n), f32),) * 2
+        + (jax.ShapeDtypeStruct((n, d), f32),) * 2,
+        compiler_params=plgpu.CompilerParams())
+
+
+def _check_transposed_products(q, k, x, s, st, y, yt):
+    """Each of the kernel's four products within bf16-input, fp32-sum error of float64
+    (so that equal bits are equal right answers), none NaN."""
+    q64, k64, x64 = (np.asarray(a, np.float64) for a in (q, k, x))
+    for got, want in ((s, q64 @ k64.T), (st, k64 @ q64.T), (y, x64 @ k64), (yt, x64 @ k64)):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_api
+@pytest.mark.parametrize("d", [64, 256])
+def test_transposed_products_lower_for_cuda(d):
+    """The kernel of :func:`test_transposed_products_keep_bits_on_gpu` lowers for CUDA
+    on a machine without a GPU (its SMEM views and wgmma operands are valid; the
+    interpreter has no transposed SMEM view, so it does not run here)."""
+    s = jax.ShapeDtypeStruct
+    args = (s((64, d), jnp.bfloat16),) * 2 + (s((64, 64), jnp.bfloat16),) * 2
+    text = jax.jit(_transposed_products(d)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_transposed_products_keep_bits_on_gpu(d):
+    """On sm90, the dK/dV kernel's scores K Q^T are the transpose of the dQ kernel's
+    Q K^T bit for bit, and dS K is the same product whether dS sits in registers (the
+    dQ kernel) or is read from dS^T in SMEM through a transposed view: the two facts a
+    dQ formed in the dK/dV kernel needs to keep the dQ kernel's bits (notes,
+    "thirty-fourth stop"). Inputs scaled so that the fp32 sums round (random normal
+    values times 8)."""
+    q, k = (normal(seed, (64, d), jnp.bfloat16, scale=8.0) for seed in (1, 2))
+    x = normal(3, (64, 64), jnp.bfloat16, scale=8.0)
+    s, st, y, yt = jax.jit(_transposed_products(d))(q, k, x, x.T)
+    _check_transposed_products(q, k, x, s, st, y, yt)
+    assert bits_equal(s, st.T)
+    assert bits_equal(y, yt)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
