@@ -17,11 +17,13 @@ latency alone, a fraction of a step).
 
 The model: each (KV head, batch, pair p) is one item of ``group * (n_tiles - 2p)``
 steps (causal; ``group * n_tiles`` not), dealt in the order p, then head, to whichever
-of ``--sms`` CTAs is free first (a persistent grid's greedy table), starting no earlier
-than ``lag`` steps after the same head's pair p - 1. It prints the makespan over the
-perfect balance (every step's work spread evenly): the idle the order costs. It leaves
-out everything else (the adds' traffic, staging dS in SMEM, the polls): an upper bound
-on what the order allows, not a prediction of the kernel's speed.
+of ``--sms`` CTAs is free first (the hardware's deal of the dK/dV kernel's grid ``(kv,
+h, b)``, whose last axis launches fastest), starting no earlier than ``lag`` steps
+after the same head's pair p - 1. At lag 0 that is today's dK/dV kernel. It prints
+the makespan over perfect balance (every step's work spread evenly): the idle the
+order costs. It leaves out everything else (the adds' traffic, staging dS in SMEM,
+the polls): an upper bound on what the order allows, not a prediction of the
+kernel's speed.
 """
 
 from __future__ import annotations
