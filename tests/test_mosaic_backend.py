@@ -612,13 +612,14 @@ def _transposed_products(d):
 
 
 def _check_transposed_products(q, k, x, s, st, y, yt):
-    """Each of the kernel's four products within bf16-input, fp32-sum error of float64
-    (so that equal bits are equal right answers), none NaN."""
+    """Each of the kernel's four products within fp32 sums' error of float64 on the
+    same bf16 inputs (1e-4 of the largest: a wrong operand or view is off by the
+    values themselves), none NaN: so that equal bits are equal right answers."""
     q64, k64, x64 = (np.asarray(a, np.float64) for a in (q, k, x))
     for got, want in ((s, q64 @ k64.T), (st, k64 @ q64.T), (y, x64 @ k64), (yt, x64 @ k64)):
         got = np.asarray(got, np.float64)
         assert not np.isnan(got).any()
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 @needs_api
@@ -645,12 +646,14 @@ def test_transposed_products_keep_bits_on_gpu(d):
     dQ formed in the dK/dV kernel needs to keep the dQ kernel's bits (notes,
     "thirty-fourth stop"). Inputs scaled so that the fp32 sums round (random normal
     values times 8)."""
-    q, k = (normal(seed, (64, d), jnp.bfloat16, scale=8.0) for seed in (1, 2))
-    x = normal(3, (64, 64), jnp.bfloat16, scale=8.0)
+    seed = int(np.random.default_rng().integers(2**16))
+    rng = np.random.default_rng(seed)
+    q, k = (normal(rng, (64, d), jnp.bfloat16, scale=8.0) for _ in range(2))
+    x = normal(rng, (64, 64), jnp.bfloat16, scale=8.0)
     s, st, y, yt = jax.jit(_transposed_products(d))(q, k, x, x.T)
     _check_transposed_products(q, k, x, s, st, y, yt)
-    assert bits_equal(s, st.T)
-    assert bits_equal(y, yt)
+    assert bits_equal(s, st.T), f"seed {seed}"
+    assert bits_equal(y, yt), f"seed {seed}"
 
 
 @pytest.mark.gpu
