@@ -33,13 +33,19 @@ import heapq
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("shapes", ["1:16384", "2:4096", "4:8192", "16:1024"],
-                  "B:S points (Sq = Skv = S).")
-flags.DEFINE_list("lags", ["0", "9", "17"], "Steps between a head's pairs' starts.")
-flags.DEFINE_integer("hkv", 8, "KV heads.")
-flags.DEFINE_integer("group", 4, "Query heads per KV head (Hq / Hkv).")
-flags.DEFINE_integer("sms", 132, "CTAs at a time (one an SM).")
-flags.DEFINE_bool("causal", True, "Causal (pairs see tiles from 2p on) or not.")
+
+
+def _define_flags():
+    """The binary's flags, defined when it runs (not on import: the tests import
+    :func:`makespan` beside other benchmarks' flags of the same names)."""
+    flags.DEFINE_list("shapes", ["1:16384", "2:4096", "4:8192", "16:1024"],
+                      "B:S points (Sq = Skv = S).")
+    flags.DEFINE_list("lags", ["0", "9", "17"], "Steps between a head's pairs' starts.")
+    flags.DEFINE_integer("hkv", 8, "KV heads.")
+    flags.DEFINE_integer("group", 4, "Query heads per KV head (Hq / Hkv).")
+    flags.DEFINE_integer("sms", 132, "CTAs at a time (one an SM).")
+    flags.DEFINE_bool("causal", True, "Causal (pairs see tiles from 2p on) or not.")
+
 
 BLOCK = 64  # query rows a tile, keys a block; a dK/dV CTA holds two blocks (a pair)
 
@@ -80,4 +86,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
