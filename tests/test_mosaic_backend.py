@@ -659,6 +659,26 @@ def test_transposed_products_keep_bits_on_gpu(d):
 @pytest.mark.gpu
 @pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
                     reason=str(mosaic_backend.unavailable_reason()))
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_dq_keeps_bits_on_gpu(d):
+    """On sm90, BwdConfig(fused_dq=True) (dQ added in the dK/dV kernel in the dQ
+    kernel's order) gives the default backward's dQ, dK and dV in bits, no NaN, twice
+    in a row (its semaphores outlive a launch: the second call finds them back at
+    zero): causal and non-causal, a query tail, Sq > Skv (tiles that see no key), a
+    chunk (Sq < Skv); GQA (four query heads a KV head). Needs
+    ``test_transposed_products_keep_bits_on_gpu`` (the same dS in both kernels)."""
+    from jaxattn.backends.mosaic import backward as mb
+    configs = [mb.BwdConfig(), mb.BwdConfig(fused_dq=True), mb.BwdConfig(fused_dq=True)]
+    _backward_configs_agree_in_bits(configs, d, ((1024, 1024, True, False),
+                                                 (1024, 1024, False, False),
+                                                 (1000, 1024, True, False),
+                                                 (1024, 512, True, False),
+                                                 (256, 1024, True, False)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mosaic_backend.unavailable_reason() is not None,
+                    reason=str(mosaic_backend.unavailable_reason()))
 def test_sm_ids_fit_gmem_state_slots_on_gpu():
     """On sm90, the SM id that picks ``gmem_state``'s scratch slot (``sm_id``, PTX
     ``%smid``) is below ``GMEM_STATE_SLOTS`` on every CTA of an 8192-CTA launch, takes

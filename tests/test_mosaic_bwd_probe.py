@@ -9,6 +9,7 @@ interpret mode or an API the prototype needs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -739,6 +740,57 @@ def test_dq_pair_lowers_for_cuda(mosaic_bwd, d):
                     if "custom_call @mosaic_gpu" in line] for flag in (False, True)]
         assert len(kernels[0]) == len(kernels[1]) == 3
         assert kernels[0][:2] == kernels[1][:2] and kernels[0][2] != kernels[1][2]
+
+
+@needs_api
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_dq_lowers_for_cuda(mosaic_bwd, d):
+    """``fused_dq`` lowers for CUDA with its SMEM within the H100's (the base kernel's,
+    and per warpgroup a dS^T and an fp32 share tile): two kernels (delta and the fused
+    dK/dV) where the default has three, delta's unchanged, the fused one adding by TMA
+    reduce-adds between semaphore waits; causal with a query tail and Sq > Skv (tiles
+    that see no key), and non-causal."""
+    from benchmarks import lowered
+    q = jax.ShapeDtypeStruct((2, 8, 200, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 128, d), jnp.bfloat16)
+    for causal in (True, False):
+        lower = [functools.partial(mosaic_bwd.lower_for_cuda, q, k, k, causal=causal,
+                                   config=mosaic_bwd.BwdConfig(fused_dq=flag))
+                 for flag in (False, True)]
+        mods = [lowered.modules(f) for f in lower]
+        assert len(mods[0]) == 3 and len(mods[1]) == 2
+        assert mods[0][0] == mods[1][0]
+        fused = mods[1][1]
+        assert "cp.reduce.async.bulk" in fused and "atom." in fused, (d, causal)
+        launches = lowered.launches(lower[1])
+        assert launches[1][0] == 384 and launches[1][1] <= 232448, launches
+
+
+def test_fused_dq_refuses_what_it_does_not_serve(mosaic_bwd):
+    """``fused_dq``: a bool; the interpreter, a key mask, a key count off the 64-key grid
+    (which the backward masks) and D > 128 are refused with the reason, not run with
+    another dQ."""
+    with pytest.raises(TypeError, match="fused_dq must be True or False"):
+        mosaic_bwd.BwdConfig(fused_dq="yes")
+    cfg = mosaic_bwd.BwdConfig(fused_dq=True)
+    s = jax.ShapeDtypeStruct
+
+    def lower(d=64, skv=128, mask=None, interpret=False):
+        q, k = s((1, 2, 128, d), jnp.bfloat16), s((1, 1, skv, d), jnp.bfloat16)
+        f = jax.jit(lambda q, k, m: mosaic_bwd.backward(
+            q, k, k, q, jnp.zeros((1, 2, 128), jnp.float32), q, causal=True, config=cfg,
+            key_padding_mask=m, interpret=interpret))
+        return f.trace(q, k, mask).lower(lowering_platforms=("cuda",))
+
+    with pytest.raises(ValueError, match="fused_dq needs the GPU"):
+        lower(interpret=True)
+    with pytest.raises(ValueError, match="fused_dq takes no key mask"):
+        lower(mask=s((1, 128), jnp.bool_))
+    with pytest.raises(ValueError, match="fused_dq takes no key mask"):
+        lower(skv=100)
+    with pytest.raises(ValueError, match="fused_dq is for D <= 128"):
+        lower(d=256)
+    lower()  # and the plain call lowers
 
 
 @needs_api

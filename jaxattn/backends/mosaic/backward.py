@@ -261,9 +261,25 @@ class BwdConfig:
     #: ``MosaicConfig.store_wait`` ("read": until their SMEM has been read). A launch
     #: choice.
     store_wait: str = "read"
+    #: dQ formed in the dK/dV kernel instead of by the dQ kernel (five 64-key products
+    #: a step instead of seven): each compute warpgroup stages its ``dS^T`` in SMEM,
+    #: takes its share ``dS K`` of the step's query tile into a fresh accumulator and
+    #: adds it to the tile's fp32 dQ in global memory by a TMA reduce-add, in the dQ
+    #: kernel's order (ascending key blocks: a GMEM semaphore per query tile counts the
+    #: shares added; a block's share waits for its rank), the first share stored; XLA
+    #: then scales and casts it as the dQ kernel's ``finish`` does. The dQ kernel's
+    #: additions in its order: its bits if the dK/dV kernel's ``dS`` equals the dQ
+    #: kernel's (``test_transposed_products_keep_bits_on_gpu``) and a fresh wgmma sum
+    #: is never -0. GPU only (the interpreter has no semaphores or reduce-adds), for
+    #: :func:`backward` at D <= 128 without a key mask. Not yet run on a GPU (notes,
+    #: "thirty-fourth stop"; the retired ``dq="fused"`` of 2026-11-30 added in the
+    #: other order).
+    fused_dq: bool = False
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
+        if not isinstance(self.fused_dq, bool):
+            raise TypeError(f"fused_dq must be True or False, got {self.fused_dq!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         check_pdl("pdl", self.pdl)
@@ -737,7 +753,12 @@ class _DkdvKernel:
         else:
             dk = dk + _wgmma(ds_op, q_s, (bkv, d))
         plgpu.barrier_arrive(bars["free"].at[slot])
+        self.after_step(blk, tile, t, ds_op)
         return dk, dv
+
+    def after_step(self, blk: _DkdvBlock, tile: _DkdvTile, t, ds_op):
+        """What step t does once its slot is free, with its ``dS^T`` operand ``ds_op``:
+        nothing here (:class:`_DkdvFusedKernel`: its dQ share)."""
 
     def visible(self, blk: _DkdvBlock, q0, masked):
         """The ``[keys, queries]`` mask of the step at query row ``q0`` (causal, kept
@@ -871,15 +892,18 @@ class _DkdvKernel:
 
         pl.run_scoped(body, *self.smem(), collective_axes="wg")
 
-    def build(self):
-        """The launch: one CTA per (``nwg`` KV blocks, KV head, batch), ``nwg + 1``
-        warpgroups."""
+    def out_types(self):
+        """The kernel's outputs: dK and dV (or the one of ``parts``)."""
         kv_grad = jax.ShapeDtypeStruct(
             (self.b, self.skv, self.hkv, self.d) if self.btnh
             else (self.b, self.hkv, self.skv, self.d), self.dtype)
+        return (kv_grad,) * (2 if self.parts in ("dkdv", "pair") else 1)
+
+    def build(self):
+        """The launch: one CTA per (``nwg`` KV blocks, KV head, batch), ``nwg + 1``
+        warpgroups."""
         return launch(
-            self.kernel, pdl=self.cfg.pdl,
-            out_type=(kv_grad,) * (2 if self.parts in ("dkdv", "pair") else 1),
+            self.kernel, pdl=self.cfg.pdl, out_type=self.out_types(),
             grid=(self.skv // (self.kv_per_cta * BLOCK_KV), self.hkv, self.b),
             grid_names=("kv", "h", "b"),
             num_threads=self.nwg + 1, thread_name="wg",
@@ -1046,9 +1070,107 @@ class _DkdvPairKernel(_DkdvKernel):
         return spec, bar_spec
 
 
+class _DkdvFusedKernel(_DkdvKernel):
+    """``BwdConfig.fused_dq``: the dK/dV kernel (``parts="dkdv"``, in place, on the GPU)
+    that also forms dQ. After step t (query tile i of head h) warpgroup w, which holds
+    key block ``kb``, stages its ``dS^T`` in SMEM, takes ``dS K`` (64 x D, a fresh
+    accumulator, through a transposed view of the staged tile: the dQ kernel's product
+    on the same values) into its fp32 share tile, waits until the tile's semaphore
+    counts ``kb`` shares added (every key block below ``kb`` that the tile sees: the
+    dQ kernel's ascending order), stores the share (``kb`` 0) or reduce-adds it into
+    the kernel's third output ``dq_acc`` (``[B, Hq, Sq, D]`` fp32, unscaled) by TMA,
+    awaits the copy's writes, and signals; the tile's last key block takes the count
+    back to zero instead (``pl.get_global`` semaphores outlive the launch). A key block
+    the tile does not see adds nothing (warpgroup 1's extra masked steps). Tiles that
+    see no key get no share: :func:`_finish_fused_dq` zeroes them."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.interpret is not None or not self.gpu_operands or not self.inplace:
+            raise ValueError("fused_dq needs the GPU: the interpreter has no semaphores "
+                             "or TMA reduce-adds (and the GPU operand path, in place)")
+        if self.parts != "dkdv" or self.d > 128:
+            raise ValueError(f"fused_dq is for D <= 128 (dK and dV in one kernel), got "
+                             f"D={self.d}")
+        if self.key_mask or self.dyn_offsets:
+            raise ValueError("fused_dq takes no key mask and no per-sequence offsets")
+        self.n_kv = self.skv // BLOCK_KV
+
+    def load_block(self, w, refs, sm, bars, tile: _DkdvTile) -> _DkdvBlock:
+        """The base prologue; the block's views also hold its warpgroup's dS^T and
+        share tiles."""
+        blk = super().load_block(w, refs, sm, bars, tile)
+        return blk._replace(sm=dict(blk.sm, dst=sm["dst"].at[w], dqs=sm["dqs"].at[w]))
+
+    def after_step(self, blk: _DkdvBlock, tile: _DkdvTile, t, ds_op):
+        bq, bkv = BLOCK_Q, BLOCK_KV
+        sm = blk.sm
+        i = tile.first + lax.rem(t, tile.n)
+        h = tile.kvh * self.group + lax.div(t, tile.n)
+        kb = lax.div(blk.start, jnp.int32(bkv))
+        hi = _last_kvblock(i * bq, causal=self.causal, offset=blk.offset, n_kv=self.n_kv)
+
+        @pl.when(kb < hi)
+        def _():
+            sm["dst"][...] = ds_op  # [keys, queries]
+            plgpu.commit_smem()
+            share = _wgmma(_t(sm["dst"]), sm["k"], (bq, self.d))  # dS [queries, keys] K
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share's reads
+            sm["dqs"][...] = share
+            plgpu.commit_smem()
+            sem = self.sems.at[(tile.bi * self.hq + h) * self.n_q + i]
+            last = kb == hi - 1
+            pl.when(~last)(lambda: plgpu.semaphore_wait(sem, kb, decrement=False,
+                                                        memory_scope="gpu"))
+            pl.when(last)(lambda: plgpu.semaphore_wait(sem, kb, decrement=True,
+                                                       memory_scope="gpu"))
+            dst = self.dq_ref.at[tile.bi, h, pl.ds(i * bq, bq)]
+            pl.when(kb == 0)(lambda: plgpu.copy_smem_to_gmem(sm["dqs"], dst))
+            pl.when(kb > 0)(lambda: plgpu.copy_smem_to_gmem(sm["dqs"], dst,
+                                                            reduction_op="add"))
+            plgpu.wait_smem_to_gmem(0)  # its writes done before the count moves on
+            pl.when(~last)(lambda: plgpu.semaphore_signal(sem, 1, memory_scope="gpu"))
+
+    def smem(self):
+        """The base SMEM, and per compute warpgroup a dS^T tile (bf16) and a share tile
+        (fp32)."""
+        spec, bar_spec = super().smem()
+        nwg, bq, bkv, d = self.nwg, BLOCK_Q, BLOCK_KV, self.d
+        spec["dst"] = plgpu.SMEM((nwg, bkv, bq), self.dtype, transforms=self.tr(bq))
+        spec["dqs"] = plgpu.SMEM((nwg, bq, d), jnp.float32,
+                                 transforms=_smem_transforms(d, 4))
+        return spec, bar_spec
+
+    def kernel(self, *refs):
+        """The base kernel, with ``dq_acc`` (the last output) and the tiles' semaphores
+        kept for :meth:`after_step`."""
+        *refs, self.dq_ref = refs
+        self.sems = pl.get_global(plgpu.SemaphoreType.REGULAR((self.b * self.hq * self.n_q,)))
+        super().kernel(*refs)
+
+    def out_types(self):
+        return (*super().out_types(),
+                jax.ShapeDtypeStruct((self.b, self.hq, self.sq, self.d), jnp.float32))
+
+
+def _finish_fused_dq(acc, *, offset: int, causal: bool, scale: float, dtype, btnh: bool):
+    """:class:`_DkdvFusedKernel`'s ``dq_acc`` as the dQ kernel's ``finish`` leaves it:
+    the tiles that see no key zeroed (no share reached them), ``acc * scale`` cast to
+    ``dtype``; ``[B, S, H, D]`` with ``btnh``."""
+    if causal:
+        n_q = acc.shape[2] // BLOCK_Q
+        blind = sum(1 for i in range(n_q) if i * BLOCK_Q + (BLOCK_Q - 1) + offset < 0)
+        if blind:
+            acc = acc.at[:, :, :blind * BLOCK_Q].set(0.0)
+    dq = (acc * scale).astype(dtype)
+    return jnp.swapaxes(dq, 1, 2) if btnh else dq
+
+
 def _build_dkdv(**kw):
     """The dK/dV kernel (:class:`_DkdvKernel`'s parameters; ``parts="pair"``:
-    :class:`_DkdvPairKernel`)."""
+    :class:`_DkdvPairKernel`; ``parts="fused"``: :class:`_DkdvFusedKernel`)."""
+    if kw.get("parts") == "fused":
+        return _DkdvFusedKernel(**dict(kw, parts="dkdv")).build()
     cls = _DkdvPairKernel if kw.get("parts") == "pair" else _DkdvKernel
     return cls(**kw).build()
 
@@ -1910,6 +2032,13 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     d_out = d_out.astype(q.dtype)
     dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg, btnh=btnh)
     keep = None if keep is None else keep.astype(jnp.float32)
+    if cfg.fused_dq:
+        if keep is not None:
+            raise ValueError("fused_dq takes no key mask (nor a key count off the "
+                             f"{BLOCK_KV}-key grid, which the backward masks)")
+        dk, dv, acc = _dkdv_blocks(q, k, v, d_out, lse, dl, keep, parts="fused", **kw)
+        return _finish_fused_dq(acc, offset=offset, causal=causal, scale=scale,
+                                dtype=q.dtype, btnh=btnh), dk, dv
     dk, dv = _dkdv_parts(q, k, v, d_out, lse, dl, keep, **kw)
     dq = _dq_blocks(q, k, v, d_out, lse, dl, keep, finish=True, **kw)  # scaled, cast
     return dq, dk, dv
