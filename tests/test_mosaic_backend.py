@@ -665,11 +665,13 @@ def test_fused_dq_keeps_bits_on_gpu(d):
     """On sm90, BwdConfig(fused_dq=True) (dQ added in the dK/dV kernel in the dQ
     kernel's order) gives the default backward's dQ, dK and dV in bits, no NaN, twice
     in a row (its semaphores outlive a launch: the second call finds them back at
-    zero): causal and non-causal, a query tail, Sq > Skv (tiles that see no key), a
-    chunk (Sq < Skv); GQA (four query heads a KV head). Needs
-    ``test_transposed_products_keep_bits_on_gpu`` (the same dS in both kernels)."""
+    zero), and so does ``dq_signal="step_end"``: causal and non-causal, a query tail,
+    Sq > Skv (tiles that see no key), a chunk (Sq < Skv); GQA (four query heads a KV
+    head). Needs ``test_transposed_products_keep_bits_on_gpu`` (the same dS in both
+    kernels)."""
     from jaxattn.backends.mosaic import backward as mb
-    configs = [mb.BwdConfig(), mb.BwdConfig(fused_dq=True), mb.BwdConfig(fused_dq=True)]
+    configs = [mb.BwdConfig(), mb.BwdConfig(fused_dq=True), mb.BwdConfig(fused_dq=True),
+               mb.BwdConfig(fused_dq=True, dq_signal="step_end")]
     _backward_configs_agree_in_bits(configs, d, ((1024, 1024, True, False),
                                                  (1024, 1024, False, False),
                                                  (1000, 1024, True, False),

@@ -749,29 +749,33 @@ def test_fused_dq_lowers_for_cuda(mosaic_bwd, d):
     and per warpgroup a dS^T and an fp32 share tile): two kernels (delta and the fused
     dK/dV) where the default has three, delta's unchanged, the fused one adding by TMA
     reduce-adds between semaphore waits; causal with a query tail and Sq > Skv (tiles
-    that see no key), and non-causal."""
+    that see no key), and non-causal; both ``dq_signal`` timings (different kernels)."""
     from benchmarks import lowered
     q = jax.ShapeDtypeStruct((2, 8, 200, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 2, 128, d), jnp.bfloat16)
+    configs = [mosaic_bwd.BwdConfig(), mosaic_bwd.BwdConfig(fused_dq=True),
+               mosaic_bwd.BwdConfig(fused_dq=True, dq_signal="step_end")]
     for causal in (True, False):
         lower = [functools.partial(mosaic_bwd.lower_for_cuda, q, k, k, causal=causal,
-                                   config=mosaic_bwd.BwdConfig(fused_dq=flag))
-                 for flag in (False, True)]
+                                   config=c) for c in configs]
         mods = [lowered.modules(f) for f in lower]
-        assert len(mods[0]) == 3 and len(mods[1]) == 2
-        assert mods[0][0] == mods[1][0]
-        fused = mods[1][1]
-        assert "cp.reduce.async.bulk" in fused and "atom." in fused, (d, causal)
+        assert [len(m) for m in mods] == [3, 2, 2]
+        assert mods[0][0] == mods[1][0] == mods[2][0] and mods[1][1] != mods[2][1]
+        for fused in (mods[1][1], mods[2][1]):
+            assert "cp.reduce.async.bulk" in fused and "atom." in fused, (d, causal)
         launches = lowered.launches(lower[1])
         assert launches[1][0] == 384 and launches[1][1] <= 232448, launches
 
 
 def test_fused_dq_refuses_what_it_does_not_serve(mosaic_bwd):
-    """``fused_dq``: a bool; the interpreter, a key mask, a key count off the 64-key grid
-    (which the backward masks) and D > 128 are refused with the reason, not run with
-    another dQ."""
+    """``fused_dq``: a bool, ``dq_signal`` one of its two names; the interpreter, a key
+    mask, a key count off the 64-key grid (which the backward masks) and D > 128 are
+    refused with the reason, not run with another dQ."""
     with pytest.raises(TypeError, match="fused_dq must be True or False"):
         mosaic_bwd.BwdConfig(fused_dq="yes")
+    with pytest.raises(ValueError, match="dq_signal must be 'next_step' or 'step_end', "
+                                         "got 'later'"):
+        mosaic_bwd.BwdConfig(fused_dq=True, dq_signal="later")
     cfg = mosaic_bwd.BwdConfig(fused_dq=True)
     s = jax.ShapeDtypeStruct
 

@@ -275,11 +275,21 @@ class BwdConfig:
     #: "thirty-fourth stop"; the retired ``dq="fused"`` of 2026-11-30 added in the
     #: other order).
     fused_dq: bool = False
+    #: With ``fused_dq``: when a warpgroup awaits its share's reduce-add and signals the
+    #: tile's semaphore: "next_step" (at the start of its next step's share, or after
+    #: its last step: the writes' round trip under that step's products; the next key
+    #: block's wait a step later) or "step_end" (right after issuing it, as the retired
+    #: fused dQ did: the round trip in every step). The same additions in the same
+    #: order either way.
+    dq_signal: str = "next_step"
 
     def __post_init__(self):
         check_store_wait(self.store_wait)
         if not isinstance(self.fused_dq, bool):
             raise TypeError(f"fused_dq must be True or False, got {self.fused_dq!r}")
+        if self.dq_signal not in ("next_step", "step_end"):
+            raise ValueError(f"dq_signal must be 'next_step' or 'step_end', got "
+                             f"{self.dq_signal!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         check_pdl("pdl", self.pdl)
@@ -1102,24 +1112,67 @@ class _DkdvFusedKernel(_DkdvKernel):
         blk = super().load_block(w, refs, sm, bars, tile)
         return blk._replace(sm=dict(blk.sm, dst=sm["dst"].at[w], dqs=sm["dqs"].at[w]))
 
+    def step(self, blk: _DkdvBlock, tile: _DkdvTile, bars, t, carry, accs=None,
+             masked=True, slot=None):
+        """The base step, its carry ``((dk, dv), pend)``: ``pend`` the warpgroup's share
+        not yet signalled (``dq_signal="next_step"``; int32 ``(issued, semaphore index,
+        last)``), handed to and from :meth:`after_step` within the step's trace."""
+        base, self._pend = carry
+        out = super().step(blk, tile, bars, t, base, accs=accs, masked=masked, slot=slot)
+        return out, self._pend
+
+    def mainloop(self, blk: _DkdvBlock, tile: _DkdvTile, bars):
+        """The base mainloop in place (dK and dV in wgmma accumulators), the pending
+        share carried beside them and flushed after the last step."""
+        bkv, d = BLOCK_KV, self.d
+        step = functools.partial(self.step, blk, tile, bars)
+        zeros = self.lay.zeros((bkv, d))
+        none = (jnp.int32(0), jnp.int32(0), jnp.int32(0))
+
+        def run(dk_ref, dv_ref):
+            dk_ref[...] = zeros
+            dv_ref[...] = zeros
+            _, pend = self.steps(blk, tile, functools.partial(step, accs=(dk_ref, dv_ref)),
+                                 ((zeros, zeros), none))
+            self.flush(pend)
+            return dk_ref[...], dv_ref[...]
+
+        return pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
+                             plgpu.ACC((bkv, d), jnp.float32))
+
+    def flush(self, pend):
+        """A share issued and not yet signalled (``pend``): its writes awaited, then the
+        tile's semaphore signalled (not for a tile's last share, whose wait reset it)."""
+        issued, idx, last = pend
+
+        @pl.when(issued != 0)
+        def _():
+            plgpu.wait_smem_to_gmem(0)  # its writes done before the count moves on
+            pl.when(last == 0)(lambda: plgpu.semaphore_signal(
+                self.sems.at[idx], 1, memory_scope="gpu"))
+
     def after_step(self, blk: _DkdvBlock, tile: _DkdvTile, t, ds_op):
         bq, bkv = BLOCK_Q, BLOCK_KV
-        sm = blk.sm
+        sm, now = blk.sm, self.cfg.dq_signal == "step_end"
         i = tile.first + lax.rem(t, tile.n)
         h = tile.kvh * self.group + lax.div(t, tile.n)
         kb = lax.div(blk.start, jnp.int32(bkv))
         hi = _last_kvblock(i * bq, causal=self.causal, offset=blk.offset, n_kv=self.n_kv)
+        idx = (tile.bi * self.hq + h) * self.n_q + i
+        visible, last = kb < hi, kb == hi - 1
+        if not now:
+            self.flush(self._pend)  # the previous step's share (its SMEM free after)
 
-        @pl.when(kb < hi)
+        @pl.when(visible)
         def _():
             sm["dst"][...] = ds_op  # [keys, queries]
             plgpu.commit_smem()
             share = _wgmma(_t(sm["dst"]), sm["k"], (bq, self.d))  # dS [queries, keys] K
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share's reads
+            if now:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share's reads
             sm["dqs"][...] = share
             plgpu.commit_smem()
-            sem = self.sems.at[(tile.bi * self.hq + h) * self.n_q + i]
-            last = kb == hi - 1
+            sem = self.sems.at[idx]
             pl.when(~last)(lambda: plgpu.semaphore_wait(sem, kb, decrement=False,
                                                         memory_scope="gpu"))
             pl.when(last)(lambda: plgpu.semaphore_wait(sem, kb, decrement=True,
@@ -1128,8 +1181,11 @@ class _DkdvFusedKernel(_DkdvKernel):
             pl.when(kb == 0)(lambda: plgpu.copy_smem_to_gmem(sm["dqs"], dst))
             pl.when(kb > 0)(lambda: plgpu.copy_smem_to_gmem(sm["dqs"], dst,
                                                             reduction_op="add"))
-            plgpu.wait_smem_to_gmem(0)  # its writes done before the count moves on
-            pl.when(~last)(lambda: plgpu.semaphore_signal(sem, 1, memory_scope="gpu"))
+            if now:
+                self.flush((jnp.int32(1), idx, last.astype(jnp.int32)))
+
+        self._pend = ((jnp.int32(0),) * 3 if now else
+                      (visible.astype(jnp.int32), idx, last.astype(jnp.int32)))
 
     def smem(self):
         """The base SMEM, and per compute warpgroup a dS^T tile (bf16) and a share tile
