@@ -767,6 +767,7 @@ def test_fused_dq_lowers_for_cuda(mosaic_bwd, d):
         assert launches[1][0] == 384 and launches[1][1] <= 232448, launches
 
 
+@needs_api
 def test_fused_dq_refuses_what_it_does_not_serve(mosaic_bwd):
     """``fused_dq``: a bool, ``dq_signal`` one of its two names; the interpreter, a key
     mask, a key count off the 64-key grid (which the backward masks) and D > 128 are
