@@ -770,6 +770,15 @@ class _DkdvKernel:
         """What step t does once its slot is free, with its ``dS^T`` operand ``ds_op``:
         nothing here (:class:`_DkdvFusedKernel`: its dQ share)."""
 
+    def first_carry(self, zeros):
+        """The in-place steps' initial carry: dK's and dV's placeholders
+        (:class:`_DkdvFusedKernel`: beside its pending share)."""
+        return zeros, zeros
+
+    def after_steps(self, carry):
+        """What the in-place mainloop does with its last carry: nothing here
+        (:class:`_DkdvFusedKernel`: its pending share flushed)."""
+
     def visible(self, blk: _DkdvBlock, q0, masked):
         """The ``[keys, queries]`` mask of the step at query row ``q0`` (causal, kept
         keys), or None: unmasked (``masked`` False, or nothing to mask)."""
@@ -792,8 +801,9 @@ class _DkdvKernel:
             def run(dk_ref, dv_ref):
                 dk_ref[...] = zeros
                 dv_ref[...] = zeros
-                self.steps(blk, tile, functools.partial(step, accs=(dk_ref, dv_ref)),
-                           (zeros, zeros))
+                self.after_steps(self.steps(
+                    blk, tile, functools.partial(step, accs=(dk_ref, dv_ref)),
+                    self.first_carry(zeros)))
                 return dk_ref[...], dv_ref[...]
 
             return pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
@@ -1099,11 +1109,13 @@ class _DkdvFusedKernel(_DkdvKernel):
         if self.interpret is not None or not self.gpu_operands or not self.inplace:
             raise ValueError("fused_dq needs the GPU: the interpreter has no semaphores "
                              "or TMA reduce-adds (and the GPU operand path, in place)")
-        if self.parts != "dkdv" or self.d > 128:
+        if self.d > 128:
             raise ValueError(f"fused_dq is for D <= 128 (dK and dV in one kernel), got "
                              f"D={self.d}")
         if self.key_mask or self.dyn_offsets:
-            raise ValueError("fused_dq takes no key mask and no per-sequence offsets")
+            raise ValueError(f"fused_dq takes no key mask (nor a key count off the "
+                             f"{BLOCK_KV}-key grid, which the backward masks) and no "
+                             f"per-sequence offsets")
         self.n_kv = self.skv // BLOCK_KV
 
     def load_block(self, w, refs, sm, bars, tile: _DkdvTile) -> _DkdvBlock:
@@ -1121,24 +1133,13 @@ class _DkdvFusedKernel(_DkdvKernel):
         out = super().step(blk, tile, bars, t, base, accs=accs, masked=masked, slot=slot)
         return out, self._pend
 
-    def mainloop(self, blk: _DkdvBlock, tile: _DkdvTile, bars):
-        """The base mainloop in place (dK and dV in wgmma accumulators), the pending
-        share carried beside them and flushed after the last step."""
-        bkv, d = BLOCK_KV, self.d
-        step = functools.partial(self.step, blk, tile, bars)
-        zeros = self.lay.zeros((bkv, d))
-        none = (jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    def first_carry(self, zeros):
+        """dK's and dV's placeholders, and no share pending."""
+        return (zeros, zeros), (jnp.int32(0),) * 3
 
-        def run(dk_ref, dv_ref):
-            dk_ref[...] = zeros
-            dv_ref[...] = zeros
-            _, pend = self.steps(blk, tile, functools.partial(step, accs=(dk_ref, dv_ref)),
-                                 ((zeros, zeros), none))
-            self.flush(pend)
-            return dk_ref[...], dv_ref[...]
-
-        return pl.run_scoped(run, plgpu.ACC((bkv, d), jnp.float32),
-                             plgpu.ACC((bkv, d), jnp.float32))
+    def after_steps(self, carry):
+        """The share still pending after the last step, flushed."""
+        self.flush(carry[1])
 
     def flush(self, pend):
         """A share issued and not yet signalled (``pend``): its writes awaited, then the
@@ -1161,16 +1162,14 @@ class _DkdvFusedKernel(_DkdvKernel):
         idx = (tile.bi * self.hq + h) * self.n_q + i
         visible, last = kb < hi, kb == hi - 1
         if not now:
-            self.flush(self._pend)  # the previous step's share (its SMEM free after)
+            self.flush(self._pend)  # the previous step's share
 
         @pl.when(visible)
         def _():
             sm["dst"][...] = ds_op  # [keys, queries]
             plgpu.commit_smem()
             share = _wgmma(_t(sm["dst"]), sm["k"], (bq, self.d))  # dS [queries, keys] K
-            if now:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share's reads
-            sm["dqs"][...] = share
+            sm["dqs"][...] = share  # (the last share's writes awaited by its flush)
             plgpu.commit_smem()
             sem = self.sems.at[idx]
             pl.when(~last)(lambda: plgpu.semaphore_wait(sem, kb, decrement=False,
@@ -2089,9 +2088,6 @@ def _backward_blocks(q, k, v, out, lse, d_out, d_lse, keep, *, offset, causal, s
     dl = delta(out, d_out, d_lse, interpret=interpret, config=cfg, btnh=btnh)
     keep = None if keep is None else keep.astype(jnp.float32)
     if cfg.fused_dq:
-        if keep is not None:
-            raise ValueError("fused_dq takes no key mask (nor a key count off the "
-                             f"{BLOCK_KV}-key grid, which the backward masks)")
         dk, dv, acc = _dkdv_blocks(q, k, v, d_out, lse, dl, keep, parts="fused", **kw)
         return _finish_fused_dq(acc, offset=offset, causal=causal, scale=scale,
                                 dtype=q.dtype, btnh=btnh), dk, dv
